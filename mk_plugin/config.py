@@ -1,0 +1,59 @@
+"""Every MK_* environment switch, parsed and validated here and nowhere else.
+
+MK_MODE      megakernel | triton | stock   decode path used inside vLLM (default: triton until the
+                                           megakernel is the verified default)
+MK_FALLBACK  comma list of op names        ops run by the Triton kernels while the rest run in the
+                                           megakernel (names: mk_plugin.ops.STEP_OPS)
+MK_TRACE     0 | 1                         record the megakernel's per-task timeline
+MK_VERBOSE   0 | 1                         log kernel (re)builds and decode-path decisions
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from .ops import STEP_OPS
+
+MODES = ("megakernel", "triton", "stock")
+DEFAULT_MODE = "triton"
+
+
+class ConfigError(ValueError):
+    """An MK_* variable has a value we do not accept; the message names it and what is allowed."""
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    v = env.get(name, "0").strip().lower()
+    if v in ("0", "", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{name}={v!r} is not a boolean; use 0 or 1")
+
+
+@dataclass(frozen=True)
+class MkConfig:
+    mode: str = DEFAULT_MODE
+    fallback: frozenset[str] = frozenset()
+    trace: bool = False
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"MK_MODE={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
+        bad = sorted(set(self.fallback) - set(STEP_OPS))
+        if bad:
+            raise ConfigError(f"MK_FALLBACK names unknown op(s) {bad}; known ops: {', '.join(STEP_OPS)}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MkConfig:
+        env = os.environ if env is None else env
+        mode = env.get("MK_MODE", DEFAULT_MODE).strip().lower() or DEFAULT_MODE
+        fb = frozenset(s.strip() for s in env.get("MK_FALLBACK", "").split(",") if s.strip())
+        return cls(mode=mode, fallback=fb, trace=_flag(env, "MK_TRACE"), verbose=_flag(env, "MK_VERBOSE"))
+
+
+def get_config() -> MkConfig:
+    """Read the switches now (cheap; no caching so tests and subprocesses see their own env)."""
+    return MkConfig.from_env()

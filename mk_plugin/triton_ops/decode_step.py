@@ -1,0 +1,82 @@
+"""The Triton decode path: one decode step of B tokens through every layer, op by op.
+
+This is the verified fallback of the megakernel and the reference for its speed. Op names follow
+mk_plugin.ops: qkv_rope, attention, o_proj, gate_up, down, final_norm. All intermediates live in a
+DecodeWorkspace allocated once, so a step allocates nothing and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import LlamaSpec
+from ..weights import ModelWeights
+from .linear import linear
+from .paged_attention import choose_num_splits, paged_attention, paged_attention_workspace_size
+from .rms_norm import rms_norm
+from .rope_kv_append import rope_kv_append
+
+
+@dataclass
+class DecodeWorkspace:
+    """Every intermediate of a step for up to max_tokens tokens. h/h2 ping-pong the residual stream
+    so no kernel reads and writes the same buffer."""
+    max_tokens: int
+    num_splits: int
+    h: torch.Tensor
+    h2: torch.Tensor
+    qkv: torch.Tensor
+    q: torch.Tensor
+    attn: torch.Tensor
+    act: torch.Tensor
+    attn_ws: torch.Tensor
+
+    @classmethod
+    def allocate(cls, spec: LlamaSpec, max_tokens: int, max_blocks_per_seq: int, block_size: int,
+                 device: str | torch.device) -> DecodeWorkspace:
+        if not 1 <= max_tokens <= 16:
+            raise ValueError(f"max_tokens={max_tokens}; the decode path supports 1..16 tokens")
+        dt = spec.torch_dtype
+        splits = choose_num_splits(max_tokens, spec.num_kv_heads, max_blocks_per_seq * block_size, block_size)
+
+        def buf(n: int) -> torch.Tensor:
+            return torch.empty(max_tokens, n, dtype=dt, device=device)
+
+        ws_elems = paged_attention_workspace_size(max_tokens, spec.num_q_heads, spec.head_dim, splits)
+        return cls(max_tokens, splits, buf(spec.hidden_size), buf(spec.hidden_size), buf(spec.qkv_size),
+                   buf(spec.q_size), buf(spec.q_size), buf(spec.intermediate_size),
+                   torch.empty(ws_elems, dtype=torch.float32, device=device))
+
+
+def decode_step(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, *,
+                workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run all layers for B decode tokens (token b is request b) and return the final-normed hidden
+    states [B, H] (what LlamaModel.forward returns). hidden is the embedded input [B, H]; this step's
+    K/V are written into kv_caches (one per layer, vLLM FLASH_ATTN layout) at slot_mapping."""
+    b = hidden.shape[0]
+    if len(kv_caches) != spec.num_layers or len(weights.layers) != spec.num_layers:
+        raise ValueError(f"got {len(kv_caches)} kv caches and {len(weights.layers)} layers of weights; "
+                         f"the spec has num_layers={spec.num_layers}")
+    ws = workspace or DecodeWorkspace.allocate(spec, b, block_table.shape[1], kv_caches[0].shape[2], hidden.device)
+    if b > ws.max_tokens:
+        raise ValueError(f"batch of {b} tokens exceeds the workspace's max_tokens={ws.max_tokens}")
+    eps, scale = spec.rms_eps, spec.head_dim ** -0.5
+    h, h2 = ws.h[:b], ws.h2[:b]
+    h.copy_(hidden)
+    for i, lw in enumerate(weights.layers):
+        qkv = linear(h, lw.qkv, norm_weight=lw.input_norm, eps=eps, out=ws.qkv[:b])
+        q = rope_kv_append(qkv, positions, cos_sin_cache, kv_caches[i], slot_mapping,
+                           num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
+                           head_dim=spec.head_dim, q_out=ws.q[:b])
+        attn = paged_attention(q, kv_caches[i], block_table, seq_lens, scale, num_splits=ws.num_splits,
+                               out=ws.attn[:b], workspace=ws.attn_ws)
+        linear(attn, lw.o, residual=h, out=h2)
+        act = linear(h2, lw.gate_up, norm_weight=lw.post_norm, eps=eps, activation="silu_and_mul",
+                     out=ws.act[:b])
+        linear(act, lw.down, residual=h2, out=h)
+    o = out if out is not None else torch.empty_like(hidden)
+    rms_norm(h, weights.final_norm, eps, out=o)
+    return o
