@@ -86,7 +86,7 @@ def check_kv_cache(kv_cache: object, num_kv_heads: int, head_dim: int, dtype: to
     """kv_cache [num_blocks, 2, block_size, kv_heads, head_dim]; only the last three dims must be
     contiguous (dim 0 and 1 strides are taken as given: vLLM may view a larger buffer)."""
     t = check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=device, contiguous=False)
-    nb, two, bs, kvh, d = t.shape
+    _nb, two, bs, kvh, d = t.shape
     if two != 2:
         raise ValueError(f"kv_cache dim 1 must be 2 (K, V), got shape {tuple(t.shape)}")
     if bs not in SUPPORTED_BLOCK_SIZES:
