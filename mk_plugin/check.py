@@ -11,6 +11,7 @@ import torch
 from . import reference as ref
 from .spec import LlamaSpec
 from .testing import compare, make_decode_batch, poison_
+from .timing import graph_median_ms, rotating_median_ms, rotation_count
 from .weights import ModelWeights, random_weights
 
 
@@ -26,6 +27,17 @@ def _seq_lens(batch: int, context: int) -> list[int]:
     return lens
 
 
+def _rotating(call: Callable[[torch.Tensor], object], weight: torch.Tensor) -> Callable[[], float]:
+    """A timing thunk that rotates `call` over copies of `weight`, so weights that fit in L2 are
+    still read from HBM; Table.add recognises it by its `rotated_ms` attribute."""
+    copies = [weight] + [weight.clone() for _ in range(rotation_count(weight.numel() * weight.element_size()) - 1)]
+
+    def thunk() -> None:
+        call(weight)
+    thunk.rotated_ms = lambda: rotating_median_ms(lambda i: call(copies[i]), len(copies))  # type: ignore[attr-defined]
+    return thunk
+
+
 class Table:
     def __init__(self, timing: bool):
         self.rows: list[list[str]] = []
@@ -36,8 +48,8 @@ class Table:
         self.ok &= res["pass"]
         row = [op, shape, f"{res['max_abs']:.3e}", f"{res['rel_fro']:.3e}", "PASS" if res["pass"] else "FAIL"]
         if self.timing and fn is not None:
-            import triton.testing
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            # 20 calls per graph: a single tiny kernel per replay would time the graph launch
+            ms = fn.rotated_ms() if hasattr(fn, "rotated_ms") else graph_median_ms(fn, calls_per_graph=20)
             row += [f"{ms * 1e3:.1f}", f"{nbytes / ms / 1e6:.0f}"]
         elif self.timing:
             row += ["", ""]
@@ -97,7 +109,8 @@ def run_check(args: argparse.Namespace) -> int:
         o = poison_(torch.empty_like(want, dtype=kw.get("out_dtype") or dt))
         T.linear(xin, wt, out=o, **kw)
         tab.add(op, f"{xin.shape[0]}x{wt.shape[1]} -> {o.shape[1]}", compare(o, want, dt),
-                lambda: T.linear(xin, wt, out=o, **kw), _nbytes(xin, wt, o))
+                _rotating(lambda wi: T.linear(xin, wi, out=o, **kw), wt) if tab.timing else None,
+                _nbytes(xin, wt, o))
         return o
 
     a_ref, _ = ref.rms_norm(x, lw.input_norm, spec.rms_eps)
@@ -147,7 +160,8 @@ def run_check(args: argparse.Namespace) -> int:
     T.lm_head(x, w.lm_head, norm_weight=w.final_norm, eps=spec.rms_eps, out=lo)
     tab.add("lm_head: final_norm+lm_head", f"{b}x{h} -> {spec.vocab_size}",
             compare(lo, ref.linear(f_ref.to(dt), w.lm_head), dt),
-            lambda: T.lm_head(x, w.lm_head, norm_weight=w.final_norm, eps=spec.rms_eps, out=lo),
+            _rotating(lambda wi: T.lm_head(x, wi, norm_weight=w.final_norm, eps=spec.rms_eps, out=lo), w.lm_head)
+            if tab.timing else None,
             _nbytes(x, w.lm_head, lo))
 
     # Whole step: Triton path (bf16 caches) vs reference (fp32 copy of the same caches).
@@ -158,10 +172,21 @@ def run_check(args: argparse.Namespace) -> int:
     hn = T.decode_step(spec_l, w, hidden, batch.positions, caches_t, batch.block_table, batch.seq_lens,
                        batch.slot_mapping, cos_sin, workspace=ws)
     logits = T.lm_head(hn, w.lm_head)
-    hn_r, logits_r = ref.decode_step(spec_l, w, batch.input_ids, batch.positions, caches_r, batch.block_table,
-                                     batch.seq_lens, batch.slot_mapping, cos_sin)
     live = batch.seq_lens > 0
-    res = compare(logits[live], logits_r[live], dt, "step")
+    _, logits_r = ref.decode_step(spec_l, w, batch.input_ids, batch.positions, caches_r, batch.block_table,
+                                  batch.seq_lens, batch.slot_mapping, cos_sin, round_dtype=dt)
+    _, logits_f = ref.decode_step(spec_l, w, batch.input_ids, batch.positions, [c.float() for c in batch.kv_caches],
+                                  batch.block_table, batch.seq_lens, batch.slot_mapping, cos_sin)
+    # Deep stacks amplify rounding noise: the rounded reference itself drifts from pure fp32 by about
+    # as much as the kernels do (1B: 3e-2). So: the kernels must stay within the "drift" bound of pure
+    # fp32, and within the "step" bound of the rounded reference (checked where that bound is meaningful,
+    # up to 4 layers; deeper, its row is the noise floor for reading the first one).
+    kind = "step" if layers <= 4 else "drift"
+    tab.add("rounded ref vs pure fp32 ref (noise floor)", f"{b} tok, {layers} layers",
+            compare(logits_r[live], logits_f[live], dt, "drift"))
+    tab.add(f"decode_step logits vs rounded ref ({kind})", f"{b} tok, {layers} layers",
+            compare(logits[live], logits_r[live], dt, kind))
+    res = compare(logits[live], logits_f[live], dt, "drift")
     step_bytes = spec_l.weight_bytes_per_step() + spec_l.kv_bytes_per_step(lens)
     caches_bench = batch.clone_caches()
 
@@ -170,10 +195,11 @@ def run_check(args: argparse.Namespace) -> int:
                           batch.slot_mapping, cos_sin, workspace=ws)
         T.lm_head(o, w.lm_head, out=lo)
 
-    tab.add("decode_step (all ops, logits)", f"{b} tok, {layers} layers", res, whole_step, step_bytes)
+    tab.add("decode_step logits vs pure fp32 ref (drift)", f"{b} tok, {layers} layers", res, whole_step, step_bytes)
     tab.print()
     if tab.timing:
-        print("GB/s = bytes the op must move (weights, activations, K/V read) / median time; "
+        print("time = median of CUDA-graph replays (no launch gaps; linear/lm_head rotate weight copies past L2); "
+              "GB/s = bytes the op must move (weights, activations, K/V read) / time; "
               "H200 datasheet 4800 GB/s, measured copy ~4260 GB/s")
     print("ALL PASS" if tab.ok else "SOME CHECKS FAILED")
     return 0 if tab.ok else 1

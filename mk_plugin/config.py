@@ -6,6 +6,11 @@ MK_FALLBACK  comma list of op names        ops run by the Triton kernels while t
                                            megakernel (names: mk_plugin.ops.STEP_OPS)
 MK_TRACE     0 | 1                         record the megakernel's per-task timeline
 MK_VERBOSE   0 | 1                         log kernel (re)builds and decode-path decisions
+MK_DUMP_LOGITS  <dir>                      debug (needs enforce_eager): every compute_logits call saves
+                                           its fp32 logits and the requests' seq_lens to <dir>
+MK_FORCE_TOKENS <file.json>                debug (needs enforce_eager): teacher forcing; the token
+                                           sampled after a request of seq_len L is forced to file[L]
+                                           (the JSON list is the whole sequence: prompt + continuation)
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class MkConfig:
     fallback: frozenset[str] = frozenset()
     trace: bool = False
     verbose: bool = False
+    dump_logits: str | None = None
+    force_tokens: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,13 +52,17 @@ class MkConfig:
         bad = sorted(set(self.fallback) - set(STEP_OPS))
         if bad:
             raise ConfigError(f"MK_FALLBACK names unknown op(s) {bad}; known ops: {', '.join(STEP_OPS)}")
+        if self.force_tokens is not None and not os.path.isfile(self.force_tokens):
+            raise ConfigError(f"MK_FORCE_TOKENS={self.force_tokens!r} is not a file; give a JSON list of token ids")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MkConfig:
         env = os.environ if env is None else env
         mode = env.get("MK_MODE", DEFAULT_MODE).strip().lower() or DEFAULT_MODE
         fb = frozenset(s.strip() for s in env.get("MK_FALLBACK", "").split(",") if s.strip())
-        return cls(mode=mode, fallback=fb, trace=_flag(env, "MK_TRACE"), verbose=_flag(env, "MK_VERBOSE"))
+        return cls(mode=mode, fallback=fb, trace=_flag(env, "MK_TRACE"), verbose=_flag(env, "MK_VERBOSE"),
+                   dump_logits=env.get("MK_DUMP_LOGITS", "").strip() or None,
+                   force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None)
 
 
 def get_config() -> MkConfig:

@@ -111,33 +111,46 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     return out
 
 
+def _rounder(dtype: torch.dtype | None):
+    """Identity, or a round trip through `dtype` (the storage points of a half-precision kernel)."""
+    return (lambda t: t) if dtype is None else (lambda t: t.to(dtype).float())
+
+
 def decode_layer(spec: LlamaSpec, lw, h: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> torch.Tensor:
-    """One decoder layer on the residual stream h[B, H] (fp32); writes this step's K/V into kv_cache."""
+                 slot_mapping: torch.Tensor, round_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One decoder layer on the residual stream h[B, H] (fp32); writes this step's K/V into kv_cache.
+
+    round_dtype=None is pure fp32. With bf16/fp16 every tensor a fused kernel stores (normed input,
+    qkv, roped q/k, attention output, activation, residual stream) is rounded there, while all
+    arithmetic stays fp32: the truth for a kernel chain, free of its accumulation order only."""
+    rd = _rounder(round_dtype)
     b = h.shape[0]
     a, _ = rms_norm(h, lw.input_norm, spec.rms_eps)
-    qkv = linear(a, lw.qkv)
+    qkv = rd(linear(rd(a), lw.qkv))
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-    q = apply_rope(q.view(b, spec.num_q_heads, spec.head_dim), positions, cos_sin)
-    k = apply_rope(k.view(b, spec.num_kv_heads, spec.head_dim), positions, cos_sin)
+    q = rd(apply_rope(q.view(b, spec.num_q_heads, spec.head_dim), positions, cos_sin))
+    k = rd(apply_rope(k.view(b, spec.num_kv_heads, spec.head_dim), positions, cos_sin))
     kv_append(k, v.view(b, spec.num_kv_heads, spec.head_dim), kv_cache, slot_mapping)
-    attn = paged_attention(q, kv_cache, block_table, seq_lens, spec.head_dim ** -0.5)
-    h = h + linear(attn.reshape(b, spec.q_size), lw.o)
+    attn = rd(paged_attention(q, kv_cache, block_table, seq_lens, spec.head_dim ** -0.5))
+    h = rd(h + linear(attn.reshape(b, spec.q_size), lw.o))
     m, _ = rms_norm(h, lw.post_norm, spec.rms_eps)
-    return h + linear(silu_and_mul(linear(m, lw.gate_up)), lw.down)
+    return rd(h + linear(rd(silu_and_mul(linear(rd(m), lw.gate_up))), lw.down))
 
 
 def decode_step(spec: LlamaSpec, w: ModelWeights, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-                slot_mapping: torch.Tensor, cos_sin: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                slot_mapping: torch.Tensor, cos_sin: torch.Tensor | None = None,
+                round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of B tokens (token b belongs to request b). Returns (final normed hidden
-    [B, H], logits [B, vocab]), both fp32. kv_caches (one per layer) receive this step's K/V."""
+    [B, H], logits [B, vocab]), both fp32. kv_caches (one per layer) receive this step's K/V.
+    round_dtype: see decode_layer (None = pure fp32)."""
     if cos_sin is None:
         cos_sin = rope_cos_sin_cache(spec, int(positions.max().item()) + 1).to(input_ids.device)
     h = w.embed[input_ids.long()].float()
     for i, lw in enumerate(w.layers):
-        h = decode_layer(spec, lw, h, positions, cos_sin, kv_caches[i], block_table, seq_lens, slot_mapping)
+        h = decode_layer(spec, lw, h, positions, cos_sin, kv_caches[i], block_table, seq_lens, slot_mapping,
+                         round_dtype)
     hn, _ = rms_norm(h, w.final_norm, spec.rms_eps)
+    hn = _rounder(round_dtype)(hn)
     return hn, linear(hn, w.lm_head)

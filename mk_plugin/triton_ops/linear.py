@@ -287,6 +287,9 @@ def _floor_pow2(v: int) -> int:
     return 1 << (max(v, 1).bit_length() - 1)
 
 
+MIN_TILES_BEFORE_SPLIT = 16
+
+
 def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
                   num_sms: int = DEFAULT_NUM_SMS) -> LinearConfig:
     """The heuristic table. Chosen from bandwidth reasoning and ptxas register/shared-memory
@@ -301,7 +304,7 @@ def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
       >= num_sms programs (bigger tiles amortise the x^T tile every program re-reads from L2);
       BLOCK_K = 4096 / BLOCK_N (8 KiB of bf16 W per stage and per gate/up set), 4 stages, which
       keeps the rms-norm prologue variants under ~130 registers (silu+norm: ~160-220).
-    Split-K when even the smallest tile leaves fewer than num_sms/2 programs: splits up to
+    Split-K when fewer than MIN_TILES_BEFORE_SPLIT tiles: splits up to
     2*num_sms programs, each split at least 2 BLOCK_K chunks long.
     Llama-3.2-1B / 3.1-8B shapes (qkv, o, gate_up, down, lm_head) never split on a 132-SM GPU.
     """
@@ -311,12 +314,13 @@ def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
         block_n = next((bn for bn in choices if _cdiv(n_out, bn) >= target), choices[-1])
         block_k, use_dot, stages = min(1024, k_cap), False, 1
     else:
-        choices, target = (64, 32, 16), num_sms
-        block_n = next((bn for bn in choices if _cdiv(n_out, bn) >= target), choices[-1])
-        block_k, use_dot, stages = min(4096 // block_n, k_cap), True, 4
+        # Measured on the H200 (bench/sweep_linear.py, bench/results/sweep_linear_2026-11-30_h200.json):
+        # 64-row tiles with 256-wide K chunks won or came within 10% for every 1B/8B shape at M=8,
+        # even when that leaves fewer programs than SMs (8B qkv: 39.0 -> 20.5 us); 6 stages do not fit.
+        block_n, block_k, use_dot, stages = 64, min(256, k_cap), True, (3 if silu else 4)
     tiles = _cdiv(n_out, block_n)
     split_k = 1
-    if tiles < num_sms // 2:
+    if tiles < MIN_TILES_BEFORE_SPLIT:  # measured: 32-48 tiles of 64 rows beat split-K at Llama sizes
         split_k = min(MAX_SPLIT_K, _floor_pow2(2 * num_sms // tiles), _floor_pow2(k // (2 * block_k)))
         split_k = max(1, split_k)
         if split_k * 16 * n_out * (2 if silu else 1) * 4 > MAX_WORKSPACE_BYTES:

@@ -1,0 +1,276 @@
+"""Shared helpers of the GPU bench scripts (tbt.py, vllm_correctness.py): provenance (commit, GPU,
+vLLM version), one vLLM engine per child process with the env of a mode, result hand-off from child
+to parent, CSV/markdown writing. Importing this module imports neither torch nor vLLM."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "bench" / "models"
+RESULTS = REPO / "bench" / "results"
+RESULT_MARK = "MK_BENCH_RESULT "
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak; the floor every TBT is compared against
+
+# Modes a child can run in. "stock" is vLLM without the plugin (VLLM_PLUGINS=""); "mk-stock" loads
+# the plugin with MK_MODE=stock (our class, stock path: shows the wrapper costs nothing).
+MODES = ("stock", "mk-stock", "triton", "megakernel")
+PLUGIN_MODES = ("triton", "megakernel")
+RUNNERS = ("default", "v1", "v2")
+
+
+# ---- provenance ------------------------------------------------------------------------------------
+def today() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
+
+
+def git_commit() -> str:
+    """Short commit of the working tree (a '+dirty' suffix when it has changes), else .commit, else 'unknown'."""
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                           timeout=10, check=False)
+        if c.returncode == 0 and c.stdout.strip():
+            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10, check=False)
+            return c.stdout.strip() + ("+dirty" if d.returncode == 0 and d.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    f = REPO / ".commit"
+    return f.read_text().strip() if f.exists() else "unknown"
+
+
+def gpu_name() -> str:
+    """GPU name from nvidia-smi (no CUDA context in the parent), else 'unknown'."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20, check=False)
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def gpu_memory_used_mib() -> int | None:
+    """Memory in use on GPU 0 (nvidia-smi), None when it cannot be read."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20, check=False)
+        if p.returncode == 0 and p.stdout.strip():
+            return int(p.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return None
+
+
+_BASELINE_MIB: list[int | None] = []
+
+
+def wait_gpu_released(timeout: float = 120.0) -> None:
+    """Before starting an engine: wait until the previous child's engine processes have given the
+    GPU memory back (vLLM refuses to start when free memory is below gpu_memory_utilization)."""
+    if not _BASELINE_MIB:
+        _BASELINE_MIB.append(gpu_memory_used_mib())  # first call: nothing of ours is running yet
+        return
+    base = _BASELINE_MIB[0]
+    if base is None:
+        time.sleep(5)
+        return
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        used = gpu_memory_used_mib()
+        if used is None or used <= base + 1024:
+            return
+        time.sleep(2)
+    print(f"warning: GPU memory still {gpu_memory_used_mib()} MiB used (baseline {base} MiB) after {timeout:.0f} s",
+          file=sys.stderr)
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ---- models ----------------------------------------------------------------------------------------
+def model_dir(name: str) -> Path:
+    """'llama-3.2-1b', '1b', '8b' or a path to a folder with a config.json."""
+    aliases = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}
+    p = Path(name)
+    if p.is_dir():
+        return p.resolve()
+    p = MODELS / aliases.get(name.lower(), name)
+    if not (p / "config.json").exists():
+        known = ", ".join(sorted(d.name for d in MODELS.iterdir() if (d / "config.json").exists()))
+        raise SystemExit(f"unknown model {name!r}: give a folder with config.json or one of: {known}")
+    return p
+
+
+def load_hf_config(mdir: Path) -> dict[str, Any]:
+    return json.loads((Path(mdir) / "config.json").read_text())
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def max_model_len_for(prompt: int, output: int, multiple: int = 16) -> int:
+    """prompt + output + 16 tokens of slack, rounded up to a whole KV block."""
+    return round_up(prompt + output + 16, multiple)
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# ---- child processes -------------------------------------------------------------------------------
+def plugin_entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "mk_plugin" for ep in entry_points(group="vllm.general_plugins"))
+
+
+def make_plugin_shim(where: Path) -> Path:
+    """A dist-info folder that lets importlib.metadata find the mk_plugin entry point without a pip
+    install (put it and the repo on PYTHONPATH). Used only when the package is not installed."""
+    d = Path(where) / "mk_plugin_bench_shim"
+    info = d / "mk_plugin_bench_shim-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mk-plugin-bench-shim\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nmk_plugin = mk_plugin.vllm_adapter:register\n")
+    return d
+
+
+def child_env(mode: str, runner: str = "default", extra: dict[str, str] | None = None,
+              shim: Path | None = None) -> dict[str, str]:
+    """Environment of one engine process. Stock and plugin children differ only in MK_MODE and
+    VLLM_PLUGINS; every other variable (engine arguments are passed identically) is the same."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; choose one of {MODES}")
+    if runner not in RUNNERS:
+        raise ValueError(f"runner {runner!r}; choose one of {RUNNERS}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MK_")}
+    env.update({
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",      # FlashInfer is not in the GPU host's site tree
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # no internet there; never wait on it
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # LLM.apply_model(mk_status) pickles a function
+        "PYTHONUNBUFFERED": "1",
+    })
+    if mode == "stock":
+        env.update({"VLLM_PLUGINS": "", "MK_MODE": "stock"})
+    else:
+        env.update({"VLLM_PLUGINS": "mk_plugin", "MK_MODE": "stock" if mode == "mk-stock" else mode})
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if runner != "default":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    paths = [str(REPO)] + ([str(shim)] if shim is not None else [])
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra or {})
+    return env
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def run_child(script: Path, payload: dict[str, Any], env: dict[str, str], log_path: Path,
+              timeout: float) -> dict[str, Any]:
+    """Run `python script --child JSON` with env; its output goes to log_path; returns the JSON the
+    child printed after RESULT_MARK. Raises ChildFailed with the log's tail on any failure."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    wait_gpu_released()
+    cmd = [sys.executable, str(script), "--child", json.dumps(payload)]
+    with open(log_path, "w") as log:
+        log.write(f"# {' '.join(cmd[:3])} <payload>\n# payload: {json.dumps(payload)}\n"
+                  f"# MK_MODE={env.get('MK_MODE')} VLLM_PLUGINS={env.get('VLLM_PLUGINS')!r} "
+                  f"VLLM_USE_V2_MODEL_RUNNER={env.get('VLLM_USE_V2_MODEL_RUNNER')}\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = log_path.read_text(errors="replace")
+    results = [line[len(RESULT_MARK):] for line in text.splitlines() if line.startswith(RESULT_MARK)]
+    if rc != 0 or not results:
+        tail = "\n".join(text.splitlines()[-40:])
+        raise ChildFailed(f"child {script.name} ({env.get('MK_MODE')}) exited with {rc}; log {log_path}:\n{tail}")
+    return json.loads(results[-1])
+
+
+def emit_result(obj: dict[str, Any]) -> None:
+    """Child side of run_child."""
+    sys.stdout.flush()
+    print(RESULT_MARK + json.dumps(obj), flush=True)
+
+
+def worker_status(llm: Any) -> list[dict[str, Any]]:
+    """mk_status of every worker's model (class name, backend, decode counts, messages logged)."""
+    try:
+        from mk_plugin.vllm_adapter import mk_status
+
+        return list(llm.apply_model(mk_status))
+    except Exception as e:  # noqa: BLE001 - provenance only; never fail a measurement on it
+        return [{"error": f"{type(e).__name__}: {e}"}]
+
+
+def path_check(mode: str, status: list[dict[str, Any]]) -> str:
+    """'ok' when the workers ran what the mode promises, else what went wrong (printed in tables)."""
+    if not status or "error" in status[0]:
+        return f"unverified ({status[0].get('error') if status else 'no status'})"
+    s = status[0]
+    cls = s.get("class")
+    if mode == "stock":
+        return "ok" if cls == "LlamaForCausalLM" else f"class {cls} (plugin loaded?)"
+    if cls != "MkLlamaForCausalLM":
+        return f"class {cls}: plugin not loaded (pip install -e . or check VLLM_PLUGINS)"
+    if mode == "mk-stock":
+        return "ok"
+    if s.get("unsupported"):
+        return f"stock fallback: {s['unsupported']}"
+    decode = sum(v for k, v in (s.get("counts") or {}).items() if k.startswith("decode:"))
+    if decode == 0:
+        return "no decode step took the mk path"
+    if mode == "megakernel" and s.get("backend") != "megakernel":
+        return f"megakernel unavailable, ran {s.get('backend')}"
+    return "ok"
+
+
+# ---- output files ----------------------------------------------------------------------------------
+def append_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Append rows; write the header when the file is new; refuse a file whose header differs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="") as f:
+            first = next(csv.reader(f), None)
+        if first != list(header):
+            raise SystemExit(f"{path} has header {first}, expected {list(header)}; move it away first")
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(header)
+        for r in rows:
+            w.writerow(r)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,89 @@
+"""Sweep LinearConfig for the decode GEMV shapes of Llama-3.2-1B / 3.1-8B on the GPU and print the
+best config per (model, op, M) beside the heuristic's choice. Timing: CUDA-graph replays, weights
+rotated past L2 (mk_plugin.timing). Usage: python bench/sweep_linear.py [--ms 1,8] [--models 1b,8b]"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.timing import rotating_median_ms, rotation_count
+from mk_plugin.triton_ops.linear import LinearConfig, _linear, select_config
+
+MODELS = {"1b": "bench/models/llama-3.2-1b", "8b": "bench/models/llama-3.1-8b"}
+
+
+def shapes(spec: LlamaSpec):
+    h, i = spec.hidden_size, spec.intermediate_size
+    yield "qkv", spec.qkv_size, h, dict(norm=True)
+    yield "o_proj", h, spec.q_size, dict(res=True)
+    yield "gate_up", 2 * i, h, dict(norm=True, silu=True)
+    yield "down", h, i, dict(res=True)
+    yield "lm_head", spec.vocab_size, h, dict(norm=True, fp32=True)
+
+
+def candidates(m: int):
+    if m == 1:
+        for bn, bk, nw in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8)):
+            yield LinearConfig(bn, bk, 1, False, nw, 1)
+    for bn, bk, st, nw in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 6), (4,)):
+        if bn * bk <= 16384:
+            yield LinearConfig(bn, bk, 1, True, nw, st)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--models", default="1b,8b")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dt = torch.bfloat16
+    results = []
+    for mk in args.models.split(","):
+        spec = LlamaSpec.from_json_file(MODELS[mk])
+        for m in map(int, args.ms.split(",")):
+            for op, n, k, f in shapes(spec):
+                nbytes = n * k * 2
+                copies = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(rotation_count(nbytes, 8))]
+                x = torch.randn(m, k, device="cuda", dtype=dt)
+                nw = torch.rand(k, device="cuda", dtype=dt) + 0.5 if f.get("norm") else None
+                n_out = n // 2 if f.get("silu") else n
+                res = torch.randn(m, n_out, device="cuda", dtype=dt) if f.get("res") else None
+                out = torch.empty(m, n_out, device="cuda", dtype=torch.float32 if f.get("fp32") else dt)
+                act = "silu_and_mul" if f.get("silu") else None
+                default = select_config(m, n_out, k, silu=bool(f.get("silu")))
+
+                def time_cfg(cfg):
+                    return rotating_median_ms(lambda j: _linear(x, copies[j], norm_weight=nw, residual=res,
+                                                                activation=act, out=out, out_dtype=out.dtype, config=cfg), len(copies), 15)
+                t_def = time_cfg(default)
+                best = (t_def, default)
+                for cfg in candidates(m):
+                    try:
+                        t = time_cfg(cfg)
+                    except Exception as e:  # a config the kernel rejects (e.g. registers) is skipped, noted
+                        print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+                        continue
+                    if t < best[0]:
+                        best = (t, cfg)
+                gbs = lambda t: nbytes / t / 1e6  # noqa: E731
+                row = dict(model=mk, op=op, m=m, n=n, k=k, default_us=t_def * 1e3, default_gbs=gbs(t_def),
+                           best_us=best[0] * 1e3, best_gbs=gbs(best[0]), best=repr(best[1]), default=repr(default))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        json.dump(results, open(args.json, "w"), indent=1)
+    print("| model | op | M | default us | default GB/s | best us | best GB/s | best config |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['op']} | {r['m']} | {r['default_us']:.1f} | {r['default_gbs']:.0f} | "
+              f"{r['best_us']:.1f} | {r['best_gbs']:.0f} | {r['best']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Time between tokens (TBT) of stock vLLM vs the mk_plugin decode path, on the GPU host.
+
+Every (model, prompt length, mode) runs in its own child process with identical engine arguments
+(dummy weights from the config-only folders in bench/models, skip_tokenizer_init with token-id
+prompts, ignore_eos, greedy, disable_log_stats=False, CUDA graphs on). Modes: stock = vLLM without
+the plugin (VLLM_PLUGINS=""); triton / megakernel = the plugin with MK_MODE set; mk-stock = the
+plugin with MK_MODE=stock (our class on the stock path). Each child reports what its workers ran
+(LLM.apply_model(mk_status)); a plugin row whose steps did not take the mk path is flagged.
+
+TBT of a request = (last_token_ts - first_token_ts) / (n - 1) from RequestOutput.metrics; a run's
+TBT is the median over its requests; the reported TBT is the median over --runs runs after one
+warm-up run, each run with fresh random prompt ids (prefix caching cannot skip prefill).
+Floor = (weight bytes + KV bytes of one step) / 4.8 TB/s, KV at the mean context prompt + output/2.
+
+Outputs: bench/results/tbt_<date>.md (table), tbt_<date>.png (if matplotlib imports), rows
+appended to bench/results/tbt.csv, child logs under bench/results/logs/.
+
+    export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
+    python bench/tbt.py --quick
+    python bench/tbt.py --models llama-3.2-1b --prompts 512,2048 --batches 1,4,8 --modes triton,megakernel
+    python bench/tbt.py --dry-run        # no GPU: fake numbers, exercises the table/CSV/plot code
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+CSV_HEADER = ("date", "gpu", "commit", "vllm", "shape", "batch", "prompt", "output", "mode", "tbt_ms", "gbps")
+
+
+# ---- child: one engine, all batch sizes --------------------------------------------------------------
+def child_main(payload: dict[str, Any]) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    hf = common.load_hf_config(Path(payload["model_dir"]))
+    vocab = int(hf["vocab_size"])
+    engine_args: dict[str, Any] = {
+        "model": payload["model_dir"], "load_format": "dummy", "skip_tokenizer_init": True,
+        "gpu_memory_utilization": payload["gpu_mem"], "max_model_len": payload["max_model_len"],
+        "enforce_eager": payload["enforce_eager"], "disable_log_stats": False, "seed": 0}
+    if payload.get("max_num_seqs"):
+        engine_args["max_num_seqs"] = payload["max_num_seqs"]
+    t0 = time.time()
+    llm = LLM(**engine_args)
+    startup_s = time.time() - t0
+    out_len, prompt = payload["output_len"], payload["prompt"]
+    sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0,
+                        detokenize=False)
+    rng = random.Random(payload["seed"])
+    results: dict[str, Any] = {}
+    for b in payload["batches"]:
+        runs_ms = []
+        for run in range(payload["runs"] + 1):  # run 0 is the warm-up
+            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            tbts = []
+            for o in outs:
+                m, n = o.metrics, len(o.outputs[0].token_ids)
+                if m is None or not m.last_token_ts or n != out_len:
+                    raise SystemExit(f"request {o.request_id}: metrics={m}, {n} tokens (want {out_len}); "
+                                     "disable_log_stats=False must give RequestOutput.metrics")
+                tbts.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
+            if run > 0:
+                runs_ms.append(common.median(tbts))
+        results[str(b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms)}
+    common.emit_result({"results": results, "status": common.worker_status(llm),
+                        "gpu": torch.cuda.get_device_name(0), "startup_s": startup_s,
+                        "engine_args": engine_args})
+    del llm  # shuts the engine core down: the next child needs the GPU memory
+    gc.collect()
+
+
+# ---- parent --------------------------------------------------------------------------------------------
+def floor_bytes(spec: Any, batch: int, prompt: int, output: int) -> int:
+    """Bytes one decode step must read: every weight once (LM head included) + K/V of every request
+    at the mean context of the generation (prompt + output / 2)."""
+    return spec.weight_bytes_per_step() + spec.kv_bytes_per_step([prompt + output // 2] * batch)
+
+
+def fake_child(mode: str, batches: list[int], spec: Any, prompt: int, output: int) -> dict[str, Any]:
+    """--dry-run: plausible numbers without a GPU (checks the parent's tables, CSV and plot)."""
+    rnd = random.Random(f"{mode}-{prompt}-{spec.hidden_size}")
+    speed = {"stock": 1.0, "mk-stock": 1.0, "triton": 1.3, "megakernel": 1.8}[mode]
+    res = {}
+    for b in batches:
+        floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
+        ms = floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random())
+        res[str(b)] = {"runs_ms": [ms], "tbt_ms": ms}
+    st = {"stock": {"class": "LlamaForCausalLM"}}.get(mode, {"class": "MkLlamaForCausalLM", "backend": mode,
+                                                           "counts": {"decode:1": 1}, "unsupported": None})
+    return {"results": res, "status": [st], "gpu": "dry-run", "startup_s": 0.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b", help="comma list of bench/models names or paths")
+    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--prompts", default="512,2048")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--modes", default="triton,megakernel",
+                   help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}")
+    p.add_argument("--runs", type=int, default=5, help="measured runs after one warm-up run")
+    p.add_argument("--quick", action="store_true", help="1B, prompt 512, batches 1,8, 2 runs, mode triton")
+    p.add_argument("--runner", choices=common.RUNNERS, default="default", help="vLLM model runner (default: V2)")
+    p.add_argument("--eager", action="store_true", help="enforce_eager=True (default: CUDA graphs)")
+    p.add_argument("--gpu-mem", type=float, default=0.85)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: vLLM's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--outdir", type=Path, default=common.RESULTS)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
+    p.add_argument("--dry-run", action="store_true", help="no vLLM: fake numbers, for checking the outputs")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.models, a.prompts, a.batches, a.runs, a.modes = "llama-3.2-1b", "512", "1,8", 2, "triton"
+    a.model_list = [m for m in a.models.split(",") if m]
+    a.batch_list = [int(x) for x in a.batches.split(",") if x]
+    a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
+    a.mode_list = [m for m in a.modes.split(",") if m and m != "stock"]
+    bad = [m for m in a.mode_list if m not in common.MODES]
+    if bad:
+        p.error(f"unknown mode(s) {bad}; choose from {common.MODES[1:]}")
+    if a.output_len < 2 or a.runs < 1 or not a.batch_list or not a.prompt_list:
+        p.error("need --output-len >= 2, --runs >= 1 and at least one batch and prompt")
+    return a
+
+
+def render(rows: list[dict[str, Any]], modes: list[str], meta: dict[str, str], notes: list[str]) -> str:
+    header = ["shape", "batch", "prompt", "floor ms", "stock ms (% floor)"]
+    for m in modes:
+        header += [f"{m} ms (% floor)", f"{m} speedup"]
+    body = []
+    for r in rows:
+        fl = r["floor_ms"]
+
+        def cell(ms: float | None, fl: float = fl) -> str:
+            return "n/a" if ms is None else f"{ms:.3f} ({100 * fl / ms:.0f}%)"
+        line = [r["shape"], r["batch"], r["prompt"], f"{fl:.3f}", cell(r["tbt"].get("stock"))]
+        for m in modes:
+            ms, st = r["tbt"].get(m), r["tbt"].get("stock")
+            line += [cell(ms), "n/a" if ms is None or st is None else f"{st / ms:.2f}x"]
+        body.append(line)
+    head = (f"# TBT: stock vLLM vs mk_plugin ({meta['date']})\n\nGPU {meta['gpu']}, commit {meta['commit']}, "
+            f"vLLM {meta['vllm']}, runner {meta['runner']}, {'eager' if meta['eager'] == 'True' else 'CUDA graphs'}, "
+            f"output {meta['output']} tokens, median of {meta['runs']} runs after a warm-up; dummy weights.\n"
+            f"% floor = (weight + KV bytes per step) / 4.8 TB/s divided by the TBT (100% = at the HBM floor).\n")
+    return head + "\n" + common.markdown_table(header, body) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def plot(rows: list[dict[str, Any]], modes: list[str], path: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable: plot skipped"
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))  # in the order measured
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
+    allm = ["stock"] + modes
+    for ax, shape in zip(axes[0], shapes):
+        rs = [r for r in rows if r["shape"] == shape]
+        x = list(range(len(rs)))
+        w = 0.8 / len(allm)
+        for k, m in enumerate(allm):
+            ys = [r["tbt"].get(m) or 0.0 for r in rs]
+            ax.bar([i + k * w for i in x], ys, w, label=m)
+        ax.hlines([r["floor_ms"] for r in rs], [i - w / 2 for i in x], [i + (len(allm) - 0.5) * w for i in x],
+                  colors="k", linestyles="--", label="HBM floor")
+        ax.set_xticks([i + 0.4 - w / 2 for i in x], [f"B{r['batch']}/P{r['prompt']}" for r in rs])
+        ax.set_ylabel("TBT ms")
+        ax.set_title(shape)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.child:
+        child_main(json.loads(a.child))
+        return 0
+    from mk_plugin.spec import LlamaSpec
+
+    shim = None
+    if not a.dry_run and not common.plugin_entry_point_installed():
+        shim = common.make_plugin_shim(Path(tempfile.mkdtemp(prefix="mk_shim_")))
+        print(f"note: mk_plugin is not pip-installed; using an entry-point shim at {shim}")
+    meta = {"date": common.today(), "gpu": "dry-run" if a.dry_run else common.gpu_name(),
+            "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner,
+            "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
+    a.outdir.mkdir(parents=True, exist_ok=True)
+    stamp = meta["date"] + ("_dryrun" if a.dry_run else "")
+    md_path, png_path = a.outdir / f"tbt_{stamp}.md", a.outdir / f"tbt_{stamp}.png"
+    csv_path = a.outdir / ("tbt_dryrun.csv" if a.dry_run else "tbt.csv")
+    rows: dict[tuple, dict[str, Any]] = {}
+    notes: list[str] = []
+    failed = False
+    for model in a.model_list:
+        mdir = common.model_dir(model)
+        spec = LlamaSpec.from_json_file(mdir)
+        for prompt in a.prompt_list:
+            mml = common.max_model_len_for(prompt, a.output_len)
+            for b in a.batch_list:
+                fb = floor_bytes(spec, b, prompt, a.output_len)
+                rows[(mdir.name, prompt, b)] = {"shape": mdir.name, "batch": b, "prompt": prompt, "bytes": fb,
+                                                "floor_ms": fb / common.HBM_BYTES_PER_S * 1e3, "tbt": {}}
+            for mode in ["stock"] + a.mode_list:
+                payload = {"model_dir": str(mdir), "prompt": prompt, "output_len": a.output_len,
+                           "batches": a.batch_list, "runs": a.runs, "gpu_mem": a.gpu_mem, "max_model_len": mml,
+                           "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
+                label = f"{mdir.name} prompt {prompt} {mode}"
+                print(f"[tbt] {label} ...", flush=True)
+                log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}.log"
+                try:
+                    if a.dry_run:
+                        res = fake_child(mode, a.batch_list, spec, prompt, a.output_len)
+                    else:
+                        res = common.run_child(Path(__file__), payload, common.child_env(mode, a.runner, shim=shim),
+                                               log, a.timeout)
+                except common.ChildFailed as e:
+                    failed = True
+                    notes.append(f"- {label}: FAILED (log: {log})")
+                    print(e, file=sys.stderr)
+                    continue
+                if meta["gpu"] == "unknown":
+                    meta["gpu"] = res.get("gpu", "unknown")
+                check = common.path_check(mode, res["status"])
+                for msg in (res["status"][0].get("logged") or {}).values() if res["status"] else []:
+                    print(f"[tbt]   worker: mk_plugin: {msg}")
+                if check != "ok":
+                    notes.append(f"- {label}: {check}")
+                    print(f"[tbt] WARNING {label}: {check}", flush=True)
+                csv_rows = []
+                for b in a.batch_list:
+                    ms = res["results"][str(b)]["tbt_ms"]
+                    r = rows[(mdir.name, prompt, b)]
+                    r["tbt"][mode] = ms
+                    csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
+                                     a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
+                    print(f"[tbt]   batch {b}: {ms:.3f} ms  runs {[f'{x:.3f}' for x in res['results'][str(b)]['runs_ms']]}")
+                common.append_csv(csv_path, CSV_HEADER, csv_rows)
+                md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))  # partial results survive
+    md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))
+    print(md_path.read_text())
+    if any(r["tbt"] for r in rows.values()):
+        msg = plot(list(rows.values()), a.mode_list, png_path)
+        print(msg or f"plot: {png_path}")
+    print(f"table: {md_path}\ncsv: {csv_path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
