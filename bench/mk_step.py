@@ -1,0 +1,160 @@
+"""Time one decode step of the megakernel vs the Triton decode path (Llama-3.2-1B shape, random
+weights drawn on the GPU): median of many CUDA-graph replays timed with CUDA events, and the
+achieved bandwidth (weight bytes + KV bytes read) / time against the H200's 4.8 TB/s.
+
+    python bench/mk_step.py [--model bench/models/llama-3.2-1b] [--batch 1 8] [--ctx 512] [--reps 200]
+
+The megakernel runs without the LM head (like triton_ops.decode_step) unless --lm-head is given.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mk_plugin import reference as ref
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import make_decode_batch
+from mk_plugin.weights import LayerWeights, ModelWeights
+
+PEAK_BPS = 4.8e12
+
+
+def gpu_weights(spec: LlamaSpec, seed: int = 0) -> ModelWeights:
+    g = torch.Generator("cuda").manual_seed(seed)
+    dt, h, i = spec.torch_dtype, spec.hidden_size, spec.intermediate_size
+
+    def mat(n, k):
+        return (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(dt)
+
+    def norm():
+        return (1.0 + 0.1 * torch.randn(h, generator=g, device="cuda")).to(dt)
+
+    layers = [LayerWeights(norm(), mat(spec.qkv_size, h), mat(h, spec.q_size), norm(), mat(2 * i, h), mat(h, i))
+              for _ in range(spec.num_layers)]
+    embed = mat(spec.vocab_size, h)
+    return ModelWeights(embed, layers, norm(), embed if spec.tie_word_embeddings else mat(spec.vocab_size, h))
+
+
+def time_graph(fn, reps: int) -> float:
+    """Median microseconds of one replay of a CUDA graph of fn()."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(10):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def trace_summary(rows: list[dict], clock_ghz: float = 1.98) -> str:
+    """Per-op breakdown of one traced step (MegakernelDecoder.trace_records), averaged over layers:
+    incremental critical time (op's last end - previous op's last end), mean task time after its
+    waits, mean counter wait, mean time consumers waited for weight chunks, producer lead (how long
+    before the consumers were ready the producer started issuing the task's weights)."""
+    from collections import defaultdict
+    by_op: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_op[r["op"]].append(r)
+    keys = sorted(by_op, key=lambda k: min(r["tid"] for r in by_op[k]))
+    t0 = min(r["start"] for r in rows)
+    agg: dict[str, list[tuple[float, ...]]] = defaultdict(list)
+    prev_end = t0
+    for k in keys:
+        rs = by_op[k]
+        end = max(r["end"] for r in rs)
+        name = k.split(".")[-1]
+        exec_us = statistics.mean((r["end"] - r["ready"]) / 1e3 for r in rs)
+        wait_us = statistics.mean((r["ready"] - r["start"]) / 1e3 for r in rs)
+        wcyc_us = statistics.mean(r["wait_cycles"] / (clock_ghz * 1e3) for r in rs)
+        lead = [(r["ready"] - r["prod_first"]) / 1e3 for r in rs if r["prod_first"]]
+        agg[name].append(((end - prev_end) / 1e3, exec_us, wait_us, wcyc_us, statistics.mean(lead) if lead else 0.0,
+                          len(rs)))
+        prev_end = end
+    out = [f"traced step: {(max(r['end'] for r in rows) - t0) / 1e3:.1f} us over {len(rows)} tasks",
+           f"{'op':<11} {'n':>4} {'crit_us':>8} {'task_us':>8} {'ctrwait':>8} {'wgtwait':>8} {'prodlead':>8}"]
+    for name, vals in agg.items():
+        m = [statistics.mean(v[i] for v in vals) for i in range(6)]
+        out.append(f"{name:<11} {m[5]:>4.0f} {m[0]:>8.2f} {m[1]:>8.2f} {m[2]:>8.2f} {m[3]:>8.2f} {m[4]:>8.2f}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parent / "models" / "llama-3.2-1b"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ctx", type=int, default=512, help="tokens in each request's context")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--lm-head", action="store_true", help="fuse the LM head into the megakernel step")
+    ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="also run one traced step and print a per-op breakdown")
+    args = ap.parse_args()
+
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.triton_ops import DecodeWorkspace, decode_step
+
+    spec = LlamaSpec.from_json_file(args.model)
+    w = gpu_weights(spec)
+    cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
+    dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head)
+    dec.prepare(args.batch)
+    rows = []
+    for bsz in args.batch:
+        seq = [args.ctx] * bsz
+        b = make_decode_batch(spec, seq, seed=bsz, num_layers=0)
+        nb = int(b.block_table.max()) + 4
+        caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, device="cuda").to(spec.torch_dtype)
+                  for _ in range(spec.num_layers)]
+        pos, sl, bt, slots = (t.to("cuda") for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
+        hidden = w.embed[b.input_ids.to("cuda")]
+        out = torch.empty_like(hidden)
+        logits = torch.empty(bsz, spec.vocab_size, device="cuda") if args.lm_head else None
+        wbytes = spec.weight_bytes_per_step(include_lm_head=args.lm_head)
+        kvbytes = spec.kv_bytes_per_step(seq)
+
+        mk = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
+        t_mk = time_graph(mk, args.reps)
+        rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
+        if args.trace:
+            tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True)
+            for _ in range(3):
+                tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
+            torch.cuda.synchronize()
+            print(f"\n[batch {bsz}] " + trace_summary(tdec.trace_records(bsz)))
+        if not args.no_triton:
+            ws = DecodeWorkspace.allocate(spec, bsz, bt.shape[1], 16, "cuda")
+            tout = torch.empty_like(hidden)
+            tw = spec.weight_bytes_per_step(include_lm_head=False)
+
+            tr = functools.partial(decode_step, spec, w, hidden, pos, caches, bt, sl, slots, cs, workspace=ws,
+                                   out=tout)
+            t_tr = time_graph(tr, args.reps)
+            rows.append(("triton", bsz, t_tr, (tw + kvbytes) / (t_tr * 1e-6)))
+    print(f"\n{spec.name}: {spec.num_layers} layers, ctx {args.ctx}, lm_head in megakernel: {args.lm_head}, "
+          f"{dec.num_sms} SMs")
+    print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
+    for name, bsz, t, bps in rows:
+        print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+// attention tasks over the paged KV cache (vLLM FLASH_ATTN layout, per layer
+// [num_blocks, 2, block_size, NKV, D]; slot = block_table[b][t / bs] * bs + t % bs).
+//
+// ATTN_PARTIAL (b, g, c): the q heads of kv group g of request b against tokens [lo, hi) of chunk
+// c (tasks.py: cs = ceil(L / C), lo = min(L, c*cs), hi = min(L, lo + cs), L = seq_lens[b]):
+//   s_t = q . k_t / sqrt(D);  m = max_t s_t;  l = sum_t exp(s_t - m);  o = sum_t exp(s_t - m) v_t.
+// Writes (m, l) and o to PART_ML / PART_O, or o / l straight into ATTN_O when C == 1 (empty
+// ranges: m = -inf, l = 0, o = 0; output 0).
+// Layout of the work: a token's K row (D elements) is read by D/8 lanes, 16 bytes each, so a warp
+// covers 32/(D/8) tokens per load and AU such steps are in flight; each lane group keeps an online
+// softmax state (in exp2 units) for HG heads at a time; states merge across lane groups with
+// shuffles and across warps through shared memory.
+//
+// ATTN_COMBINE (b, g): ATTN_O = sum_c o_c exp(m_c - M) / sum_c l_c exp(m_c - M), M = max_c m_c.
+#pragma once
+#include "common.cuh"
+
+namespace mk {
+
+constexpr int ATT_LPT = D / 8;                   // lanes per token
+constexpr int ATT_TPW = 32 / ATT_LPT;            // tokens per warp per load step
+constexpr int ATT_HG = (G % 4 == 0) ? 4 : (G % 3 == 0) ? 3 : (G % 2 == 0) ? 2 : 1;  // heads per pass
+constexpr int ATT_AU = 2;                        // load steps in flight per warp
+static_assert(G % ATT_HG == 0, "head passes must tile the group");
+static_assert((2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D + ATT_HG * D) * 4 <= UNION_BYTES,
+              "attention scratch");
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
+  f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
+}
+
+// Merge online-softmax state (m, l, o) with (mo, lo, oo); -inf maxima mean "empty".
+__device__ __forceinline__ void merge_weights(float m, float mo, float& a, float& b, float& M) {
+  M = fmaxf(m, mo);
+  a = (m == NEG_INF) ? 0.f : fast_exp2(m - M);
+  b = (mo == NEG_INF) ? 0.f : fast_exp2(mo - M);
+}
+
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
+  const int b = t.arg0, g = t.arg1, c = t.arg2;
+  const int C = P.chunks;
+  const int L = ld_nc_s32(P.seq_lens + b);
+  int lo = 0, hi = 0;
+  if (L > 0) {
+    const int cs = (L + C - 1) / C;
+    lo = min(L, c * cs);
+    hi = min(L, lo + cs);
+  }
+  const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
+  const int bs = P.block_size;
+  const int* bt = P.block_table + (size_t)b * P.bt_stride;
+  const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
+  const float qscale = rsqrtf((float)D) * LOG2E;
+  float* wm = S.scratch();                               // [warp][HG]
+  float* wl = wm + CONSUMER_WARPS * ATT_HG;              // [warp][HG]
+  float* wo = wl + CONSUMER_WARPS * ATT_HG;              // [warp][HG][D]
+  float* qs = wo + CONSUMER_WARPS * ATT_HG * D;          // [HG][D] scaled q (registers are short)
+  const bool direct = t.out_buf == BUF_ATTN_O;
+  const elem_t* qbuf = buf_ptr(P, BUF_Q) + (size_t)b * QS;
+
+  for (int h0 = 0; h0 < G; h0 += ATT_HG) {
+    for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
+      float qf[8];
+      unpack8(ld_cg_v4(qbuf + (g * G + h0) * D + idx * 8), qf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
+    }
+    consumer_sync();
+    float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
+#pragma unroll
+    for (int hh = 0; hh < ATT_HG; ++hh) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[hh][i] = 0.f;
+      m[hh] = NEG_INF;
+      l[hh] = 0.f;
+    }
+    for (int base = lo + warp * ATT_TPW; base < hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
+      uint4 kr[ATT_AU], vr[ATT_AU];
+      bool valid[ATT_AU];
+#pragma unroll
+      for (int u = 0; u < ATT_AU; ++u) {
+        const int tok = base + u * CONSUMER_WARPS * ATT_TPW + sub;
+        valid[u] = tok < hi;
+        kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid[u]) {
+          const int bi = tok / bs;
+          const long long blk = ld_nc_s32(bt + bi);
+          const int off = tok - bi * bs;
+          const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + g * D + e * 8;
+          kr[u] = ld_cg_v4(kp);
+          vr[u] = ld_cg_v4(kp + (size_t)bs * KVS);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < ATT_AU; ++u) {
+        float kf[8];
+        unpack8(kr[u], kf);
+        float s[ATT_HG];
+#pragma unroll
+        for (int hh = 0; hh < ATT_HG; ++hh) {
+          const float4 qa = *reinterpret_cast<const float4*>(qs + hh * D + e * 8);
+          const float4 qb = *reinterpret_cast<const float4*>(qs + hh * D + e * 8 + 4);
+          float acc = qa.x * kf[0];
+          acc = fmaf(qa.y, kf[1], acc);
+          acc = fmaf(qa.z, kf[2], acc);
+          acc = fmaf(qa.w, kf[3], acc);
+          acc = fmaf(qb.x, kf[4], acc);
+          acc = fmaf(qb.y, kf[5], acc);
+          acc = fmaf(qb.z, kf[6], acc);
+          acc = fmaf(qb.w, kf[7], acc);
+          s[hh] = acc;
+        }
+#pragma unroll
+        for (int off = 1; off < ATT_LPT; off <<= 1)
+#pragma unroll
+          for (int hh = 0; hh < ATT_HG; ++hh) s[hh] += __shfl_xor_sync(0xffffffffu, s[hh], off);
+        if (valid[u]) {
+          float vf[8];
+          unpack8(vr[u], vf);
+#pragma unroll
+          for (int hh = 0; hh < ATT_HG; ++hh) {
+            const float mn = fmaxf(m[hh], s[hh]);
+            const float corr = fast_exp2(m[hh] - mn);
+            const float p = fast_exp2(s[hh] - mn);
+            l[hh] = l[hh] * corr + p;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[hh][i] = fmaf(o[hh][i], corr, p * vf[i]);
+            m[hh] = mn;
+          }
+        }
+      }
+    }
+    // Merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
+#pragma unroll
+    for (int off = ATT_LPT; off < 32; off <<= 1) {
+#pragma unroll
+      for (int hh = 0; hh < ATT_HG; ++hh) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m[hh], off);
+        const float lo2 = __shfl_xor_sync(0xffffffffu, l[hh], off);
+        float a, bb, M;
+        merge_weights(m[hh], mo, a, bb, M);
+        l[hh] = l[hh] * a + lo2 * bb;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float oo = __shfl_xor_sync(0xffffffffu, o[hh][i], off);
+          o[hh][i] = o[hh][i] * a + oo * bb;
+        }
+        m[hh] = M;
+      }
+    }
+    if (sub == 0) {
+#pragma unroll
+      for (int hh = 0; hh < ATT_HG; ++hh) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wo[(warp * ATT_HG + hh) * D + e * 8 + i] = o[hh][i];
+        if (e == 0) {
+          wm[warp * ATT_HG + hh] = m[hh];
+          wl[warp * ATT_HG + hh] = l[hh];
+        }
+      }
+    }
+    consumer_sync();
+    for (int idx = threadIdx.x; idx < ATT_HG * D; idx += CONSUMER_THREADS) {
+      const int hh = idx / D, j = idx - hh * D;
+      float M = NEG_INF;
+      for (int w = 0; w < CONSUMER_WARPS; ++w) M = fmaxf(M, wm[w * ATT_HG + hh]);
+      float ls = 0.f, os = 0.f;
+      for (int w = 0; w < CONSUMER_WARPS; ++w) {
+        const float mw = wm[w * ATT_HG + hh];
+        const float a = (mw == NEG_INF) ? 0.f : fast_exp2(mw - M);
+        ls = fmaf(wl[w * ATT_HG + hh], a, ls);
+        os = fmaf(wo[(w * ATT_HG + hh) * D + j], a, os);
+      }
+      const int head = g * G + h0 + hh;
+      if (direct) {
+        buf_ptr(P, BUF_ATTN_O)[(size_t)b * QS + head * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
+      } else {
+        const size_t pi = ((size_t)(b * NKV + g) * C + c) * G + h0 + hh;
+        st_f32(reinterpret_cast<float*>(P.buf[BUF_PART_O]) + pi * D + j, os);
+        if (j == 0) {
+          float* ml = reinterpret_cast<float*>(P.buf[BUF_PART_ML]) + pi * 2;
+          st_f32(ml, M * LN2);  // back to natural-log units of the scaled score (-inf stays -inf)
+          st_f32(ml + 1, ls);
+        }
+      }
+    }
+    consumer_sync();
+  }
+}
+
+__device__ __forceinline__ void attn_combine_task(const Smem& S, const Params& P, const Task& t) {
+  const int b = t.arg0, g = t.arg1;
+  const int C = P.chunks;
+  const float* po = reinterpret_cast<const float*>(P.buf[BUF_PART_O]);
+  const float* pml = reinterpret_cast<const float*>(P.buf[BUF_PART_ML]);
+  elem_t* out = buf_ptr(P, BUF_ATTN_O) + (size_t)b * QS + g * G * D;
+  for (int idx = threadIdx.x; idx < G * D; idx += CONSUMER_THREADS) {
+    const int h = idx / D, j = idx - h * D;
+    const size_t p0 = (size_t)(b * NKV + g) * C * G + h;   // index of chunk 0; chunk c adds c * G
+    float M = NEG_INF;
+    for (int c = 0; c < C; ++c) M = fmaxf(M, ld_cg_f32(pml + (p0 + (size_t)c * G) * 2));
+    float ls = 0.f, os = 0.f;
+    if (M != NEG_INF) {
+      for (int c = 0; c < C; ++c) {
+        const size_t pi = p0 + (size_t)c * G;
+        const float mc = ld_cg_f32(pml + pi * 2);
+        if (mc == NEG_INF) continue;
+        const float w = __expf(mc - M);
+        ls = fmaf(ld_cg_f32(pml + pi * 2 + 1), w, ls);
+        os = fmaf(ld_cg_f32(po + pi * D + j), w, os);
+      }
+    }
+    out[h * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
+  }
+}
+
+}  // namespace mk

@@ -1,0 +1,208 @@
+// Model constants (from the -D options of encoding.kernel_defines), element type, kernel context.
+#pragma once
+#include "tasks.h"
+#include "sync.cuh"
+#include "copy.cuh"
+
+#ifndef MK_HIDDEN
+#error "compile with the -D options of mk_plugin.persistent.encoding.kernel_defines(spec)"
+#endif
+
+namespace mk {
+
+constexpr int H = MK_HIDDEN;
+constexpr int I = MK_INTER;
+constexpr int NQ = MK_NQ;
+constexpr int NKV = MK_NKV;
+constexpr int D = MK_HEAD_DIM;
+constexpr int V = MK_VOCAB;
+constexpr int LAYERS = MK_LAYERS;
+constexpr int G = NQ / NKV;
+constexpr int QS = NQ * D;
+constexpr int KVS = NKV * D;
+constexpr float EPS = MK_EPS;
+constexpr int QKV_UNITS_PER_GROUP = (G + 2) * (D / UNIT);
+
+static_assert(NQ % NKV == 0, "q heads must be a multiple of kv heads");
+static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+static_assert(H % UNIT == 0 && I % UNIT == 0, "hidden and intermediate sizes must be multiples of 16");
+static_assert(ACC_TILES == CONSUMER_WARPS, "epilogue maps one accumulator tile per consumer warp");
+static_assert(CONSUMER_WARPS == 8, "the kernel is written for 8 consumer warps");
+
+// The model dtype as raw 16-bit storage, converted with PTX cvt (no cuda_bf16.h / cuda_fp16.h:
+// NVRTC then needs no include path). MK_DTYPE_BF16=1: bfloat16, else float16.
+struct elem_t {
+  unsigned short bits;
+};
+static_assert(sizeof(elem_t) == 2, "16-bit elements");
+
+__device__ __forceinline__ float bits_to_f(unsigned short b) {
+#if MK_DTYPE_BF16
+  return __uint_as_float(((unsigned)b) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ unsigned short f_to_bits(float x) {  // round to nearest even
+  unsigned short b;
+#if MK_DTYPE_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(x));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(x));
+#endif
+  return b;
+}
+
+__device__ __forceinline__ float to_f(elem_t x) { return bits_to_f(x.bits); }
+__device__ __forceinline__ elem_t from_f(float x) { return elem_t{f_to_bits(x)}; }
+
+// Two packed 16-bit elements (low half = lower address) <-> floats.
+__device__ __forceinline__ float lo_f(unsigned u) { return bits_to_f((unsigned short)(u & 0xFFFFu)); }
+__device__ __forceinline__ float hi_f(unsigned u) { return bits_to_f((unsigned short)(u >> 16)); }
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  return (unsigned)f_to_bits(lo) | ((unsigned)f_to_bits(hi) << 16);
+}
+
+// exp2 on the SFU (ex2.approx(-inf) = +0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Everything a task needs: kernel arguments and shared-memory addresses. Lives in shared memory
+// (written by thread 0 at start-up) so that run-time indexed fields (buffers) never go to local
+// memory.
+struct Params {
+  const int* prog;
+  const unsigned long long* wptr;   // [(LAYERS + 1) * LP_COUNT] weight pointers
+  const unsigned long long* kvptr;  // [LAYERS] kv cache base pointers
+  unsigned* counters;
+  const long long* positions;
+  const long long* slots;
+  const int* seq_lens;
+  const int* block_table;
+  const void* cos_sin;
+  unsigned long long* trace;        // null unless tracing
+  void* buf[NUM_BUFS];
+  int bt_stride;
+  int block_size;
+  int cs_rows;
+  int cs_stride;
+  int cs_f32;
+  int batch;
+  int chunks;
+  int tasks_at;
+};
+
+// Shared memory map (dynamic): ring slots | union scratch | misc (mbarriers, rstd, params).
+constexpr int RING_OFF = 0;
+constexpr int UNION_OFF = NUM_STAGES * SLOT_BYTES;
+constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
+constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
+constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
+constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
+constexpr int PARAMS_OFF = (RSTD_OFF + 4 * MAX_BATCH + 15) / 16 * 16;
+static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc shared memory overflow");
+
+struct Smem {
+  unsigned char* base;
+  __device__ __forceinline__ unsigned ring(int slot) const { return smem_addr(base + RING_OFF + slot * SLOT_BYTES); }
+  __device__ __forceinline__ unsigned full_bar(int slot) const { return smem_addr(base + FULL_BAR_OFF + 8 * slot); }
+  __device__ __forceinline__ unsigned empty_bar(int slot) const { return smem_addr(base + EMPTY_BAR_OFF + 8 * slot); }
+  __device__ __forceinline__ float* scratch() const { return reinterpret_cast<float*>(base + UNION_OFF); }
+  __device__ __forceinline__ float* rstd() const { return reinterpret_cast<float*>(base + RSTD_OFF); }
+  __device__ __forceinline__ Params& params() const { return *reinterpret_cast<Params*>(base + PARAMS_OFF); }
+};
+
+__device__ __forceinline__ const elem_t* weight_ptr(const Params& P, int layer, int slot) {
+  return reinterpret_cast<const elem_t*>(P.wptr[layer * LP_COUNT + slot]);
+}
+
+__device__ __forceinline__ elem_t* buf_ptr(const Params& P, int id) {
+  return reinterpret_cast<elem_t*>(P.buf[id]);
+}
+
+// Task record fields, loaded once per task.
+struct Task {
+  int opcode, layer, arg0, arg1, arg2, in_buf, res_buf, out_buf;
+  int wait_ctr[NUM_WAITS], wait_target[NUM_WAITS];
+  int signal_ctr, signal_add;
+};
+
+__device__ __forceinline__ Task load_task(const Params& P, int index) {
+  const int4* r = reinterpret_cast<const int4*>(P.prog + P.tasks_at + index * TASK_WORDS);
+  static_assert(TASK_WORDS == 16, "record loaded as four int4");
+  int4 a = __ldg(r), b = __ldg(r + 1), c = __ldg(r + 2), d = __ldg(r + 3);
+  int w[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+  Task t;
+  t.opcode = w[F_OPCODE];
+  t.layer = w[F_LAYER];
+  t.arg0 = w[F_ARG0];
+  t.arg1 = w[F_ARG1];
+  t.arg2 = w[F_ARG2];
+  t.in_buf = w[F_IN_BUF];
+  t.res_buf = w[F_RES_BUF];
+  t.out_buf = w[F_OUT_BUF];
+  t.wait_ctr[0] = w[F_WAIT0_CTR];
+  t.wait_target[0] = w[F_WAIT0_TARGET];
+  t.wait_ctr[1] = w[F_WAIT1_CTR];
+  t.wait_target[1] = w[F_WAIT1_TARGET];
+  t.signal_ctr = w[F_SIGNAL_CTR];
+  t.signal_add = w[F_SIGNAL_ADD];
+  return t;
+}
+
+#define NEG_INF (__int_as_float(0xff800000u))  // -inf (no constexpr infinity in NVRTC)
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// Per-row 1/rms of a [batch, H] activation, fp32 statistics of its stored values:
+// rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps), into shared memory. All consumer threads share each
+// row (16-byte L2 loads, four rows in flight per round), partial sums meet in `part` (scratch,
+// CONSUMER_WARPS x MAX_BATCH floats). x was (possibly) written by other SMs during this launch:
+// read through L2 (ld.global.cg). Ends with consumer_sync().
+__device__ __forceinline__ void rows_rstd(const elem_t* x, int batch, float* rstd, float* part, int warp, int lane) {
+  constexpr int STEP = CONSUMER_THREADS * 8;
+  constexpr int ITERS = (H + STEP - 1) / STEP;
+  const int k0 = threadIdx.x * 8;
+  for (int b0 = 0; b0 < batch; b0 += 4) {
+    uint4 v[4][ITERS];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int k = k0 + i * STEP;
+        v[r][i] = (b0 + r < batch && k < H) ? ld_cg_v4(x + (size_t)(b0 + r) * H + k) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const unsigned w[4] = {v[r][i].x, v[r][i].y, v[r][i].z, v[r][i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float a = lo_f(w[j]), c = hi_f(w[j]);
+          ss = fmaf(a, a, ss);
+          ss = fmaf(c, c, ss);
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0 && b0 + r < batch) part[warp * MAX_BATCH + b0 + r] = ss;
+    }
+  }
+  consumer_sync();
+  if (threadIdx.x < batch) {
+    float ss = 0.f;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) ss += part[w * MAX_BATCH + threadIdx.x];
+    rstd[threadIdx.x] = rsqrtf(ss / (float)H + EPS);
+  }
+  consumer_sync();
+}
+
+}  // namespace mk

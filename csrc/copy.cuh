@@ -1,0 +1,60 @@
+// Data movement: bulk async copies global -> shared (weights), cache-coherent loads of data
+// produced during the launch (ld.global.cg), read-only loads of immutable inputs (ld.global.nc).
+#pragma once
+
+namespace mk {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// One bulk copy of `bytes` (multiple of 16; both addresses 16-byte aligned) completing on the
+// mbarrier at `mbar` (its tx-count must have been raised by the same number of bytes).
+__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
+}
+
+// L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
+// batch independent loads (several in flight), yet never moves them across consumer_sync() or the
+// counter acquire (asm volatile with a "memory" clobber).
+__device__ __forceinline__ unsigned ld_cg_u32(const void* p) { return __ldcg(reinterpret_cast<const unsigned*>(p)); }
+
+__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
+  return __ldcg(reinterpret_cast<const unsigned short*>(p));
+}
+
+__device__ __forceinline__ float ld_cg_f32(const float* p) { return __ldcg(p); }
+
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ unsigned ld_nc_u32(const void* p) {
+  unsigned v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned short ld_nc_u16(const void* p) {
+  unsigned short v;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int ld_nc_s32(const int* p) {
+  int v;
+  asm("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ long long ld_nc_s64(const long long* p) {
+  long long v;
+  asm("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_f32(float* p, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+}  // namespace mk

@@ -1,0 +1,342 @@
+// Weight-streaming skinny GEMM shared by qkv_rope, o_proj, gate_up, down and lm_head tasks:
+//   y[b, row] = sum_k W[row, k] * x'[b, k]     for the task's units (16 output rows each),
+// with x' = round(x * rstd[b] * norm_w[k]) for norm-fused ops, else x' = x.
+//
+// Tensor cores, "swap AB": the weight rows are the m16 side of mma.m16n8k16, the batch (<= 16
+// tokens, padded to 8 or 16) the n8 side. A task's units are processed in passes of up to
+// ACC_TILES / NT M-tiles (NT = 1 n-tile for B <= 8, else 2); a pass streams its rows through the
+// ring in chunks of KC = chunk_cols(rows) columns. Inside a chunk, k-step j (16 columns) belongs to
+// consumer warp j % 8, so every warp works whatever the pass size; the warps' partial sums are
+// reduced through shared memory, then each consumer warp owns one accumulator tile for the
+// op-specific epilogue (matvec_epilogue, defined in megakernel.cu).
+//
+// The producer warp walks the same queue with the same pass/chunk plan (weight_plan, weight_row)
+// and issues one cp.async.bulk per weight row and chunk; chunk number `it` (counted over the whole
+// queue by both sides) uses slot it % NUM_STAGES with mbarrier parity (it / NUM_STAGES) & 1.
+#pragma once
+#include "common.cuh"
+
+namespace mk {
+
+struct WeightPlan {
+  const elem_t* w;  // [rows, K] row-major
+  int K;
+  int mtpu;         // M-tiles per unit (2 for gate_up: gate tile, up tile)
+};
+
+__device__ __forceinline__ bool weight_plan(const Params& P, int op, int layer, WeightPlan& wp) {
+  switch (op) {
+    case OP_QKV_ROPE: wp = {weight_ptr(P, layer, LP_QKV), H, 1}; return true;
+    case OP_O_PROJ: wp = {weight_ptr(P, layer, LP_O), QS, 1}; return true;
+    case OP_GATE_UP: wp = {weight_ptr(P, layer, LP_GATE_UP), H, 2}; return true;
+    case OP_DOWN: wp = {weight_ptr(P, layer, LP_DOWN), I, 1}; return true;
+    case OP_LM_HEAD: wp = {weight_ptr(P, LAYERS, MP_LM_HEAD), H, 1}; return true;
+    default: return false;
+  }
+}
+
+// Decode qkv unit u into (local head index hl: < G q head of the group, G = k, G+1 = v; group g;
+// sub-tile s). Mirrors tasks.qkv_unit.
+__device__ __forceinline__ void qkv_unit(int u, int& g, int& hl, int& s) {
+  g = u / QKV_UNITS_PER_GROUP;
+  const int r = u - g * QKV_UNITS_PER_GROUP;
+  hl = r / (D / UNIT);
+  s = r - hl * (D / UNIT);
+}
+
+// Weight row of row r (0..rows-1) of the pass starting at unit p0; -1 if past the matrix (lm_head).
+// Mirrors tasks.qkv_unit_rows and the unit definitions in tasks.py.
+__device__ __forceinline__ int weight_row(int op, int p0, int r) {
+  const int m = r >> 4, i = r & 15;
+  switch (op) {
+    case OP_QKV_ROPE: {
+      int g, hl, s;
+      qkv_unit(p0 + m, g, hl, s);
+      const int row0 = hl < G ? (g * G + hl) * D : (hl == G ? QS + g * D : QS + KVS + g * D);
+      return row0 + (i < 8 ? s * 8 + i : D / 2 + s * 8 + (i - 8));
+    }
+    case OP_GATE_UP: {
+      const int u = p0 + (m >> 1);
+      return (m & 1) ? I + u * UNIT + i : u * UNIT + i;
+    }
+    case OP_LM_HEAD: {
+      const int row = (p0 + m) * UNIT + i;
+      return row < V ? row : -1;
+    }
+    default: return (p0 + m) * UNIT + i;
+  }
+}
+
+__device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 : 2; }
+
+// Chunk columns and shared-memory row stride for NT batch n-tiles: NT = 2 halves the chunk so the
+// per-warp activation fragments (two column groups in flight) fit the register budget.
+__host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / nt; }
+__host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
+static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
+
+// ---- producer: stream the weights of every task of this SM's queue ----------------------------
+// Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
+// A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
+// (KC = chunk_cols_for(NT)).
+__device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, int qbeg, int qend, int lane) {
+  const int nt = batch_ntiles(P.batch);
+  const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
+  unsigned it = 0;
+  for (int ti = qbeg; ti < qend; ++ti) {
+    const Task t = load_task(P, ti);
+    WeightPlan wp;
+    if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
+    if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
+    const int upp = (ACC_TILES / nt) / wp.mtpu;
+    const int uend = t.arg0 + t.arg1;
+    for (int p0 = t.arg0; p0 < uend; p0 += upp) {
+      const int mt = min(upp, uend - p0) * wp.mtpu;
+      for (int k0 = 0; k0 < wp.K; k0 += KC) {
+        const int kc = min(KC, wp.K - k0);
+        for (int m = 0; m < mt; ++m) {
+          const int slot = it % NUM_STAGES;
+          const int valid = t.opcode == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
+          mbar_wait(S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, 1000 + slot);
+          if (lane == 0) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
+          __syncwarp();
+          if (lane < valid) {
+            const int row = weight_row(t.opcode, p0, m * 16 + lane);
+            bulk_g2s(S.ring(slot) + lane * RB, wp.w + (size_t)row * wp.K + k0, (unsigned)(kc * 2),
+                     S.full_bar(slot));
+          }
+          ++it;
+        }
+      }
+    }
+    if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_LAST] = global_ns();
+  }
+}
+
+// ---- consumer --------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&a)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if MK_DTYPE_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Epilogue of one accumulator tile: rows (p0's pass) M-tile m, batch n-tile nt. v[e] holds the
+// sum for (row r_lo + 8*(e>>1), batch nt*8 + 2*(lane&3) + (e&1)) with r_lo = lane>>2; for gate_up,
+// vu[] holds the matching up tile (m + 1). Defined in megakernel.cu (one case per opcode).
+__device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
+                                                int nt, int lane, const float (&v)[4], const float (&vu)[4]);
+
+// B fragments (activations x', see the header comment) of this warp's k-steps j = warp + 8*jj of
+// the chunk columns starting at k0 (nsteps 16-column steps in the chunk), for batch n-tiles < NT,
+// straight from global memory (L2): all loads first, then the normalisation.
+template <int NT, int JMAX>
+__device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const elem_t* x, const elem_t* nw,
+                                             const float* rstd, int K, int k0, int nsteps, int B, int warp,
+                                             int lane) {
+  unsigned wv[JMAX][2];
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    const int j = warp + jj * CONSUMER_WARPS;
+    const int k = k0 + j * 16 + (lane & 3) * 2;
+    wv[jj][0] = wv[jj][1] = 0;
+    if (nw != nullptr && j < nsteps) {
+      wv[jj][0] = ld_nc_u32(nw + k);
+      wv[jj][1] = ld_nc_u32(nw + k + 8);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int bi = n * 8 + (lane >> 2);
+      unsigned v0 = 0, v1 = 0;
+      if (j < nsteps && bi < B) {
+        const elem_t* xr = x + (size_t)bi * K + k;
+        v0 = ld_cg_u32(xr);
+        v1 = ld_cg_u32(xr + 8);
+      }
+      xb[jj][n][0] = v0;
+      xb[jj][n][1] = v1;
+    }
+  }
+  if (nw != nullptr) {
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int bi = n * 8 + (lane >> 2);
+        const float r = bi < B ? rstd[bi] : 0.f;
+        const unsigned v0 = xb[jj][n][0], v1 = xb[jj][n][1], w0 = wv[jj][0], w1 = wv[jj][1];
+        xb[jj][n][0] = pack2(lo_f(v0) * r * lo_f(w0), hi_f(v0) * r * hi_f(w0));
+        xb[jj][n][1] = pack2(lo_f(v1) * r * lo_f(w1), hi_f(v1) * r * hi_f(w1));
+      }
+  }
+}
+
+// Whole-task activation staging: x'[B, K] (normalised when nw) into shared memory, rows padded to
+// K*2 + 16 bytes (an odd number of 16-byte units: the fragment reads below are conflict-free).
+// Used when it fits the scratch (B * (2K + 16) <= UNION_BYTES): one round of L2 latency per task
+// instead of one per column group. Ends with consumer_sync().
+__device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, const float* rstd,
+                                        int K, int B) {
+  const int vpr = K / 8;
+  const int total = B * vpr;
+  const int rowb = K * 2 + 16;
+  constexpr int U = 4;
+  for (int base = threadIdx.x; base < total; base += U * CONSUMER_THREADS) {
+    uint4 v[U], w[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = base + u * CONSUMER_THREADS;
+      const int b = idx / vpr, kv = idx - b * vpr;
+      v[u] = w[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (idx < total) {
+        v[u] = ld_cg_v4(x + (size_t)b * K + kv * 8);
+        if (nw != nullptr) w[u] = __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = base + u * CONSUMER_THREADS;
+      if (idx < total) {
+        const int b = idx / vpr, kv = idx - b * vpr;
+        uint4 o = v[u];
+        if (nw != nullptr) {
+          const float r = rstd[b];
+          o.x = pack2(lo_f(v[u].x) * r * lo_f(w[u].x), hi_f(v[u].x) * r * hi_f(w[u].x));
+          o.y = pack2(lo_f(v[u].y) * r * lo_f(w[u].y), hi_f(v[u].y) * r * hi_f(w[u].y));
+          o.z = pack2(lo_f(v[u].z) * r * lo_f(w[u].z), hi_f(v[u].z) * r * hi_f(w[u].z));
+          o.w = pack2(lo_f(v[u].w) * r * lo_f(w[u].w), hi_f(v[u].w) * r * hi_f(w[u].w));
+        }
+        *reinterpret_cast<uint4*>(xs + (size_t)b * rowb + kv * 16) = o;
+      }
+    }
+  }
+  consumer_sync();
+}
+
+// B fragments from the staged copy (see load_x_frags for the fragment layout).
+template <int NT, int JMAX>
+__device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* xs, int K, int k0,
+                                             int nsteps, int B, int warp, int lane) {
+  const int rowb = K * 2 + 16;
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    const int j = warp + jj * CONSUMER_WARPS;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int bi = n * 8 + (lane >> 2);
+      unsigned v0 = 0, v1 = 0;
+      if (j < nsteps && bi < B) {
+        const unsigned char* p = xs + bi * rowb + (k0 + j * 16 + (lane & 3) * 2) * 2;
+        v0 = *reinterpret_cast<const unsigned*>(p);
+        v1 = *reinterpret_cast<const unsigned*>(p + 16);
+      }
+      xb[jj][n][0] = v0;
+      xb[jj][n][1] = v1;
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
+                                            const elem_t* x, const elem_t* nw, unsigned& it, int warp, int lane,
+                                            unsigned long long& wait_cycles) {
+  constexpr int MT = ACC_TILES / NT;
+  constexpr int KC = chunk_cols_for(NT);
+  constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
+  const int B = P.batch;
+  const float* rstd = S.rstd();
+  float* red = S.scratch();
+  static_assert(CONSUMER_WARPS * ACC_TILES * 32 * 16 <= UNION_BYTES, "reduction scratch");
+  const int upp = MT / wp.mtpu;
+  const int uend = t.arg0 + t.arg1;
+  const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
+  const bool staged = B * (wp.K * 2 + 16) <= UNION_BYTES;
+  unsigned char* xs = reinterpret_cast<unsigned char*>(red);   // staging shares the scratch
+  for (int p0 = t.arg0; p0 < uend; p0 += upp) {
+    const int mt = min(upp, uend - p0) * wp.mtpu;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+
+    // Activations: staged once per pass in shared memory when they fit (one L2 round trip per pass);
+    // else each warp loads its fragments of a column group from L2 before waiting for the group's
+    // first chunk (one round trip per group; two groups in flight did not fit 168 registers).
+    if (staged) stage_x(xs, x, nw, rstd, wp.K, B);
+    for (int k0 = 0; k0 < wp.K; k0 += KC) {
+      const int nsteps = min(KC, wp.K - k0) >> 4;
+      unsigned xb[JMAX][NT][2];
+      if (staged)
+        smem_x_frags<NT, JMAX>(xb, xs, wp.K, k0, nsteps, B, warp, lane);
+      else
+        load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if (m < mt) {
+          const int slot = it % NUM_STAGES;
+          const long long c0 = clock64();
+          mbar_wait(S.full_bar(slot), (it / NUM_STAGES) & 1, 2000 + slot);
+          wait_cycles += clock64() - c0;
+          const unsigned sb = S.ring(slot) + lane_off;
+#pragma unroll
+          for (int jj = 0; jj < JMAX; ++jj) {
+            const int j = warp + jj * CONSUMER_WARPS;
+            if (j < nsteps) {
+              unsigned a[4];
+              ldmatrix_x4(a, sb + j * 32);
+#pragma unroll
+              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
+            }
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(S.empty_bar(slot));
+          ++it;
+        }
+      }
+    }
+    if (staged) consumer_sync();  // every warp is done with the staged x before `red` overwrites it
+
+    // Cross-warp reduction: red[warp][m][n][lane] (float4), then warp w owns tile w = m*NT + n.
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        if (m < mt)
+          reinterpret_cast<float4*>(red)[((warp * MT + m) * NT + n) * 32 + lane] =
+              make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+    consumer_sync();
+    {
+      const int m = warp / NT, n = warp % NT;
+      if (m < mt && !(wp.mtpu == 2 && (m & 1))) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f}, vu[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < CONSUMER_WARPS; ++w) {
+          const float4 a = reinterpret_cast<const float4*>(red)[((w * MT + m) * NT + n) * 32 + lane];
+          v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+          if (wp.mtpu == 2) {
+            const float4 c = reinterpret_cast<const float4*>(red)[((w * MT + m + 1) * NT + n) * 32 + lane];
+            vu[0] += c.x; vu[1] += c.y; vu[2] += c.z; vu[3] += c.w;
+          }
+        }
+        matvec_epilogue(S, P, t, p0, m, n, lane, v, vu);
+      }
+    }
+    consumer_sync();
+  }
+}
+
+}  // namespace mk

@@ -1,0 +1,155 @@
+// The persistent decode megakernel: one launch runs a whole encoded task program (one decode step,
+// or one segment of it between fallback ops). Grid = one CTA per SM, all co-resident
+// (__launch_bounds__(NUM_THREADS, 1), SMEM_BYTES of dynamic shared memory: one CTA per SM).
+//
+// CTA i runs queue i of the program (encoding.py: header | queue offsets | 64-byte task records):
+//   warps 0..7  consumers: for each task, wait for its counters (thread 0, acquire), run it,
+//               consumer_sync, then thread 0 release-adds its signal counter;
+//   warp 8      producer: streams the weights of the same tasks, in the same order, into the
+//               NUM_STAGES-slot shared-memory ring with cp.async.bulk; it never waits on counters,
+//               so the next tasks' weights load while the consumers wait or compute.
+// Counters must be zero at launch (backend.py zeroes them with a captured memset each step).
+#pragma nv_diag_suppress 177  // generated constants that this translation unit does not use
+#include "common.cuh"
+#include "matvec.cuh"
+#include "qkv_rope.cuh"
+#include "attention.cuh"
+#include "o_proj.cuh"
+#include "gate_up.cuh"
+#include "down.cuh"
+#include "final_norm.cuh"
+#include "lm_head.cuh"
+
+namespace mk {
+
+__device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
+                                                int nt, int lane, const float (&v)[4], const float (&vu)[4]) {
+  switch (t.opcode) {
+    case OP_QKV_ROPE: qkv_rope_epilogue(P, t, p0, m, nt, lane, v); break;
+    case OP_O_PROJ:
+    case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v); break;
+    case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
+    case OP_LM_HEAD: lm_head_epilogue(P, t, p0, m, nt, lane, v); break;
+    default: break;
+  }
+}
+
+__device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
+                                             int lane, unsigned long long& wait_cycles) {
+  WeightPlan wp;
+  weight_plan(P, t.opcode, t.layer, wp);
+  const elem_t* x = buf_ptr(P, t.in_buf);
+  const elem_t* nw = nullptr;
+  if (t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP) {
+    nw = weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
+    rows_rstd(x, P.batch, S.rstd(), S.scratch(), warp, lane);
+  }
+  if (batch_ntiles(P.batch) == 1)
+    matvec_task<1>(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+  else
+    matvec_task<2>(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+}
+
+__device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, int qbeg, int qend, int warp, int lane) {
+  unsigned it = 0;          // weight chunks consumed so far (matches the producer's count)
+  int known_ctr = -1;       // thread 0: a counter already seen at >= known_val (counters only grow)
+  unsigned known_val = 0;
+  for (int ti = qbeg; ti < qend; ++ti) {
+    const Task t = load_task(P, ti);
+    unsigned long long t_start = 0, t_ready = 0, wait_cycles = 0;
+    if (P.trace != nullptr && threadIdx.x == 0) t_start = global_ns();
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int w = 0; w < NUM_WAITS; ++w) {
+        const int c = t.wait_ctr[w];
+        const unsigned target = (unsigned)t.wait_target[w];
+        if (c < 0 || (c == known_ctr && target <= known_val)) continue;
+        known_val = wait_counter_geq(P.counters + (size_t)c * COUNTER_STRIDE, target, c);
+        known_ctr = c;
+      }
+    }
+    consumer_sync();
+    if (P.trace != nullptr && threadIdx.x == 0) t_ready = global_ns();
+    switch (t.opcode) {
+      case OP_QKV_ROPE:
+      case OP_O_PROJ:
+      case OP_GATE_UP:
+      case OP_DOWN:
+      case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles); break;
+      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
+      case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
+      case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
+      default: break;
+    }
+    consumer_sync();  // all of this task's stores precede the release below
+    if (threadIdx.x == 0 && t.signal_ctr >= 0)
+      red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
+    if (P.trace != nullptr && threadIdx.x == 0) {
+      unsigned long long* tr = P.trace + (size_t)ti * TRACE_WORDS;
+      tr[TR_START] = t_start;
+      tr[TR_READY] = t_ready;
+      tr[TR_END] = global_ns();
+      tr[TR_WAIT_CYCLES] = wait_cycles;
+      tr[TR_SM] = blockIdx.x;
+      tr[TR_OPCODE] = (unsigned long long)t.opcode;
+    }
+  }
+}
+
+}  // namespace mk
+
+// Parameters: MK_DECODE_PARAMS, generated from encoding.KERNEL_PARAMS (runtime.py packs by name).
+extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
+  using namespace mk;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const Smem S{smem_raw};
+  if (threadIdx.x == 0) {
+    // A program built for another model, batch limit or grid must never run: trap (launch error).
+    if (prog[HDR_MAGIC] != PROGRAM_MAGIC || prog[HDR_VERSION] != PROGRAM_VERSION ||
+        prog[HDR_SPEC_HASH] != MK_SPEC_HASH || prog[HDR_NUM_QUEUES] != (int)gridDim.x ||
+        prog[HDR_BATCH] < 1 || prog[HDR_BATCH] > MAX_BATCH || blockDim.x != NUM_THREADS)
+      __trap();
+    Params& P = S.params();
+    P.prog = prog;
+    P.wptr = wptr;
+    P.kvptr = kvptr;
+    P.counters = counters;
+    P.positions = positions;
+    P.slots = slots;
+    P.seq_lens = seq_lens;
+    P.block_table = block_table;
+    P.cos_sin = cos_sin;
+    P.buf[BUF_HIDDEN_IN] = hidden_in;
+    P.buf[BUF_RESID] = resid;
+    P.buf[BUF_Q] = q;
+    P.buf[BUF_ATTN_O] = attn_o;
+    P.buf[BUF_ACT] = act;
+    P.buf[BUF_OUT] = out;
+    P.buf[BUF_LOGITS] = logits;
+    P.buf[BUF_PART_O] = part_o;
+    P.buf[BUF_PART_ML] = part_ml;
+    P.trace = trace;
+    P.bt_stride = bt_stride;
+    P.block_size = block_size;
+    P.cs_rows = cs_rows;
+    P.cs_stride = cs_stride;
+    P.cs_f32 = cs_f32;
+    P.batch = prog[HDR_BATCH];
+    P.chunks = prog[HDR_ATTN_CHUNKS];
+    P.tasks_at = prog[HDR_TASKS_AT];
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(S.full_bar(s), 1);
+      mbar_init(S.empty_bar(s), CONSUMER_WARPS);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const Params& P = S.params();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qbeg = __ldg(prog + HEADER_WORDS + blockIdx.x), qend = __ldg(prog + HEADER_WORDS + blockIdx.x + 1);
+  if (warp == CONSUMER_WARPS) {
+    producer_loop(S, P, qbeg, qend, lane);
+    return;
+  }
+  consumer_loop(S, P, qbeg, qend, warp, lane);
+}

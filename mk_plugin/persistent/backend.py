@@ -1,0 +1,396 @@
+"""MegakernelDecoder: one decode step through the persistent megakernel (the drop-in twin of
+mk_plugin.triton_ops.decode_step without spec/weights arguments).
+
+Per padded batch size the decoder builds (lazily, or eagerly with prepare()) a Program
+(schedule.build_program) and uploads its segment programs; a step then is: zero the counters (a
+captured memset), launch each megakernel segment on torch's current stream, and run each
+`fallback` op with the Triton kernels between segments, on the same buffers. Nothing is allocated
+and the host never waits on the device inside a call once the batch size is prepared (CUDA-graph
+capturable), except the optional `out` / `logits_out` allocations when they are not given.
+
+executor="vm" runs the megakernel segments on the CPU interpreter (vm.py) instead of the GPU: the
+same programs and fallback glue, for CPU tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import get_config
+from ..spec import LlamaSpec
+from ..triton_ops._checks import check_shape, check_tensor, check_tokens
+from ..weights import ModelWeights
+from . import vm as _vm
+from .encoding import (
+    COUNTER_STRIDE,
+    LP_COUNT,
+    TASK_FIELDS,
+    TASK_WORDS,
+    TRACE_FIELDS,
+    TRACE_WORDS,
+    Buf,
+    H,
+    LayerPtr,
+    ModelPtr,
+)
+from .graph import FusedOp, residual_source
+from .schedule import FallbackStep, Program, Segment, build_program
+from .tasks import attention_chunks
+
+EXECUTORS = ("cuda", "vm")
+
+
+@dataclass
+class _Entry:
+    program: Program
+    seg_progs: list[torch.Tensor | None]   # device int32 program per step (None: fallback step)
+    counters: torch.Tensor                 # int32 [num_counters * COUNTER_STRIDE]
+    traces: list[torch.Tensor | None] | None = None  # int64 [num_tasks * TRACE_WORDS] per segment
+
+
+class MegakernelDecoder:
+    """Decode steps of up to max_tokens (<= 16) tokens of one model on one device."""
+
+    def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
+                 fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
+                 executor: str | None = None, trace: bool | None = None):
+        self.spec = spec
+        self.weights = weights
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:<index>
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        check_tokens("max_tokens", max_tokens)
+        self.max_tokens = max_tokens
+        self.fallback = frozenset(fallback)
+        self.lm_head = lm_head
+        self.trace = get_config().trace if trace is None else trace
+        self.executor = executor or ("cuda" if self.device.type == "cuda" else "vm")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor={self.executor!r}; choose one of {EXECUTORS}")
+        if self.executor == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"executor 'cuda' needs a CUDA device, got {self.device}")
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 132)
+        self.num_sms = int(num_sms)
+        self._check_weights()
+        self._wptr = self._weight_table() if self.executor == "cuda" else None
+        self._alloc_workspace()
+        self._entries: dict[int, _Entry] = {}
+        self._kv_key: tuple[int, ...] | None = None
+        self._kvptr: torch.Tensor | None = None
+        self._module = None
+        if self.executor == "cuda":
+            from .runtime import MegakernelModule
+            self._module = MegakernelModule(spec)
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        s, dt, dev = self.spec, self.spec.torch_dtype, self.device
+        w = self.weights
+        if len(w.layers) != s.num_layers:
+            raise ValueError(f"weights have {len(w.layers)} layers, spec.num_layers={s.num_layers}")
+
+        def chk(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+            check_tensor(name, t, dtypes=(dt,), device=dev)
+            check_shape(name, t, shape)
+            if self.executor == "cuda" and t.data_ptr() % 16:
+                raise ValueError(f"{name} is not 16-byte aligned (bulk copies need it)")
+
+        h, i = s.hidden_size, s.intermediate_size
+        for li, lw in enumerate(w.layers):
+            chk(f"layers[{li}].qkv", lw.qkv, (s.qkv_size, h))
+            chk(f"layers[{li}].o", lw.o, (h, s.q_size))
+            chk(f"layers[{li}].gate_up", lw.gate_up, (2 * i, h))
+            chk(f"layers[{li}].down", lw.down, (h, i))
+            chk(f"layers[{li}].input_norm", lw.input_norm, (h,))
+            chk(f"layers[{li}].post_norm", lw.post_norm, (h,))
+        chk("final_norm", w.final_norm, (h,))
+        if self.lm_head:
+            chk("lm_head", w.lm_head, (s.vocab_size, h))
+
+    def _weight_table(self) -> torch.Tensor:
+        """[(L + 1) * LP_COUNT] int64 device addresses (encoding.LayerPtr / ModelPtr slots)."""
+        rows = []
+        for lw in self.weights.layers:
+            row = [0] * LP_COUNT
+            row[LayerPtr.QKV] = lw.qkv.data_ptr()
+            row[LayerPtr.O] = lw.o.data_ptr()
+            row[LayerPtr.GATE_UP] = lw.gate_up.data_ptr()
+            row[LayerPtr.DOWN] = lw.down.data_ptr()
+            row[LayerPtr.IN_NORM] = lw.input_norm.data_ptr()
+            row[LayerPtr.POST_NORM] = lw.post_norm.data_ptr()
+            rows += row
+        last = [0] * LP_COUNT
+        last[ModelPtr.FINAL_NORM] = self.weights.final_norm.data_ptr()
+        last[ModelPtr.LM_HEAD] = self.weights.lm_head.data_ptr() if self.lm_head else 0
+        rows += last
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    def _alloc_workspace(self) -> None:
+        s, dt, dev, m = self.spec, self.spec.torch_dtype, self.device, self.max_tokens
+
+        def buf(n: int, dtype: torch.dtype = dt) -> torch.Tensor:
+            return torch.zeros(m, n, dtype=dtype, device=dev)
+
+        self.ws = {Buf.RESID: buf(s.hidden_size), Buf.Q: buf(s.q_size), Buf.ATTN_O: buf(s.q_size),
+                   Buf.ACT: buf(s.intermediate_size)}
+        parts = max(b * s.num_kv_heads * attention_chunks(b, s.num_kv_heads, self.num_sms)
+                    for b in range(1, m + 1))
+        self.part_o = torch.zeros(parts * s.gqa_group * s.head_dim, dtype=torch.float32, device=dev)
+        self.part_ml = torch.zeros(parts * s.gqa_group * 2, dtype=torch.float32, device=dev)
+        # Triton fallback scratch: the qkv projection and split-KV attention partials.
+        self.qkv_tmp = buf(s.qkv_size)
+        from ..triton_ops.paged_attention import MAX_SPLITS, paged_attention_workspace_size
+        self.attn_ws = torch.zeros(paged_attention_workspace_size(m, s.num_q_heads, s.head_dim, MAX_SPLITS),
+                                   dtype=torch.float32, device=dev)
+
+    def program(self, batch: int) -> Program:
+        return self._entry(batch).program
+
+    def prepare(self, batch_sizes: list[int] | None = None) -> None:
+        """Build (and for CUDA, compile and upload) the programs of these padded batch sizes now,
+        outside any CUDA-graph capture. Default: 1..max_tokens."""
+        for b in batch_sizes or range(1, self.max_tokens + 1):
+            self._entry(b)
+        if self._module is not None:
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._module.kernel(idx)
+
+    def _entry(self, batch: int) -> _Entry:
+        e = self._entries.get(batch)
+        if e is not None:
+            return e
+        if not 1 <= batch <= self.max_tokens:
+            raise ValueError(f"batch of {batch} tokens; this decoder handles 1..{self.max_tokens}")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"megakernel program for batch {batch} is not built; call "
+                               "MegakernelDecoder.prepare() before CUDA-graph capture")
+        prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback)
+        segs = [torch.from_numpy(s.encoded).to(self.device) if isinstance(s, Segment) else None
+                for s in prog.steps]
+        counters = torch.zeros(max(1, prog.num_counters) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
+        traces = None
+        if self.trace:
+            traces = [torch.zeros(len(s.tasks) * TRACE_WORDS, dtype=torch.int64, device=self.device)
+                      if isinstance(s, Segment) else None for s in prog.steps]
+        e = _Entry(prog, segs, counters, traces)
+        self._entries[batch] = e
+        return e
+
+    def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key != self._kv_key:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the kv cache tensors changed during CUDA-graph capture; run one "
+                                   "eager step with the final kv caches before capturing")
+            self._kvptr = torch.tensor(list(key), dtype=torch.int64).to(self.device)
+            self._kv_key = key
+        assert self._kvptr is not None
+        return self._kvptr
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _check_inputs(self, hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin_cache,
+                      out, logits_out) -> None:
+        s, dt, dev = self.spec, self.spec.torch_dtype, self.device
+        check_tensor("hidden", hidden, ndim=2, dtypes=(dt,), device=dev)
+        b = hidden.shape[0]
+        check_tokens("hidden", b)
+        check_shape("hidden", hidden, (b, s.hidden_size))
+        check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,), device=dev)
+        check_shape("positions", positions, (b,))
+        check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=dev)
+        check_shape("slot_mapping", slot_mapping, (b,))
+        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+        check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev, contiguous=False)
+        if block_table.stride(1) != 1:
+            raise ValueError(f"block_table rows must be contiguous, got stride {block_table.stride()}")
+        if block_table.shape[0] < b or seq_lens.shape[0] < b:
+            raise ValueError(f"batch B={b} exceeds block_table rows {block_table.shape[0]} / "
+                             f"seq_lens entries {seq_lens.shape[0]}")
+        check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32, dt), device=dev,
+                     contiguous=False)
+        if cos_sin_cache.shape[1] != s.head_dim or cos_sin_cache.stride(1) != 1:
+            raise ValueError(f"cos_sin_cache must be [max_pos, {s.head_dim}] with contiguous rows, got "
+                             f"shape {tuple(cos_sin_cache.shape)} stride {cos_sin_cache.stride()}")
+        if len(kv_caches) != s.num_layers:
+            raise ValueError(f"got {len(kv_caches)} kv caches for {s.num_layers} layers")
+        bs = None
+        for i, c in enumerate(kv_caches):
+            check_tensor(f"kv_caches[{i}]", c, ndim=5, dtypes=(dt,), device=dev)
+            if c.shape[1] != 2 or c.shape[3] != s.num_kv_heads or c.shape[4] != s.head_dim:
+                raise ValueError(f"kv_caches[{i}] has shape {tuple(c.shape)}, expected "
+                                 f"[num_blocks, 2, block_size, {s.num_kv_heads}, {s.head_dim}]")
+            if bs is not None and c.shape[2] != bs:
+                raise ValueError(f"kv_caches[{i}] block size {c.shape[2]} != {bs} of layer 0")
+            bs = c.shape[2]
+            if self.executor == "cuda" and c.data_ptr() % 16:
+                raise ValueError(f"kv_caches[{i}] is not 16-byte aligned")
+        if out is not None:
+            check_tensor("out", out, ndim=2, dtypes=(dt,), device=dev)
+            check_shape("out", out, (b, s.hidden_size))
+        if logits_out is not None:
+            if not self.lm_head:
+                raise ValueError("logits_out given but this decoder was built with lm_head=False")
+            check_tensor("logits_out", logits_out, ndim=2, dtypes=(torch.float32,), device=dev)
+            check_shape("logits_out", logits_out, (b, s.vocab_size))
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, *, out: torch.Tensor | None = None,
+                 logits_out: torch.Tensor | None = None, stop_after: int | None = None) -> torch.Tensor:
+        """Run all layers for B = hidden.shape[0] decode tokens (token b is request b) and return
+        the final-normed hidden [B, H]; this step's K/V are written into kv_caches at slot_mapping.
+        With lm_head=True the fp32 logits [B, V] go to logits_out (allocated if not given).
+
+        stop_after=N (debugging/bisection, not graph-safe: builds and uploads a program) runs only
+        the tasks with tid < N (Program.prefix), like vm.run(stop_after=N); inspect the
+        intermediates with buffers(B) (and out/logits_out/kv_caches)."""
+        self._check_inputs(hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin_cache,
+                           out, logits_out)
+        b = hidden.shape[0]
+        e = self._entry(b)
+        if stop_after is not None:
+            prog = e.program.prefix(stop_after)
+            e = _Entry(prog, [torch.from_numpy(s.encoded).to(self.device) if isinstance(s, Segment) else None
+                              for s in prog.steps], e.counters)
+        if out is None:
+            out = torch.empty_like(hidden)
+        if self.lm_head and logits_out is None:
+            logits_out = torch.empty(b, self.spec.vocab_size, dtype=torch.float32, device=self.device)
+        io = _StepIO(hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin_cache, out,
+                     logits_out)
+        if self.executor == "vm":
+            self._run_vm(e, io)
+        else:
+            self._run_cuda(e, io)
+        return out
+
+    def buffers(self, batch: int) -> dict[Buf, torch.Tensor]:
+        """Views of the workspace buffers (RESID, Q, ATTN_O, ACT, PART_O, PART_ML) for `batch`
+        tokens, as the last step left them (for op-by-op comparisons with the VM)."""
+        s = self.spec
+        C = attention_chunks(batch, s.num_kv_heads, self.num_sms)
+        parts = batch * s.num_kv_heads * C
+        out = {k: v[:batch] for k, v in self.ws.items()}
+        out[Buf.PART_O] = self.part_o[: parts * s.gqa_group * s.head_dim].view(
+            batch, s.num_kv_heads, C, s.gqa_group, s.head_dim)
+        out[Buf.PART_ML] = self.part_ml[: parts * s.gqa_group * 2].view(batch, s.num_kv_heads, C, s.gqa_group, 2)
+        return out
+
+    def _bufs(self, b: int, io: _StepIO) -> dict[Buf, torch.Tensor]:
+        bufs = self.buffers(b)
+        bufs[Buf.HIDDEN_IN] = io.hidden
+        bufs[Buf.OUT] = io.out
+        if io.logits is not None:
+            bufs[Buf.LOGITS] = io.logits
+        return bufs
+
+    def launch_args(self, e: _Entry, io: _StepIO, bufs: dict[Buf, torch.Tensor]) -> dict[str, object]:
+        """Arguments of mk_decode by name (encoding.KERNEL_PARAMS), except `prog`."""
+        cs = io.cos_sin
+        return {
+            "wptr": self._wptr, "kvptr": self._kv_table(io.kv_caches), "counters": e.counters,
+            "positions": io.positions, "slots": io.slot_mapping, "seq_lens": io.seq_lens,
+            "block_table": io.block_table, "bt_stride": io.block_table.stride(0),
+            "block_size": io.kv_caches[0].shape[2], "cos_sin": cs, "cs_rows": cs.shape[0],
+            "cs_stride": cs.stride(0), "cs_f32": 1 if cs.dtype == torch.float32 else 0,
+            "hidden_in": bufs[Buf.HIDDEN_IN], "resid": bufs[Buf.RESID], "q": bufs[Buf.Q],
+            "attn_o": bufs[Buf.ATTN_O], "act": bufs[Buf.ACT], "out": bufs[Buf.OUT],
+            "logits": bufs.get(Buf.LOGITS), "part_o": bufs[Buf.PART_O], "part_ml": bufs[Buf.PART_ML],
+            "trace": None,
+        }
+
+    def _run_cuda(self, e: _Entry, io: _StepIO) -> None:
+        b = io.hidden.shape[0]
+        bufs = self._bufs(b, io)
+        args = self.launch_args(e, io, bufs)
+        e.counters.zero_()
+        assert self._module is not None
+        for i, (step, prog) in enumerate(zip(e.program.steps, e.seg_progs)):
+            if isinstance(step, FallbackStep):
+                self._fallback(step.op, bufs, io)
+            else:
+                args["prog"] = prog
+                args["trace"] = e.traces[i] if e.traces is not None else None
+                self._module.launch(self.device, self.num_sms, args)
+
+    def trace_records(self, batch: int) -> list[dict[str, int | str]]:
+        """The per-task trace of the last step of `batch` tokens (decoder built with trace=True):
+        one dict per task with its tid, op key, opcode and the encoding.TRACE_FIELDS values
+        (%globaltimer ns; wait_cycles in SM clocks). Synchronises with the device."""
+        e = self._entry(batch)
+        if e.traces is None:
+            raise RuntimeError("tracing is off: build the decoder with trace=True (or MK_TRACE=1)")
+        rows = []
+        for step, tr in zip(e.program.steps, e.traces):
+            if tr is None:
+                continue
+            words = tr.view(-1, TRACE_WORDS).cpu().numpy()
+            enc_ = step.encoded
+            at = int(enc_[H["tasks_at"]])
+            tids = enc_[at:].reshape(-1, TASK_WORDS)[:, TASK_FIELDS.index("tid")]
+            by_tid = {t.tid: t for t in step.tasks}
+            for i, tid in enumerate(tids.tolist()):
+                row: dict[str, int | str] = {"tid": tid, "op": by_tid[tid].op.key}
+                row.update({f: int(words[i, j]) for j, f in enumerate(TRACE_FIELDS)})
+                rows.append(row)
+        return rows
+
+    def _run_vm(self, e: _Entry, io: _StepIO) -> None:
+        b = io.hidden.shape[0]
+        st = _vm.VMState(self.spec, b, e.program.attn_chunks, self.weights, self._bufs(b, io), io.kv_caches,
+                         io.positions, io.slot_mapping, io.seq_lens, io.block_table, io.cos_sin,
+                         [0] * e.program.num_counters)
+        if Buf.LOGITS not in st.bufs:
+            st.bufs[Buf.LOGITS] = torch.empty(b, self.spec.vocab_size, dtype=torch.float32)
+        for step in e.program.steps:
+            if isinstance(step, FallbackStep):
+                self._fallback(step.op, st.bufs, io)
+            else:
+                _vm.run_segment(step, st)
+
+    # ---- Triton fallback of one op, on the megakernel's buffers ---------------------------------
+    def _fallback(self, op: FusedOp, bufs: dict[Buf, torch.Tensor], io: _StepIO) -> None:
+        from .. import triton_ops as T
+        s, w = self.spec, self.weights
+        b = io.hidden.shape[0]
+        eps = s.rms_eps
+        if op.layer >= 0:
+            lw = w.layers[op.layer]
+            h = bufs[residual_source(op.layer)]
+        if op.name == "qkv_rope":
+            qkv = T.linear(h, lw.qkv, norm_weight=lw.input_norm, eps=eps, out=self.qkv_tmp[:b])
+            T.rope_kv_append(qkv, io.positions, io.cos_sin, io.kv_caches[op.layer], io.slot_mapping,
+                             num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                             q_out=bufs[Buf.Q])
+        elif op.name == "attention":
+            T.paged_attention(bufs[Buf.Q], io.kv_caches[op.layer], io.block_table, io.seq_lens,
+                              s.head_dim ** -0.5, out=bufs[Buf.ATTN_O], workspace=self.attn_ws)
+        elif op.name == "o_proj":
+            T.linear(bufs[Buf.ATTN_O], lw.o, residual=h, out=bufs[Buf.RESID])
+        elif op.name == "gate_up":
+            T.linear(bufs[Buf.RESID], lw.gate_up, norm_weight=lw.post_norm, eps=eps, activation="silu_and_mul",
+                     out=bufs[Buf.ACT])
+        elif op.name == "down":
+            T.linear(bufs[Buf.ACT], lw.down, residual=bufs[Buf.RESID], out=bufs[Buf.RESID])
+        elif op.name == "final_norm":
+            T.rms_norm(bufs[Buf.RESID], w.final_norm, eps, out=bufs[Buf.OUT])
+        elif op.name == "lm_head":
+            T.lm_head(bufs[Buf.OUT], w.lm_head, out=bufs[Buf.LOGITS])
+        else:  # pragma: no cover
+            raise AssertionError(op.name)
+
+
+@dataclass
+class _StepIO:
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    kv_caches: list[torch.Tensor]
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor | None

@@ -1,0 +1,381 @@
+"""The ONE source of truth for the megakernel's binary task program and its launch constants.
+
+Everything the CUDA code (csrc/) and the Python side (tasks, schedule, VM, runtime) must agree on is
+declared here once: opcodes, buffer ids, per-layer weight pointer slots, the task record's fields,
+the program header, the kernel's thread/shared-memory layout, and the per-model compile-time
+constants. :func:`generate_header` renders them as C++ (``csrc/tasks.h``, with static_asserts on
+sizes); :func:`kernel_defines` renders the per-model ``-D`` options. runtime.py feeds NVRTC the
+generator output directly, and a test checks that the committed ``csrc/tasks.h`` equals it.
+
+Program layout (int32 words, one array per megakernel launch):
+
+    header[HEADER_WORDS]                      see HEADER_FIELDS
+    queue_offsets[num_queues + 1]             task index range of queue i = [off[i], off[i+1])
+    (zero padding to a multiple of TASK_WORDS words, so every record is 64-byte aligned)
+    tasks[num_tasks][TASK_WORDS]              see TASK_FIELDS; queue i's tasks are contiguous
+"""
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..spec import LlamaSpec
+
+MAGIC = 0x4D4B5031  # "MKP1"
+VERSION = 1
+
+
+class Opcode(enum.IntEnum):
+    NOP = 0
+    QKV_ROPE = 1       # rms_norm + qkv linear + RoPE + KV append, over qkv units of one kv group
+    ATTN_PARTIAL = 2   # attention of (request b, kv head g, KV chunk c): partial (m, l, o)
+    ATTN_COMBINE = 3   # merge the chunks of (b, g) into ATTN_O
+    O_PROJ = 4         # ATTN_O @ Wo^T + residual
+    GATE_UP = 5        # rms_norm + gate_up linear + silu_and_mul
+    DOWN = 6           # ACT @ Wdown^T + residual
+    FINAL_NORM = 7     # final rms_norm of the residual stream
+    LM_HEAD = 8        # OUT @ Wlm^T
+
+
+class Buf(enum.IntEnum):
+    """Activation buffers, addressed by id in task records (the kernel keeps a pointer table)."""
+    HIDDEN_IN = 0   # [B, H]   caller's embedded input (read only; layer 0's residual source)
+    RESID = 1       # [B, H]   residual stream after layer 0's o_proj
+    Q = 2           # [B, q_size] roped q
+    ATTN_O = 3      # [B, q_size] attention output
+    ACT = 4         # [B, I]   silu(gate) * up
+    OUT = 5         # [B, H]   final-normed hidden (caller's `out`)
+    LOGITS = 6      # fp32 [B, V]
+    PART_O = 7      # fp32 [B, nkv, C, G, d]   attention chunk partial o (unnormalised)
+    PART_ML = 8     # fp32 [B, nkv, C, G, 2]   attention chunk partial (max score, sum of exp)
+    NONE = 15
+
+
+NUM_BUFS = 9
+
+
+class LayerPtr(enum.IntEnum):
+    """Slots of one row of the device weight-pointer table ([num_layers + 1, LP_COUNT] uint64)."""
+    QKV = 0
+    O = 1
+    GATE_UP = 2
+    DOWN = 3
+    IN_NORM = 4
+    POST_NORM = 5
+
+
+class ModelPtr(enum.IntEnum):
+    """Slots of the extra last row (index num_layers) of the weight-pointer table."""
+    FINAL_NORM = 0
+    LM_HEAD = 1
+
+
+LP_COUNT = 6
+
+# The megakernel's parameter list, (name, C type), in order: the generated header defines
+# MK_DECODE_PARAMS from it and runtime.MegakernelModule.launch packs arguments by these names.
+KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
+    ("prog", "const int* __restrict__"),                 # this launch's program (int32 words)
+    ("wptr", "const unsigned long long* __restrict__"),  # [(L + 1) * LP_COUNT] weight addresses
+    ("kvptr", "const unsigned long long* __restrict__"), # [L] kv cache base addresses
+    ("counters", "unsigned*"),                           # [num_counters * COUNTER_STRIDE], zeroed
+    ("positions", "const long long*"),                   # [B] int64
+    ("slots", "const long long*"),                       # [B] int64 slot_mapping (-1: padded)
+    ("seq_lens", "const int*"),                          # [>= B] int32 (0: padded)
+    ("block_table", "const int*"),                       # [>= B, max_blocks] int32, row stride below
+    ("bt_stride", "int"),
+    ("block_size", "int"),
+    ("cos_sin", "const void*"),                          # [max_pos, d] fp32 or model dtype
+    ("cs_rows", "int"),
+    ("cs_stride", "int"),
+    ("cs_f32", "int"),
+    ("hidden_in", "void*"),                              # Buf pointers (see Buf)
+    ("resid", "void*"),
+    ("q", "void*"),
+    ("attn_o", "void*"),
+    ("act", "void*"),
+    ("out", "void*"),
+    ("logits", "void*"),
+    ("part_o", "void*"),
+    ("part_ml", "void*"),
+    ("trace", "unsigned long long*"),                    # null, or [num_tasks * TRACE_WORDS]
+)
+
+# Per-task trace record (MK_TRACE / MegakernelDecoder(trace=True)), uint64 words: %globaltimer ns
+# when the consumers start the task (before its waits), are ready (waits done), end (before the
+# release); when the producer starts / finishes issuing the task's weight chunks; clock cycles the
+# first consumer warp spent waiting for weight chunks; the SM (block) index; the opcode.
+TRACE_FIELDS: tuple[str, ...] = ("start", "ready", "end", "prod_first", "prod_last", "wait_cycles", "sm",
+                                 "opcode")
+TRACE_WORDS = 8
+
+# Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
+#   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
+#     (a unit = 16 output columns; see tasks.py for the unit -> weight row map of each op)
+#   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c
+#   ATTN_COMBINE: arg0 = request b, arg1 = kv head g
+# A wait is (counter, target): the task starts once counters[ctr] >= target; ctr -1 = no wait.
+# The signal adds signal_add to counters[signal_ctr] once the task's stores are visible.
+TASK_FIELDS: tuple[str, ...] = (
+    "opcode", "layer", "arg0", "arg1", "arg2", "in_buf", "res_buf", "out_buf",
+    "wait0_ctr", "wait0_target", "wait1_ctr", "wait1_target", "signal_ctr", "signal_add",
+    "tid", "reserved",
+)
+TASK_WORDS = 16
+NUM_WAITS = 2
+F = {name: i for i, name in enumerate(TASK_FIELDS)}
+
+HEADER_FIELDS: tuple[str, ...] = (
+    "magic", "version", "num_queues", "batch", "num_tasks", "attn_chunks", "tasks_at", "spec_hash",
+)
+HEADER_WORDS = 8
+H = {name: i for i, name in enumerate(HEADER_FIELDS)}
+
+# Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
+COUNTER_STRIDE = 8
+MAX_BATCH = 16
+UNIT = 16  # output columns per unit (one m16 MMA tile of weight rows)
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """Thread roles and shared memory of one CTA (one per SM).
+
+    Warps 0..CONSUMER_WARPS-1 compute tasks; warp CONSUMER_WARPS is the producer that streams the
+    weights of its SM's queue, in queue order, through a ring of NUM_STAGES shared-memory slots
+    (cp.async.bulk, completion on mbarriers) independent of the counters, so the weights of the
+    next tasks arrive while the consumers wait. A slot holds one chunk: the 16 rows of one M-tile x
+    CHUNK_COLS columns (16 bulk copies of 2 KiB), rows padded by 16 bytes (conflict-free ldmatrix).
+    (A first version used chunks of up to 128 rows x 128 columns, i.e. 256-byte copies: a 1B step
+    took 2.1 ms on the H200 against 1.4 ms with this layout, other things equal but x prefetch.)"""
+    consumer_warps: int = 8
+    producer_warps: int = 1
+    num_stages: int = 6
+    chunk_cols: int = 1024          # columns of a chunk (16-bit elements)
+    union_bytes: int = 32768        # per-task scratch: matvec reduction / attention merge
+    acc_tiles: int = 8              # m16n8 accumulator tiles per warp (M-tiles * N-tiles of a pass)
+    misc_bytes: int = 512           # mbarriers, rstd[16], kernel parameters
+
+    @property
+    def row_bytes(self) -> int:
+        """Shared-memory stride of a chunk row: 16 B of padding, an odd number of 16 B units."""
+        return self.chunk_cols * 2 + 16
+
+    @property
+    def slot_bytes(self) -> int:
+        return 16 * self.row_bytes
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * (self.consumer_warps + self.producer_warps)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
+
+
+LAYOUT = KernelLayout()
+SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
+
+
+def _check_layout() -> None:
+    lay = LAYOUT
+    assert lay.smem_bytes <= SMEM_LIMIT, lay.smem_bytes
+    assert lay.chunk_cols % (16 * lay.consumer_warps) == 0
+    assert (lay.row_bytes // 16) % 2 == 1  # odd number of 16 B units: conflict-free ldmatrix
+    assert lay.union_bytes >= lay.consumer_warps * lay.acc_tiles * 32 * 16  # matvec reduction
+
+
+_check_layout()
+
+
+# --------------------------------------------------------------------------------------------
+# Per-model compile-time constants
+# --------------------------------------------------------------------------------------------
+
+def kernel_defines(spec: LlamaSpec) -> list[str]:
+    """The -D options that specialise csrc/ to one model (same list for NVRTC and nvcc)."""
+    d = {
+        "MK_HIDDEN": spec.hidden_size,
+        "MK_INTER": spec.intermediate_size,
+        "MK_NQ": spec.num_q_heads,
+        "MK_NKV": spec.num_kv_heads,
+        "MK_HEAD_DIM": spec.head_dim,
+        "MK_VOCAB": spec.vocab_size,
+        "MK_LAYERS": spec.num_layers,
+        "MK_DTYPE_BF16": 1 if spec.dtype == "bfloat16" else 0,
+    }
+    out = [f"-D{k}={v}" for k, v in d.items()]
+    out.append(f"-DMK_EPS={float(spec.rms_eps)!r}f")
+    out.append(f"-DMK_SPEC_HASH={spec_hash_of(out)}")
+    return out
+
+
+def spec_hash_of(defines: list[str]) -> int:
+    """31-bit hash of the model defines; stored in each program header and compiled into the
+    kernel, which traps if a program built for another model is launched on it."""
+    return zlib.crc32(" ".join(x for x in defines if not x.startswith("-DMK_SPEC_HASH")).encode()) & 0x7FFFFFFF
+
+
+def spec_hash(spec: LlamaSpec) -> int:
+    return spec_hash_of(kernel_defines(spec))
+
+
+def megakernel_supports(spec: LlamaSpec) -> str | None:
+    """None if the megakernel can run `spec`, else the reason (the caller falls back to Triton).
+    Every valid LlamaSpec is supported today (head_dim 64/128, sizes multiples of 16, any GQA
+    group: attention processes a group's q heads in passes of at most 4)."""
+    del spec
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding / decoding
+# --------------------------------------------------------------------------------------------
+
+def tasks_offset(num_queues: int) -> int:
+    """Word index of the first task record: header + offsets, padded to TASK_WORDS."""
+    n = HEADER_WORDS + num_queues + 1
+    return -(-n // TASK_WORDS) * TASK_WORDS
+
+
+def encode(records: list[list[int]], queues: list[list[int]], *, batch: int, attn_chunks: int,
+           spec_hash: int) -> np.ndarray:
+    """Pack task records (lists of TASK_WORDS ints, indexed by position in `records`) and per-SM
+    queues (lists of record indices, in execution order) into one int32 program array."""
+    nq = len(queues)
+    order = [i for q in queues for i in q]
+    if sorted(order) != list(range(len(records))):
+        raise ValueError("every task must appear in exactly one queue")
+    at = tasks_offset(nq)
+    prog = np.zeros(at + len(order) * TASK_WORDS, dtype=np.int32)
+    hdr = {"magic": MAGIC, "version": VERSION, "num_queues": nq, "batch": batch,
+           "num_tasks": len(order), "attn_chunks": attn_chunks, "tasks_at": at, "spec_hash": spec_hash}
+    for k, v in hdr.items():
+        prog[H[k]] = v
+    off = 0
+    for i, q in enumerate(queues):
+        prog[HEADER_WORDS + i] = off
+        off += len(q)
+    prog[HEADER_WORDS + nq] = off
+    for slot, idx in enumerate(order):
+        rec = records[idx]
+        if len(rec) != TASK_WORDS:
+            raise ValueError(f"record {idx} has {len(rec)} words, expected {TASK_WORDS}")
+        prog[at + slot * TASK_WORDS: at + (slot + 1) * TASK_WORDS] = rec
+    return prog
+
+
+@dataclass(frozen=True)
+class DecodedProgram:
+    header: dict[str, int]
+    queues: list[list[dict[str, int]]]  # per queue, the decoded task records in order
+
+    @property
+    def num_tasks(self) -> int:
+        return sum(len(q) for q in self.queues)
+
+
+def decode(prog: np.ndarray) -> DecodedProgram:
+    """Inverse of :func:`encode` (checks magic, version and bounds)."""
+    p = np.asarray(prog, dtype=np.int32)
+    hdr = {k: int(p[i]) for k, i in H.items()}
+    if hdr["magic"] != MAGIC or hdr["version"] != VERSION:
+        raise ValueError(f"not a megakernel program (magic {hdr['magic']:#x}, version {hdr['version']})")
+    nq = hdr["num_queues"]
+    offs = [int(x) for x in p[HEADER_WORDS: HEADER_WORDS + nq + 1]]
+    at = hdr["tasks_at"]
+    if at != tasks_offset(nq) or offs[-1] != hdr["num_tasks"] or p.size != at + offs[-1] * TASK_WORDS:
+        raise ValueError("corrupt program: offsets/size disagree with the header")
+    queues = []
+    for i in range(nq):
+        q = []
+        for t in range(offs[i], offs[i + 1]):
+            w = p[at + t * TASK_WORDS: at + (t + 1) * TASK_WORDS]
+            q.append({name: int(w[j]) for j, name in enumerate(TASK_FIELDS)})
+        queues.append(q)
+    return DecodedProgram(hdr, queues)
+
+
+# --------------------------------------------------------------------------------------------
+# C++ header
+# --------------------------------------------------------------------------------------------
+
+def _enum_cpp(name: str, prefix: str, e: type[enum.IntEnum]) -> str:
+    items = ",\n".join(f"  {prefix}{m.name} = {int(m.value)}" for m in e)
+    return f"enum {name} : int {{\n{items}\n}};\n"
+
+
+def generate_header() -> str:
+    """C++ text of csrc/tasks.h (model-independent; the model comes in through kernel_defines)."""
+    lay = LAYOUT
+    lines = [
+        "// GENERATED by mk_plugin/persistent/encoding.py (generate_header) -- do not edit.",
+        "// tests/test_persistent_encoding.py checks that this file equals the generator output.",
+        "#pragma once",
+        "",
+        "namespace mk {",
+        "",
+        _enum_cpp("Opcode", "OP_", Opcode),
+        _enum_cpp("BufId", "BUF_", Buf),
+        _enum_cpp("LayerPtrSlot", "LP_", LayerPtr),
+        _enum_cpp("ModelPtrSlot", "MP_", ModelPtr),
+        "// Parameters of the extern \"C\" kernel mk_decode (encoding.KERNEL_PARAMS)",
+        "#define MK_DECODE_PARAMS " + ", ".join(f"{t} {n}" for n, t in KERNEL_PARAMS),
+        "",
+        f"constexpr int NUM_BUFS = {NUM_BUFS};",
+        f"constexpr int LP_COUNT = {LP_COUNT};",
+        f"constexpr int PROGRAM_MAGIC = {MAGIC:#x};",
+        f"constexpr int PROGRAM_VERSION = {VERSION};",
+        f"constexpr int TASK_WORDS = {TASK_WORDS};",
+        f"constexpr int NUM_WAITS = {NUM_WAITS};",
+        f"constexpr int HEADER_WORDS = {HEADER_WORDS};",
+        f"constexpr int COUNTER_STRIDE = {COUNTER_STRIDE};",
+        f"constexpr int MAX_BATCH = {MAX_BATCH};",
+        f"constexpr int UNIT = {UNIT};",
+        "",
+        "// Header words",
+    ]
+    lines += [f"constexpr int HDR_{k.upper()} = {i};" for k, i in H.items()]
+    lines += ["", "// Task record fields (int32 word index)"]
+    lines += [f"constexpr int F_{k.upper()} = {i};" for k, i in F.items()]
+    lines += ["", "struct TaskRecord {"]
+    lines += [f"  int {k};" for k in TASK_FIELDS]
+    lines += ["};"]
+    lines += ["static_assert(sizeof(TaskRecord) == TASK_WORDS * 4, \"task record size\");"]
+    # (NVRTC has no offsetof: fields are all int and declared in F_* order, so size + count suffice.)
+    lines += [f"static_assert(F_{TASK_FIELDS[-1].upper()} == TASK_WORDS - 1, \"field count\");",
+              f"static_assert(HDR_{HEADER_FIELDS[-1].upper()} == HEADER_WORDS - 1, \"header size\");"]
+    lines += [
+        "",
+        "// Kernel layout (one CTA per SM)",
+        f"constexpr int CONSUMER_WARPS = {lay.consumer_warps};",
+        f"constexpr int PRODUCER_WARPS = {lay.producer_warps};",
+        f"constexpr int NUM_THREADS = {lay.num_threads};",
+        f"constexpr int CONSUMER_THREADS = {32 * lay.consumer_warps};",
+        f"constexpr int NUM_STAGES = {lay.num_stages};",
+        f"constexpr int CHUNK_COLS = {lay.chunk_cols};",
+        f"constexpr int ROW_BYTES = {lay.row_bytes};",
+        f"constexpr int SLOT_BYTES = {lay.slot_bytes};",
+        f"constexpr int UNION_BYTES = {lay.union_bytes};",
+        f"constexpr int ACC_TILES = {lay.acc_tiles};",
+        f"constexpr int MISC_BYTES = {lay.misc_bytes};",
+        f"constexpr int SMEM_BYTES = {lay.smem_bytes};",
+        "static_assert(NUM_THREADS == 32 * (CONSUMER_WARPS + PRODUCER_WARPS), \"threads\");",
+        "static_assert(SMEM_BYTES == NUM_STAGES * SLOT_BYTES + UNION_BYTES + MISC_BYTES, \"smem\");",
+        f"static_assert(SMEM_BYTES <= {SMEM_LIMIT}, \"dynamic shared memory over the sm_90 limit\");",
+        "static_assert(SLOT_BYTES % 128 == 0 && UNION_BYTES % 128 == 0, \"128-byte aligned regions\");",
+        "static_assert(SLOT_BYTES == 16 * ROW_BYTES && ROW_BYTES == 2 * CHUNK_COLS + 16, \"slot\");",
+        "static_assert((ROW_BYTES / 16) % 2 == 1, \"odd 16-byte units per row: conflict-free ldmatrix\");",
+        f"constexpr int TRACE_WORDS = {TRACE_WORDS};",
+    ]
+    lines += [f"constexpr int TR_{k.upper()} = {i};" for i, k in enumerate(TRACE_FIELDS)]
+    lines += [
+        "",
+        "}  // namespace mk",
+        "",
+    ]
+    return "\n".join(lines)

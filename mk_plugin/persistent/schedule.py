@@ -1,0 +1,198 @@
+"""Per-SM queues, segments cut at fallback ops, and the assembled, encoded Program.
+
+Queues. The grid has one CTA per SM, all co-resident (checked at launch: grid = SM count and one
+CTA fits per SM). Every queue lists its tasks in increasing tid, and tid is a topological order of
+the dependencies (a task only waits on tasks of earlier ops). Hence no SM ever waits on work queued
+behind itself: the unfinished task of smallest tid has all its dependencies done and is at the head
+of its queue, so some SM can always progress. vm.check_deadlock_free re-proves this per program by
+simulation.
+
+Assignment is greedy list scheduling: the tasks of each op (phase), largest first, each go to the
+SM with the least estimated work so far (weight bytes + a fixed per-task overhead), so SMs that took
+a larger share of one op take a smaller share of the next.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..spec import LlamaSpec
+from .encoding import encode, megakernel_supports, spec_hash
+from .graph import FusedOp, split_segments
+from .tasks import Counter, Task, TaskSet, build_tasks
+
+
+def schedule_queues(tasks: list[Task], num_sms: int) -> list[list[int]]:
+    """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs."""
+    load = [(0.0, sm) for sm in range(num_sms)]
+    heapq.heapify(load)
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    i = 0
+    while i < len(tasks):
+        j = i
+        key = (tasks[i].op.key, tasks[i].phase)
+        while j < len(tasks) and (tasks[j].op.key, tasks[j].phase) == key:
+            j += 1
+        for idx in sorted(range(i, j), key=lambda k: -tasks[k].cost):
+            w, sm = heapq.heappop(load)
+            queues[sm].append(idx)
+            heapq.heappush(load, (w + tasks[idx].cost, sm))
+        i = j
+    for q in queues:
+        q.sort(key=lambda k: tasks[k].tid)
+    return queues
+
+
+@dataclass
+class Segment:
+    """One megakernel launch: tasks of consecutive non-fallback ops."""
+    ops: list[FusedOp]
+    tasks: list[Task]                  # tid order
+    waits: list[list[tuple[int, int]]]  # per task, the waits kept (dependencies inside the segment)
+    queues: list[list[int]]            # per SM, indices into tasks
+    encoded: np.ndarray                # int32 program (encoding.encode)
+
+
+@dataclass
+class FallbackStep:
+    """One op run by the Triton kernels between segments; tid_range is what its tasks would be."""
+    op: FusedOp
+    tid_range: tuple[int, int]
+
+
+@dataclass
+class Program:
+    spec: LlamaSpec
+    batch: int
+    num_sms: int
+    lm_head: bool
+    fallback: frozenset[str]
+    attn_chunks: int
+    steps: list[Segment | FallbackStep]
+    counters: list[Counter]
+    op_ranges: dict[str, tuple[int, int]]
+    num_tids: int
+    prefix_len: int | None = None      # set on truncated programs
+    taskset: TaskSet | None = field(default=None, repr=False)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for s in self.steps if isinstance(s, Segment)]
+
+    @property
+    def num_counters(self) -> int:
+        return len(self.counters)
+
+    def op_end(self, key: str) -> int:
+        """The tid just past op `key` (e.g. 'L3.gate_up', 'final_norm'): a bisection point."""
+        return self.op_ranges[key][1]
+
+    def prefix(self, n: int) -> Program:
+        """The program that runs only tasks with tid < n (and fallback ops wholly before n). tid
+        order is topological, so the prefix is closed under dependencies and deadlock free."""
+        steps: list[Segment | FallbackStep] = []
+        for s in self.steps:
+            if isinstance(s, FallbackStep):
+                if s.tid_range[1] <= n:
+                    steps.append(s)
+                continue
+            keep = [i for i, t in enumerate(s.tasks) if t.tid < n]
+            if not keep:
+                continue
+            remap = {old: new for new, old in enumerate(keep)}
+            tasks = [s.tasks[i] for i in keep]
+            waits = [s.waits[i] for i in keep]
+            queues = [[remap[i] for i in q if i in remap] for q in s.queues]
+            steps.append(Segment(s.ops, tasks, waits, queues,
+                                 _encode_segment(self.spec, self.batch, self.attn_chunks, tasks, waits, queues)))
+        return replace(self, steps=steps, prefix_len=n)
+
+
+def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
+                    waits: list[list[tuple[int, int]]], queues: list[list[int]]) -> np.ndarray:
+    records = [t.record(w) for t, w in zip(tasks, waits)]
+    return encode(records, queues, batch=batch, attn_chunks=chunks, spec_hash=spec_hash(spec))
+
+
+def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
+                  fallback: frozenset[str] = frozenset()) -> Program:
+    """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
+    Built once per (spec, padded batch, SM count, lm_head, fallback) and reused every step."""
+    why = megakernel_supports(spec)
+    if why is not None:
+        raise ValueError(f"the megakernel cannot run this model: {why}")
+    ts = build_tasks(spec, batch, num_sms, lm_head)
+    fallback = frozenset(fallback)
+    steps: list[Segment | FallbackStep] = []
+    for part in split_segments(ts.ops, fallback):
+        if isinstance(part, FusedOp):
+            steps.append(FallbackStep(part, ts.op_ranges[part.key]))
+            continue
+        keys = {op.key for op in part}
+        tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
+        # A wait on an op in another segment is dropped: the launch boundary orders it.
+        waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
+        queues = schedule_queues(tasks, num_sms)
+        steps.append(Segment(part, tasks, waits, queues,
+                             _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues)))
+    return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
+                   ts.op_ranges, len(ts.tasks), taskset=ts)
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2] and a[3] < b[4] and b[3] < a[4]
+
+
+def check_ordering(program: Program) -> None:
+    """Prove that every pair of tasks touching overlapping data (one of them writing) is ordered by
+    happens-before in the same direction as tid order. Happens-before edges: queue order on one SM,
+    counter waits (every target is the counter's total, so the waiter follows all its signallers),
+    and launch boundaries between segments. Fallback ops are checked by their own kernel order.
+    Raises AssertionError naming the first unordered pair. Quadratic: for small programs."""
+    signallers: dict[int, list[int]] = {}
+    seg_of: dict[int, int] = {}
+    tasks: dict[int, Task] = {}
+    preds: dict[int, set[int]] = {}
+    for si, seg in enumerate(program.segments):
+        for t, w in zip(seg.tasks, seg.waits):
+            seg_of[t.tid] = si
+            tasks[t.tid] = t
+            preds[t.tid] = set()
+            if t.signal is not None:
+                signallers.setdefault(t.signal[0], []).append(t.tid)
+            for c, target in w:
+                assert target == program.counters[c].total, f"task {t.tid} waits on a partial counter"
+        for q in seg.queues:
+            for a, b in itertools.pairwise(q):
+                preds[seg.tasks[b].tid].add(seg.tasks[a].tid)
+    for seg in program.segments:
+        for t, w in zip(seg.tasks, seg.waits):
+            for c, _ in w:
+                preds[t.tid].update(s for s in signallers[c] if seg_of[s] == seg_of[t.tid])
+    order = sorted(tasks)
+    reach: dict[int, int] = {}
+    seg_start_mask: dict[int, int] = {}
+    mask_so_far = 0
+    prev_seg = None
+    for tid in order:
+        si = seg_of[tid]
+        if si != prev_seg:
+            seg_start_mask[si] = mask_so_far  # every task of earlier segments happens before
+            prev_seg = si
+        r = seg_start_mask[si]
+        for p in preds[tid]:
+            assert p < tid, f"dependency edge {p} -> {tid} goes backwards in tid order"
+            r |= reach[p] | (1 << p)
+        reach[tid] = r
+        mask_so_far |= 1 << tid
+    for i, a in enumerate(order):
+        ta = tasks[a]
+        for b in order[i + 1:]:
+            tb = tasks[b]
+            conflict = any(_overlaps(x, y) for x in ta.writes for y in tb.reads + tb.writes) or any(
+                _overlaps(x, y) for x in ta.reads for y in tb.writes)
+            if conflict and not (reach[b] >> a) & 1:
+                raise AssertionError(f"unordered conflict: task {a} ({ta.op.key}) and task {b} ({tb.op.key})")

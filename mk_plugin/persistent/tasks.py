@@ -1,0 +1,301 @@
+"""Split each fused op of the decode step into tasks, and express their dependencies as counters.
+
+Units. Every linear op's output is cut into units of 16 columns (one m16 MMA tile of weight rows,
+two for gate_up):
+- qkv_rope: unit (head, s) = the 8 rows s*8..s*8+7 of the head's first half plus the matching 8
+  rows of its second half, so RoPE's pairs (j, j + d/2) sit in one tile (rows r and r+8). Units are
+  numbered group-major: for kv group g, q heads g*G..g*G+G-1, then k head g, then v head g, each
+  with d/16 units, so the units a group's attention reads are one contiguous range.
+- gate_up: unit u = gate rows [16u, 16u+16) and up rows [I+16u, I+16u+16) (act columns 16u..).
+- o_proj, down, lm_head: unit u = weight rows [16u, 16u+16) (lm_head's last unit may be partial).
+- final_norm: unit u = output columns [16u, 16u+16) (no weight matrix).
+A task covers a contiguous range of units; each op is split into about one task per SM.
+
+Attention: one partial task per (request b, kv head g, chunk c), c < C chunks chosen so that
+B * nkv * C covers the SMs; chunk c of a request with L tokens covers tokens
+[min(L, c*cs), min(L, (c+1)*cs)) with cs = ceil(L / C) (read from seq_lens at run time). With C > 1
+one combine task per (b, g) merges the chunks; with C == 1 the partial writes ATTN_O directly.
+
+Dependencies are monotonic uint32 counters in global memory. A task waits until counter >= target
+and, once its stores are visible, adds signal_add to its signal counter. Every target equals the
+counter's final value (all the producing tasks have finished), so "wait" means "after all writers":
+- qkv_rope of layer l waits on down(l-1) (all units: rms_norm reads the whole row);
+  each qkv task signals its group's counter qkv[l][g] with its unit count (target: units of group).
+- attention partial (b, g, c) waits on qkv[l][g] only: the q heads of group g and K/V head g are
+  the only tiles it reads (tile granularity). It signals part[l][b][g] (target C), or attn[l] when
+  C == 1. combine (b, g) waits on part[l][b][g] and signals attn[l] (target B * nkv).
+- o_proj waits on attn[l] (it reads all heads); gate_up on o_proj[l] (rms_norm reads the row);
+  down on gate_up[l] (the reduction reads all of ACT); final_norm on down[L-1]; lm_head on final.
+Write-after-read reuse of Q, ATTN_O, ACT, PART_* and RESID across layers is ordered transitively
+through these chains; schedule.check_ordering proves it for a program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec import LlamaSpec
+from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode
+from .graph import FusedOp, decode_graph, residual_source
+
+MAX_ATTN_CHUNKS = 32
+# Scheduling cost model (bytes-equivalent): a task's fixed overhead (counter wait, barriers, norm
+# statistics) ~ 1 us of one SM's share of HBM bandwidth (4.8 TB/s / 132 ~ 36 GB/s).
+TASK_OVERHEAD = 36_000
+ATTN_PARTIAL_COST = 64_000
+ATTN_COMBINE_COST = 8_000
+
+OP_OPCODE = {"qkv_rope": Opcode.QKV_ROPE, "o_proj": Opcode.O_PROJ, "gate_up": Opcode.GATE_UP,
+             "down": Opcode.DOWN, "final_norm": Opcode.FINAL_NORM, "lm_head": Opcode.LM_HEAD}
+
+# A region of a buffer touched by a task: (buffer, row_lo, row_hi, col_lo, col_hi), half-open.
+# "KV<l>" regions: row = request, col = (k|v) * kv_size + head * d + dim. Used by schedule.check_ordering.
+Region = tuple[str, int, int, int, int]
+
+
+@dataclass
+class Counter:
+    name: str
+    producer: str          # FusedOp.key of the op whose tasks signal it
+    total: int = 0         # sum of all signal_add (the value once every signaller is done)
+
+
+@dataclass
+class Task:
+    tid: int               # position in the global topological order of the step
+    opcode: Opcode
+    op: FusedOp
+    args: tuple[int, int, int]
+    in_buf: Buf = Buf.NONE
+    res_buf: Buf = Buf.NONE
+    out_buf: Buf = Buf.NONE
+    waits: list[tuple[int, int]] = field(default_factory=list)   # (counter id, target)
+    signal: tuple[int, int] | None = None                       # (counter id, add)
+    cost: float = 0.0
+    reads: list[Region] = field(default_factory=list)
+    writes: list[Region] = field(default_factory=list)
+    phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
+
+    def record(self, waits: list[tuple[int, int]] | None = None) -> list[int]:
+        """The TASK_WORDS int32 words of this task (encoding.TASK_FIELDS order)."""
+        ws = list(self.waits if waits is None else waits)
+        if len(ws) > NUM_WAITS:
+            raise ValueError(f"task {self.tid} has {len(ws)} waits; the record holds {NUM_WAITS}")
+        ws += [(-1, 0)] * (NUM_WAITS - len(ws))
+        sig = self.signal or (-1, 0)
+        rec = [int(self.opcode), self.op.layer, *self.args, int(self.in_buf), int(self.res_buf),
+               int(self.out_buf)]
+        for c, t in ws:
+            rec += [c, t]
+        rec += [sig[0], sig[1], self.tid, 0]
+        assert len(rec) == TASK_WORDS
+        return rec
+
+
+@dataclass
+class TaskSet:
+    spec: LlamaSpec
+    batch: int
+    num_sms: int
+    attn_chunks: int
+    ops: list[FusedOp]
+    tasks: list[Task]                      # tid order
+    counters: list[Counter]
+    op_ranges: dict[str, tuple[int, int]]  # FusedOp.key -> [first tid, last tid + 1)
+
+
+def attention_chunks(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Chunks per (request, kv head): as many partial tasks as fit in one wave over the SMs."""
+    return max(1, min(MAX_ATTN_CHUNKS, num_sms // (batch * num_kv_heads)))
+
+
+def split_units(start: int, count: int, parts: int) -> list[tuple[int, int]]:
+    """[start, start+count) cut into min(parts, count) contiguous ranges of near-equal size."""
+    parts = max(1, min(parts, count))
+    base, extra = divmod(count, parts)
+    out, s = [], start
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append((s, n))
+        s += n
+    return out
+
+
+def qkv_units_per_group(spec: LlamaSpec) -> int:
+    return (spec.gqa_group + 2) * (spec.head_dim // UNIT)
+
+
+def qkv_unit(spec: LlamaSpec, u: int) -> tuple[str, int, int]:
+    """Unit u of qkv_rope -> (kind 'q'|'k'|'v', head index within its kind, sub-tile s)."""
+    ug = qkv_units_per_group(spec)
+    g, r = divmod(u, ug)
+    hl, s = divmod(r, spec.head_dim // UNIT)
+    if hl < spec.gqa_group:
+        return "q", g * spec.gqa_group + hl, s
+    return ("k" if hl == spec.gqa_group else "v"), g, s
+
+
+def qkv_unit_rows(spec: LlamaSpec, u: int) -> list[int]:
+    """The 16 weight rows of qkv unit u, in MMA row order (8 first-half rows, then their pairs)."""
+    kind, head, s = qkv_unit(spec, u)
+    d = spec.head_dim
+    row0 = {"q": head * d, "k": spec.q_size + head * d, "v": spec.q_size + spec.kv_size + head * d}[kind]
+    return [row0 + s * 8 + i for i in range(8)] + [row0 + d // 2 + s * 8 + i for i in range(8)]
+
+
+def qkv_unit_dims(spec: LlamaSpec, u: int) -> list[int]:
+    """Head dims (0..d-1) of the 16 rows of qkv unit u, in MMA row order."""
+    _, _, s = qkv_unit(spec, u)
+    d = spec.head_dim
+    return [s * 8 + i for i in range(8)] + [d // 2 + s * 8 + i for i in range(8)]
+
+
+def op_units(spec: LlamaSpec, name: str) -> int:
+    return {
+        "qkv_rope": spec.num_kv_heads * qkv_units_per_group(spec),
+        "o_proj": spec.hidden_size // UNIT,
+        "gate_up": spec.intermediate_size // UNIT,
+        "down": spec.hidden_size // UNIT,
+        "final_norm": spec.hidden_size // UNIT,
+        "lm_head": -(-spec.vocab_size // UNIT),
+    }[name]
+
+
+def weight_k(spec: LlamaSpec, name: str) -> int:
+    """Reduction length K of the op's weight matrix (0: no matrix)."""
+    return {"qkv_rope": spec.hidden_size, "o_proj": spec.q_size, "gate_up": spec.hidden_size,
+            "down": spec.intermediate_size, "lm_head": spec.hidden_size, "final_norm": 0}[name]
+
+
+def unit_weight_bytes(spec: LlamaSpec, name: str) -> int:
+    el = 2 if spec.dtype in ("bfloat16", "float16") else 4
+    rows = 2 * UNIT if name == "gate_up" else UNIT
+    return rows * weight_k(spec, name) * el
+
+
+class _Builder:
+    def __init__(self, spec: LlamaSpec, batch: int, num_sms: int):
+        self.spec, self.batch, self.num_sms = spec, batch, num_sms
+        self.tasks: list[Task] = []
+        self.counters: list[Counter] = []
+        self.by_name: dict[str, int] = {}
+
+    def counter(self, name: str, producer: str) -> int:
+        if name not in self.by_name:
+            self.by_name[name] = len(self.counters)
+            self.counters.append(Counter(name, producer))
+        return self.by_name[name]
+
+    def add(self, task: Task) -> Task:
+        task.tid = len(self.tasks)
+        if task.signal is not None:
+            self.counters[task.signal[0]].total += task.signal[1]
+        self.tasks.append(task)
+        return task
+
+
+def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False) -> TaskSet:
+    """Every task of one decode step of `batch` tokens for a GPU with `num_sms` SMs, in a global
+    topological order (tid), with counters and targets. Waits are filled in after all counters
+    exist (targets are the counters' totals)."""
+    if not 1 <= batch <= 16:
+        raise ValueError(f"batch={batch}; the megakernel supports 1..16 decode tokens")
+    if num_sms < 1:
+        raise ValueError(f"num_sms={num_sms} must be >= 1")
+    bld = _Builder(spec, batch, num_sms)
+    ops = decode_graph(spec, lm_head)
+    C = attention_chunks(batch, spec.num_kv_heads, num_sms)
+    G, d, nkv, B = spec.gqa_group, spec.head_dim, spec.num_kv_heads, batch
+    op_ranges: dict[str, tuple[int, int]] = {}
+    # (task, [counter names it waits on]) -- resolved to (id, total) at the end
+    pending: list[tuple[Task, list[str]]] = []
+    all_rows = (0, B)
+
+    for op in ops:
+        first = len(bld.tasks)
+        L = op.layer
+        name = op.name
+        if name == "qkv_rope":
+            ug = qkv_units_per_group(spec)
+            per_group = max(1, round(num_sms / nkv))
+            src = residual_source(L)
+            for g in range(nkv):
+                ctr = bld.counter(f"L{L}.qkv.g{g}", op.key)
+                for u0, n in split_units(g * ug, ug, per_group):
+                    writes: list[Region] = []
+                    for u in range(u0, u0 + n):
+                        kind, head, s = qkv_unit(spec, u)
+                        if kind == "q":
+                            for c0 in (head * d + s * 8, head * d + d // 2 + s * 8):
+                                writes.append(("Q", 0, B, c0, c0 + 8))
+                        else:  # KV<l> regions: row = request, col = (k|v) * kv_size + head * d + dim
+                            base = (0 if kind == "k" else spec.kv_size) + head * d
+                            for c0 in (base + s * 8, base + d // 2 + s * 8):
+                                writes.append((f"KV{L}", 0, B, c0, c0 + 8))
+                    t = bld.add(Task(0, Opcode.QKV_ROPE, op, (u0, n, 0), in_buf=src, out_buf=Buf.Q,
+                                     signal=(ctr, n), cost=n * unit_weight_bytes(spec, name) + TASK_OVERHEAD,
+                                     reads=[(src.name, 0, B, 0, spec.hidden_size)], writes=writes))
+                    pending.append((t, [f"L{L - 1}.down"] if L > 0 else []))
+        elif name == "attention":
+            for b in range(B):
+                for g in range(nkv):
+                    for c in range(C):
+                        if C == 1:
+                            sig, out = bld.counter(f"L{L}.attn", op.key), Buf.ATTN_O
+                            w = [("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]
+                        else:
+                            sig, out = bld.counter(f"L{L}.part.b{b}.g{g}", op.key), Buf.PART_O
+                            w = [("PART", b, b + 1, g * C + c, g * C + c + 1)]
+                        t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q, out_buf=out,
+                                         signal=(sig, 1), cost=ATTN_PARTIAL_COST,
+                                         reads=[("Q", b, b + 1, g * G * d, (g + 1) * G * d),
+                                                (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
+                                                (f"KV{L}", b, b + 1, spec.kv_size + g * d,
+                                                 spec.kv_size + (g + 1) * d)], writes=w))
+                        pending.append((t, [f"L{L}.qkv.g{g}"]))
+            if C > 1:
+                for b in range(B):
+                    for g in range(nkv):
+                        t = bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), in_buf=Buf.PART_O,
+                                         out_buf=Buf.ATTN_O, signal=(bld.counter(f"L{L}.attn", op.key), 1),
+                                         cost=ATTN_COMBINE_COST, phase=1,
+                                         reads=[("PART", b, b + 1, g * C, (g + 1) * C)],
+                                         writes=[("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]))
+                        pending.append((t, [f"L{L}.part.b{b}.g{g}"]))
+        else:
+            units = op_units(spec, name)
+            ctr = bld.counter(op.key, op.key)
+            for u0, n in split_units(0, units, num_sms):
+                c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
+                if name == "o_proj":
+                    src = residual_source(L)
+                    t = Task(0, Opcode.O_PROJ, op, (u0, n, 0), in_buf=Buf.ATTN_O, res_buf=src, out_buf=Buf.RESID,
+                             reads=[("ATTN_O", *all_rows, 0, spec.q_size), (src.name, *all_rows, c0, c1)],
+                             writes=[("RESID", *all_rows, c0, c1)])
+                    deps = [f"L{L}.attn"]
+                elif name == "gate_up":
+                    t = Task(0, Opcode.GATE_UP, op, (u0, n, 0), in_buf=Buf.RESID, out_buf=Buf.ACT,
+                             reads=[("RESID", *all_rows, 0, spec.hidden_size)], writes=[("ACT", *all_rows, c0, c1)])
+                    deps = [f"L{L}.o_proj"]
+                elif name == "down":
+                    t = Task(0, Opcode.DOWN, op, (u0, n, 0), in_buf=Buf.ACT, res_buf=Buf.RESID, out_buf=Buf.RESID,
+                             reads=[("ACT", *all_rows, 0, spec.intermediate_size), ("RESID", *all_rows, c0, c1)],
+                             writes=[("RESID", *all_rows, c0, c1)])
+                    deps = [f"L{L}.gate_up"]
+                elif name == "final_norm":
+                    t = Task(0, Opcode.FINAL_NORM, op, (u0, n, 0), in_buf=Buf.RESID, out_buf=Buf.OUT,
+                             reads=[("RESID", *all_rows, 0, spec.hidden_size)], writes=[("OUT", *all_rows, c0, c1)])
+                    deps = [f"L{spec.num_layers - 1}.down"]
+                elif name == "lm_head":
+                    t = Task(0, Opcode.LM_HEAD, op, (u0, n, 0), in_buf=Buf.OUT, out_buf=Buf.LOGITS,
+                             reads=[("OUT", *all_rows, 0, spec.hidden_size)], writes=[("LOGITS", *all_rows, c0, c1)])
+                    deps = ["final_norm"]
+                else:  # pragma: no cover - decode_graph only emits known ops
+                    raise AssertionError(name)
+                t.signal = (ctr, n)
+                t.cost = n * unit_weight_bytes(spec, name) + TASK_OVERHEAD
+                pending.append((bld.add(t), deps))
+        op_ranges[op.key] = (first, len(bld.tasks))
+
+    for t, deps in pending:
+        t.waits = [(bld.by_name[n], bld.counters[bld.by_name[n]].total) for n in deps]
+    return TaskSet(spec, batch, num_sms, C, ops, bld.tasks, bld.counters, op_ranges)

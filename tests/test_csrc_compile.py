@@ -1,0 +1,103 @@
+"""csrc/ compiles for sm_90a without register spills, from exactly the source text and -D options
+that runtime.py feeds NVRTC (build_source() + compile_options(spec)).
+
+nvcc (/usr/local/cuda/bin/nvcc or on PATH) builds a cubin with `-Xptxas -v`; the test fails on a
+compile error or on any "bytes spill stores/loads" != 0. If libnvrtc is importable, the same text
+is also compiled through NVRTC itself (what cupy.RawModule does on the GPU host)."""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from mk_plugin.persistent.runtime import build_source, compile_options
+from mk_plugin.spec import LlamaSpec
+
+MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
+
+
+def _nvcc() -> str | None:
+    for c in ("/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def _specs() -> list[LlamaSpec]:
+    return [
+        LlamaSpec.tiny(),
+        LlamaSpec.from_json_file(MODELS / "llama-3.2-1b"),
+        LlamaSpec.from_json_file(MODELS / "llama-3.1-8b"),
+        # fp16, head_dim 128 with a GQA group of 6 (head passes of 3), odd vocab
+        LlamaSpec(hidden_size=320, num_q_heads=6, num_kv_heads=1, head_dim=128, intermediate_size=688,
+                  vocab_size=999, dtype="float16", name="odd-fp16"),
+    ]
+
+
+def nvcc_options(spec: LlamaSpec) -> list[str]:
+    """compile_options with NVRTC's --gpu-architecture=X spelled as nvcc's -arch=X."""
+    out = []
+    for o in compile_options(spec):
+        out.append(o.replace("--gpu-architecture=", "-arch=") if o.startswith("--gpu-architecture=") else o)
+    return out
+
+
+def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path) -> tuple[int, str]:
+    cubin = tmp / f"{spec.name}.cubin"
+    r = subprocess.run([nvcc, *nvcc_options(spec), "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(src)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_megakernel_compiles_without_spills(tmp_path):
+    nvcc = _nvcc()
+    # CI machines carry nvcc 13.0 (no GPU); a missing compiler is a broken machine, not a skip.
+    assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
+    src = tmp_path / "megakernel_full.cu"
+    src.write_text(build_source())
+    specs = _specs()
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        results = list(ex.map(lambda s: _compile(nvcc, src, s, tmp_path), specs))
+    for spec, (rc, log) in zip(specs, results):
+        assert rc == 0, f"{spec.name}: nvcc failed:\n{log[-4000:]}"
+        spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+        assert spills, f"{spec.name}: no ptxas resource report:\n{log[-2000:]}"
+        bad = [s for s in spills if s != (0, 0)]
+        assert not bad, f"{spec.name}: register spills {bad}:\n{log[-4000:]}"
+        assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]
+
+
+def _libnvrtc() -> str | None:
+    cands = []
+    for p in sys.path:
+        cands += glob.glob(os.path.join(p, "nvidia", "cu1*", "lib", "libnvrtc.so*"))
+        cands += glob.glob(os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))
+    cands += glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")
+    cands = [c for c in cands if "builtins" not in c and "alt" not in os.path.basename(c)]
+    return cands[0] if cands else None
+
+
+@pytest.mark.skipif(_libnvrtc() is None, reason="no libnvrtc on this machine")
+def test_nvrtc_compiles_the_runtime_source():
+    lib = ctypes.CDLL(_libnvrtc())
+    src = build_source().encode()
+    for spec in _specs()[:2]:
+        opts = [o.encode() for o in compile_options(spec)]
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"megakernel.cu", 0, None, None) == 0
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert rc == 0, f"{spec.name}: NVRTC failed:\n{log.value.decode()[-4000:]}"
+        assert "warning" not in log.value.decode().lower(), log.value.decode()[-2000:]

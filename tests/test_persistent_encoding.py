@@ -1,0 +1,111 @@
+"""The encoding is the single source of truth: csrc/tasks.h must equal its generator output, the
+program format must round-trip, and the layout constants must fit the hardware."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mk_plugin.persistent import encoding as enc
+from mk_plugin.persistent.schedule import build_program
+from mk_plugin.spec import LlamaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_header_equals_generator():
+    committed = (ROOT / "csrc" / "tasks.h").read_text()
+    assert committed == enc.generate_header(), (
+        "csrc/tasks.h is stale: regenerate it with\n  python -c \"from mk_plugin.persistent.encoding "
+        "import generate_header; open('csrc/tasks.h','w').write(generate_header())\"")
+
+
+def test_header_mentions_every_enum_and_field():
+    h = enc.generate_header()
+    for op in enc.Opcode:
+        assert f"OP_{op.name} = {int(op)}" in h
+    for b in enc.Buf:
+        assert f"BUF_{b.name} = {int(b)}" in h
+    for i, f in enumerate(enc.TASK_FIELDS):
+        assert f"constexpr int F_{f.upper()} = {i};" in h
+    assert f"constexpr int SMEM_BYTES = {enc.LAYOUT.smem_bytes};" in h
+    assert len(enc.TASK_FIELDS) == enc.TASK_WORDS and len(enc.HEADER_FIELDS) == enc.HEADER_WORDS
+
+
+def test_layout_fits_sm90():
+    lay = enc.LAYOUT
+    assert lay.smem_bytes <= enc.SMEM_LIMIT
+    assert lay.acc_tiles == lay.consumer_warps  # one accumulator tile per warp in the epilogue
+    assert lay.slot_bytes == 16 * lay.row_bytes and lay.slot_bytes % 128 == 0
+    assert (lay.row_bytes // 16) % 2 == 1        # ldmatrix rows hit distinct bank groups
+    assert lay.chunk_cols * 2 >= 2048            # bulk copies of >= 2 KiB per row
+
+
+records = st.lists(st.lists(st.integers(-2**31, 2**31 - 1), min_size=enc.TASK_WORDS, max_size=enc.TASK_WORDS),
+                   min_size=0, max_size=40)
+
+
+@settings(max_examples=30, deadline=None)
+@given(records, st.integers(1, 9), st.integers(1, 16), st.integers(1, 32), st.randoms(use_true_random=False))
+def test_encode_decode_roundtrip(recs, nq, batch, chunks, rnd):
+    order = list(range(len(recs)))
+    rnd.shuffle(order)
+    queues = [[] for _ in range(nq)]
+    for i in order:
+        queues[rnd.randrange(nq)].append(i)
+    prog = enc.encode(recs, queues, batch=batch, attn_chunks=chunks, spec_hash=123)
+    assert prog.dtype == np.int32
+    assert enc.tasks_offset(nq) % enc.TASK_WORDS == 0
+    dp = enc.decode(prog)
+    assert dp.header["batch"] == batch and dp.header["attn_chunks"] == chunks
+    assert dp.header["num_queues"] == nq and dp.num_tasks == len(recs)
+    for q, dq in zip(queues, dp.queues):
+        assert [[d[f] for f in enc.TASK_FIELDS] for d in dq] == [recs[i] for i in q]
+
+
+def test_encode_rejects_bad_queues():
+    rec = [0] * enc.TASK_WORDS
+    with pytest.raises(ValueError, match="exactly one queue"):
+        enc.encode([rec, rec], [[0], [0]], batch=1, attn_chunks=1, spec_hash=0)
+    with pytest.raises(ValueError, match="not a megakernel program"):
+        enc.decode(np.zeros(64, dtype=np.int32))
+
+
+def test_program_header_carries_spec_hash_and_defines_are_stable():
+    spec = LlamaSpec.tiny()
+    p = build_program(spec, 3, 8)
+    dp = enc.decode(p.segments[0].encoded)
+    assert dp.header["spec_hash"] == enc.spec_hash(spec)
+    d = enc.kernel_defines(spec)
+    assert "-DMK_HIDDEN=256" in d and "-DMK_DTYPE_BF16=1" in d and d == enc.kernel_defines(spec)
+    other = LlamaSpec(hidden_size=320)
+    assert enc.spec_hash(other) != enc.spec_hash(spec)
+
+
+def test_kernel_params_generate_the_signature_and_pack_in_order():
+    import types
+
+    import torch
+
+    from mk_plugin.persistent.runtime import pack_args, ptr
+    h = enc.generate_header()
+    assert "#define MK_DECODE_PARAMS const int* __restrict__ prog, " in h
+    assert "mk_decode(MK_DECODE_PARAMS)" in (ROOT / "csrc" / "megakernel.cu").read_text()
+    fake_cp = types.SimpleNamespace(int32=np.int32, uint64=np.uint64)
+    t = torch.zeros(4)
+    args = {n: (7 if c == "int" else t) for n, c in enc.KERNEL_PARAMS}
+    args["logits"] = None
+    args["kvptr"] = ptr(4096)
+    packed = pack_args(fake_cp, args)
+    assert len(packed) == len(enc.KERNEL_PARAMS)
+    for (n, c), v in zip(enc.KERNEL_PARAMS, packed):
+        if c == "int":
+            assert isinstance(v, np.int32) and v == 7
+        else:
+            assert isinstance(v, np.uint64)
+            assert int(v) == {"logits": 0, "kvptr": 4096}.get(n, t.data_ptr())
+    with pytest.raises(ValueError, match="missing"):
+        pack_args(fake_cp, {k: v for k, v in args.items() if k != "q"})

@@ -1,0 +1,233 @@
+"""Megakernel on the GPU vs the VM (op by op, through stop_after prefixes), vs the Triton decode path
+and vs the fp32 reference (whole step), at Llama-3.2-1B and Llama-3.1-8B shapes with fewer layers,
+batch 1/3/8/16, contexts 1..4096 not aligned to the block size, padded entries (seq_len 0, slot -1).
+Also: CUDA-graph capture and replay, and Triton fallback segments."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent import vm
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.encoding import Buf
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import assert_matches, compare, make_decode_batch
+from mk_plugin.weights import LayerWeights, ModelWeights
+
+pytestmark = pytest.mark.gpu
+MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
+DEV = "cuda"
+MAX_CTX = 4096
+
+
+def _spec(name: str, layers: int) -> LlamaSpec:
+    if name == "tiny":
+        return LlamaSpec.tiny()
+    return replace(LlamaSpec.from_json_file(MODELS / name), num_layers=layers)
+
+
+def gpu_weights(spec: LlamaSpec, seed: int = 0) -> ModelWeights:
+    """random_weights' distribution (N(0, 0.02) matrices, N(1, 0.1) norms), drawn on the GPU."""
+    g = torch.Generator(DEV).manual_seed(seed)
+    dt, h, i = spec.torch_dtype, spec.hidden_size, spec.intermediate_size
+
+    def mat(n, k):
+        return (torch.randn(n, k, generator=g, device=DEV) * 0.02).to(dt)
+
+    def norm():
+        return (1.0 + 0.1 * torch.randn(h, generator=g, device=DEV)).to(dt)
+
+    layers = [LayerWeights(norm(), mat(spec.qkv_size, h), mat(h, spec.q_size), norm(), mat(2 * i, h), mat(h, i))
+              for _ in range(spec.num_layers)]
+    embed = mat(spec.vocab_size, h)
+    return ModelWeights(embed, layers, norm(), embed if spec.tie_word_embeddings else mat(spec.vocab_size, h))
+
+
+def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int = 16):
+    """make_decode_batch's tables (shuffled blocks, padded entries) with N(0,1) caches drawn on the GPU."""
+    b = make_decode_batch(spec, seq_lens, block_size=block_size, seed=seed, num_layers=0)
+    g = torch.Generator(DEV).manual_seed(seed + 100)
+    nb = int(b.block_table.max()) + 1 + 3
+    shape = (nb, 2, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.randn(shape, generator=g, device=DEV).to(spec.torch_dtype) for _ in range(spec.num_layers)]
+    return replace(b, input_ids=b.input_ids.to(DEV), positions=b.positions.to(DEV), seq_lens=b.seq_lens.to(DEV),
+                   block_table=b.block_table.to(DEV), slot_mapping=b.slot_mapping.to(DEV), kv_caches=caches)
+
+
+@pytest.fixture(scope="module")
+def models():
+    pytest.importorskip("cupy")
+    cache: dict[str, tuple[LlamaSpec, ModelWeights]] = {}
+
+    def get(name: str, layers: int):
+        key = f"{name}/{layers}"
+        if key not in cache:
+            spec = _spec(name, layers)
+            cache[key] = (spec, gpu_weights(spec, seed=len(cache)))
+        return cache[key]
+
+    return get
+
+
+def _poison(dec: MegakernelDecoder) -> None:
+    for t in list(dec.ws.values()) + [dec.part_o, dec.part_ml]:
+        t.fill_(float("nan"))
+
+
+def _run_mk(dec, spec, w, batch, cs, *, stop_after=None):
+    caches = [c.clone() for c in batch.kv_caches]
+    hidden = w.embed[batch.input_ids]
+    out = torch.full_like(hidden, float("nan"))
+    logits = torch.full((hidden.shape[0], spec.vocab_size), float("nan"), device=DEV) if dec.lm_head else None
+    _poison(dec)
+    dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs, out=out,
+        logits_out=logits, stop_after=stop_after)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return out, logits, caches
+
+
+# Which buffers each op writes (compared after the op's prefix).
+OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [Buf.RESID], "gate_up": [Buf.ACT],
+              "down": [Buf.RESID], "final_norm": [Buf.OUT], "lm_head": [Buf.LOGITS]}
+
+
+@pytest.mark.parametrize("name,layers,seq_lens", [
+    ("tiny", 2, [5, 0, 37]),
+    ("llama-3.2-1b", 2, [1, 0, 300, 77]),
+    ("llama-3.1-8b", 1, [129, 4000]),
+])
+def test_megakernel_vs_vm_op_by_op(models, name, layers, seq_lens):
+    spec, w = models(name, layers)
+    batch = gpu_batch(spec, seq_lens, seed=1)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
+    prog = dec.program(len(seq_lens))
+    wc = ModelWeights(w.embed.cpu(), [LayerWeights(*(getattr(lw, f).cpu() for f in LayerWeights.__dataclass_fields__))
+                                      for lw in w.layers], w.final_norm.cpu(), w.lm_head.cpu())
+    bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
+                 block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
+    failures = []
+    for op in prog.taskset.ops:
+        n = prog.op_end(op.key)
+        out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=n)
+        vcaches = [c.cpu() for c in batch.kv_caches]
+        st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
+                           bc.seq_lens, bc.slot_mapping, cs.cpu())
+        vm.run(prog, st, stop_after=n)
+        gbufs = dec.buffers(len(seq_lens))
+        gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits
+        kind = "op" if op.layer <= 0 else "step"
+        for b in OP_OUTPUTS[op.name]:
+            if b == "KV":
+                got, want = _appended(caches[op.layer].cpu(), bc.slot_mapping), _appended(vcaches[op.layer], bc.slot_mapping)
+                # nothing else in the cache may change
+                untouched = _untouched_mask(caches[op.layer], bc.slot_mapping)
+                if not torch.equal(caches[op.layer].cpu()[untouched], batch.kv_caches[op.layer].cpu()[untouched]):
+                    failures.append(f"{op.key}: cache rows outside slot_mapping were modified")
+            else:
+                got, want = gbufs[b], st.bufs[b]
+            r = compare(got.float().cpu(), want.float(), spec.torch_dtype, kind)
+            if not r["pass"]:
+                failures.append(f"{op.key} {b}: {r}")
+        if failures:
+            break
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+def _appended(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K and V rows [n, 2, kvh, d] this step wrote (slots >= 0)."""
+    bs = cache.shape[2]
+    rows = [cache[s // bs, :, s % bs] for s in slots.tolist() if s >= 0]
+    return torch.stack(rows) if rows else cache.new_zeros(0)
+
+
+def _untouched_mask(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    m = torch.ones(cache.shape, dtype=torch.bool)
+    bs = cache.shape[2]
+    for s in slots.tolist():
+        if s >= 0:
+            m[s // bs, :, s % bs] = False
+    return m
+
+
+def _ref_and_triton(spec, w, batch, cs):
+    from mk_plugin.triton_ops import decode_step as triton_step
+    caches = [c.clone() for c in batch.kv_caches]
+    hn, logits = ref.decode_step(spec, w, batch.input_ids, batch.positions, caches, batch.block_table,
+                                 batch.seq_lens, batch.slot_mapping, cs)
+    tcaches = [c.clone() for c in batch.kv_caches]
+    th = triton_step(spec, w, w.embed[batch.input_ids], batch.positions, tcaches, batch.block_table,
+                     batch.seq_lens, batch.slot_mapping, cs)
+    return hn, logits, caches, th, tcaches
+
+
+@pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
+@pytest.mark.parametrize("bsz", [1, 3, 8, 16])
+def test_megakernel_whole_step(models, name, layers, bsz):
+    spec, w = models(name, layers)
+    rnd = random.Random(bsz * 7 + layers)
+    seq_lens = [rnd.randint(1, MAX_CTX) for _ in range(bsz)]
+    seq_lens[0] = rnd.choice([1, 17, 4095])
+    if bsz >= 3:
+        seq_lens[1] = 0                  # padded entry: seq_len 0, slot -1
+    batch = gpu_batch(spec, seq_lens, seed=bsz)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
+    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
+    dt = spec.torch_dtype
+    assert_matches(out, hn, dt, "step")
+    assert_matches(logits, rlogits, dt, "step")
+    assert_matches(out, th, dt, "step")
+    for a, r, t in zip(caches, rcaches, tcaches):
+        assert_matches(a, r, dt, "step")
+        assert_matches(a, t, dt, "step")
+
+
+def test_megakernel_cuda_graph_replay(models):
+    spec, w = models("llama-3.2-1b", 2)
+    seq_lens = [100, 0, 2049, 16, 1, 333, 4000, 64]
+    batch = gpu_batch(spec, seq_lens, seed=5)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV)
+    dec.prepare([8])
+    eager_out, _, eager_caches = _run_mk(dec, spec, w, batch, cs)
+    caches = [c.clone() for c in batch.kv_caches]
+    hidden = w.embed[batch.input_ids]
+    out = torch.empty_like(hidden)
+    args = (hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs)
+    dec(*args, out=out)  # warm-up on the capture inputs (kv pointer table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        dec(*args, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(3):
+        for c, c0 in zip(caches, batch.kv_caches):
+            c.copy_(c0)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+        for a, b in zip(caches, eager_caches):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fallback", [frozenset({"attention"}), frozenset({"qkv_rope", "gate_up", "final_norm"})])
+def test_megakernel_with_triton_fallback(models, fallback):
+    spec, w = models("llama-3.2-1b", 2)
+    seq_lens = [7, 0, 1500, 260, 3, 90, 1025, 31]
+    batch = gpu_batch(spec, seq_lens, seed=9)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV), spec, w, batch, cs)
+    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback), spec, w, batch, cs)
+    assert_matches(part, full, spec.torch_dtype, "step")
+    for a, b in zip(pcaches, fcaches):
+        assert_matches(a, b, spec.torch_dtype, "step")

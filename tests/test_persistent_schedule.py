@@ -1,0 +1,111 @@
+"""Programs are deadlock free (every wait satisfiable, queues in topological order) and every pair
+of conflicting memory accesses is ordered by the counters, for small random specs and for the
+Llama-3.2-1B / Llama-3.1-8B shapes (encoding + deadlock check only for the big ones)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mk_plugin.ops import STEP_OPS
+from mk_plugin.persistent import encoding as enc
+from mk_plugin.persistent.schedule import Program, Segment, _encode_segment, build_program, check_ordering
+from mk_plugin.persistent.tasks import op_units
+from mk_plugin.persistent.vm import DeadlockError, check_deadlock_free
+from mk_plugin.spec import LlamaSpec, UnsupportedModel
+
+MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
+
+
+@st.composite
+def small_specs(draw):
+    while True:
+        d = draw(st.sampled_from([64, 128]))
+        nkv = draw(st.integers(1, 3))
+        g = draw(st.sampled_from([1, 2, 3, 4, 6]))
+        try:
+            return LlamaSpec(hidden_size=16 * draw(st.integers(2, 24)), num_layers=draw(st.integers(1, 2)),
+                             num_q_heads=nkv * g, num_kv_heads=nkv, head_dim=d,
+                             intermediate_size=16 * draw(st.integers(1, 30)),
+                             vocab_size=draw(st.integers(16, 300)), name="rand")
+        except UnsupportedModel:
+            continue
+
+
+@settings(max_examples=25, deadline=None)
+@given(small_specs(), st.integers(1, 16), st.integers(1, 20), st.booleans(),
+       st.sets(st.sampled_from(STEP_OPS), max_size=3))
+def test_random_programs_are_deadlock_free_and_ordered(spec, batch, sms, lm_head, fallback):
+    p = build_program(spec, batch, sms, lm_head=lm_head, fallback=frozenset(fallback))
+    check_deadlock_free(p)
+    check_ordering(p)
+    # every task of every op is somewhere: megakernel segments + fallback steps cover all tids
+    covered = sum(len(s.tasks) for s in p.segments) + sum(
+        st_.tid_range[1] - st_.tid_range[0] for st_ in p.steps if not isinstance(st_, Segment))
+    assert covered == p.num_tids
+
+
+@pytest.mark.parametrize("model,batches", [("llama-3.2-1b", (1, 3, 8, 16)), ("llama-3.1-8b", (1, 16))])
+def test_big_models_deadlock_free(model, batches):
+    spec = LlamaSpec.from_json_file(MODELS / model)
+    for b in batches:
+        p = build_program(spec, b, 132, lm_head=True)
+        (rep,) = check_deadlock_free(p)
+        assert rep.tasks == p.num_tids
+        seg = p.segments[0]
+        assert len(seg.queues) == 132 and min(len(q) for q in seg.queues) > 0
+        # the big linear ops give every SM a task ("fill the 132 SMs")
+        for key in ("L0.gate_up", "L0.down", "L0.o_proj", "lm_head"):
+            lo, hi = p.op_ranges[key]
+            assert hi - lo == min(132, op_units(spec, key.split(".")[-1]))
+        dp = enc.decode(seg.encoded)
+        assert dp.header["batch"] == b and dp.num_tasks == p.num_tids
+
+
+def test_prefix_programs_are_closed():
+    spec = LlamaSpec.tiny()
+    p = build_program(spec, 3, 6, lm_head=True, fallback=frozenset({"o_proj"}))
+    for key in ("L0.qkv_rope", "L0.attention", "L0.o_proj", "L1.down", "final_norm"):
+        q = p.prefix(p.op_end(key))
+        check_deadlock_free(q)
+        kept = {t.tid for s in q.segments for t in s.tasks}
+        assert kept == set(range(p.op_end(key))) - set(range(*p.op_ranges["L0.o_proj"])) - set(
+            range(*p.op_ranges["L1.o_proj"]))
+
+
+def _with_waits(p: Program, mutate) -> Program:
+    seg = p.segments[0]
+    waits = [list(w) for w in seg.waits]
+    mutate(seg, waits)
+    enc_ = _encode_segment(p.spec, p.batch, p.attn_chunks, seg.tasks, waits, seg.queues)
+    return replace(p, steps=[Segment(seg.ops, seg.tasks, waits, seg.queues, enc_)])
+
+
+def test_checkers_catch_broken_programs():
+    spec = LlamaSpec.tiny()
+    p = build_program(spec, 2, 4)
+    lo, _ = p.op_ranges["L0.o_proj"]
+
+    def unsatisfiable(seg, waits):
+        c, t = waits[lo][0]
+        waits[lo][0] = (c, t + 1)
+
+    with pytest.raises(DeadlockError):
+        check_deadlock_free(_with_waits(p, unsatisfiable))
+
+    def wait_on_later_op(seg, waits):  # qkv of layer 0 waits for layer 0's down: a cycle
+        down = seg.tasks[p.op_ranges["L0.down"][0]].signal[0]
+        waits[0] = [(down, p.counters[down].total)]
+
+    with pytest.raises(DeadlockError):
+        check_deadlock_free(_with_waits(p, wait_on_later_op))
+
+    def drop_dependency(seg, waits):  # gate_up no longer waits for o_proj: a read-after-write race
+        for i in range(*p.op_ranges["L0.gate_up"]):
+            waits[i] = []
+
+    with pytest.raises(AssertionError, match="unordered conflict"):
+        check_ordering(_with_waits(p, drop_dependency))

@@ -1,0 +1,194 @@
+"""The VM runs the encoded program (queue interleaving + counters) and must equal the fp32
+reference decode step: tightly in fp32, within TOLERANCES[bf16]["step"] in bf16. Prefixes
+(stop_after) expose the intermediate buffers, compared with the reference's intermediates."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_persistent_schedule import small_specs
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent import vm
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.encoding import Buf
+from mk_plugin.persistent.schedule import build_program
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import assert_matches, make_decode_batch
+from mk_plugin.weights import random_weights
+
+FP32_TIGHT = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def _setup(spec, seq_lens, dtype, seed=0, block_size=16):
+    w = random_weights(spec, seed=seed, dtype=dtype)
+    batch = make_decode_batch(spec, seq_lens, block_size=block_size, seed=seed + 1, dtype=dtype)
+    cs = ref.rope_cos_sin_cache(spec, max(seq_lens + [1]) + 8)
+    hidden = w.embed[batch.input_ids].to(dtype)
+    return w, batch, cs, hidden
+
+
+def _vm_step(spec, w, batch, cs, hidden, sms, *, lm_head=True, fallback=frozenset(), order="round_robin",
+             seed=0, stop_after=None):
+    p = build_program(spec, hidden.shape[0], sms, lm_head=lm_head, fallback=fallback)
+    caches = batch.clone_caches()
+    st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
+                        batch.slot_mapping, cs)
+    vm.run(p, st_, order=order, seed=seed, stop_after=stop_after)
+    return p, st_, caches
+
+
+def _ref_step(spec, w, batch, cs):
+    caches = batch.clone_caches()
+    hn, logits = ref.decode_step(spec, w, batch.input_ids, batch.positions, caches, batch.block_table,
+                                 batch.seq_lens, batch.slot_mapping, cs)
+    return hn, logits, caches
+
+
+def test_vm_fp32_matches_reference_tightly():
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [5, 0, 37, 16], torch.float32)
+    _, st_, caches = _vm_step(spec, w, batch, cs, hidden, sms=7)
+    hn, logits, rcaches = _ref_step(spec, w, batch, cs)
+    torch.testing.assert_close(st_.bufs[Buf.OUT], hn, **FP32_TIGHT)
+    torch.testing.assert_close(st_.bufs[Buf.LOGITS], logits, **FP32_TIGHT)
+    for a, b in zip(caches, rcaches):
+        torch.testing.assert_close(a, b, **FP32_TIGHT)
+
+
+def test_vm_bf16_matches_reference_within_step_tolerance():
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [1, 33, 0], torch.bfloat16, seed=3)
+    _, st_, _ = _vm_step(spec, w, batch, cs, hidden, sms=132)
+    hn, logits, _ = _ref_step(spec, w, batch, cs)
+    assert_matches(st_.bufs[Buf.OUT], hn, torch.bfloat16, "step")
+    assert_matches(st_.bufs[Buf.LOGITS], logits, torch.bfloat16, "step")
+
+
+@settings(max_examples=8, deadline=None)
+@given(small_specs(), st.lists(st.integers(0, 70), min_size=1, max_size=5), st.integers(1, 9),
+       st.sampled_from([8, 16]))
+def test_vm_random_specs_fp32(spec, seq_lens, sms, block_size):
+    w, batch, cs, hidden = _setup(spec, seq_lens, torch.float32, block_size=block_size)
+    _, st_, caches = _vm_step(spec, w, batch, cs, hidden, sms=sms, order="random", seed=sms)
+    hn, logits, rcaches = _ref_step(spec, w, batch, cs)
+    torch.testing.assert_close(st_.bufs[Buf.OUT], hn, **FP32_TIGHT)
+    torch.testing.assert_close(st_.bufs[Buf.LOGITS], logits, **FP32_TIGHT)
+    for a, b in zip(caches, rcaches):
+        torch.testing.assert_close(a, b, **FP32_TIGHT)
+
+
+def test_interleaving_does_not_change_results():
+    """Tasks only read what their counters guarantee: any valid interleaving gives identical bits."""
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [9, 40, 2], torch.bfloat16, seed=5)
+    _, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=5)
+    _, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=5, order="random", seed=11)
+    assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
+def test_stop_after_exposes_intermediates():
+    """Bisection: after L0.qkv_rope the cache holds roped K / raw V and Q the roped q; after
+    L0.attention ATTN_O is the attention output; nothing past the prefix has run."""
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [7, 0, 21], torch.float32, seed=2)
+    p = build_program(spec, 3, 6)
+    lw = w.layers[0]
+    a, _ = ref.rms_norm(hidden, lw.input_norm, spec.rms_eps)
+    q, k, v = ref.linear(a, lw.qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = ref.apply_rope(q.view(3, spec.num_q_heads, spec.head_dim), batch.positions, cs)
+    k = ref.apply_rope(k.view(3, spec.num_kv_heads, spec.head_dim), batch.positions, cs)
+    rc = batch.clone_caches()
+    ref.kv_append(k, v.view(3, spec.num_kv_heads, spec.head_dim), rc[0], batch.slot_mapping)
+    attn = ref.paged_attention(q, rc[0], batch.block_table, batch.seq_lens, spec.head_dim ** -0.5)
+
+    _, st1, c1 = _vm_step(spec, w, batch, cs, hidden, sms=6, lm_head=False, stop_after=p.op_end("L0.qkv_rope"))
+    torch.testing.assert_close(st1.bufs[Buf.Q].view(3, -1, spec.head_dim), q, **FP32_TIGHT)
+    torch.testing.assert_close(c1[0], rc[0], **FP32_TIGHT)
+    assert torch.equal(c1[1], batch.kv_caches[1]) and torch.isnan(st1.bufs[Buf.ATTN_O]).all()
+    assert st1.executed and max(st1.executed) < p.op_end("L0.qkv_rope")
+
+    _, st2, _ = _vm_step(spec, w, batch, cs, hidden, sms=6, lm_head=False, stop_after=p.op_end("L0.attention"))
+    torch.testing.assert_close(st2.bufs[Buf.ATTN_O].view(3, -1, spec.head_dim), attn, **FP32_TIGHT)
+    assert torch.isnan(st2.bufs[Buf.RESID]).all()
+
+
+def test_backend_vm_executor_with_triton_fallback():
+    """MegakernelDecoder on the CPU: megakernel segments on the VM, fallback ops through the Triton
+    kernels (interpreter) on the same buffers; equals the reference within the bf16 step tolerance."""
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [4, 0, 19], torch.bfloat16, seed=7)
+    hn, logits, rcaches = _ref_step(spec, w, batch, cs)
+    for fb in (frozenset(), frozenset({"attention", "final_norm"})):
+        dec = MegakernelDecoder(spec, w, 4, "cpu", fallback=fb, lm_head=True, num_sms=6)
+        caches = batch.clone_caches()
+        out = torch.full_like(hidden, float("nan"))
+        lo = torch.full((3, spec.vocab_size), float("nan"))
+        dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs,
+            out=out, logits_out=lo)
+        assert_matches(out, hn, torch.bfloat16, "step")
+        assert_matches(lo, logits, torch.bfloat16, "step")
+        for a, b in zip(caches, rcaches):
+            assert_matches(a, b, torch.bfloat16, "step")
+
+
+class _FakeModule:
+    """Stands in for runtime.MegakernelModule on the CPU: checks the launch arguments by name
+    (pointer tables, buffers, scalars) and runs the program on the VM with exactly those tensors."""
+
+    def __init__(self, dec: MegakernelDecoder, caches: list[torch.Tensor], cs: torch.Tensor):
+        self.dec, self.caches, self.cs, self.launches = dec, caches, cs, 0
+
+    def launch(self, device, num_queues, args):
+        from mk_plugin.persistent.encoding import KERNEL_PARAMS, LP_COUNT, LayerPtr, ModelPtr, decode
+        from mk_plugin.persistent.schedule import Segment
+        assert set(args) == {n for n, _ in KERNEL_PARAMS}
+        dec = self.dec
+        prog = args["prog"].numpy()
+        dp = decode(prog)
+        assert dp.header["num_queues"] == num_queues == dec.num_sms
+        w = args["wptr"].tolist()
+        for li, lw in enumerate(dec.weights.layers):
+            row = w[li * LP_COUNT:(li + 1) * LP_COUNT]
+            assert row[LayerPtr.QKV] == lw.qkv.data_ptr() and row[LayerPtr.DOWN] == lw.down.data_ptr()
+            assert row[LayerPtr.O] == lw.o.data_ptr() and row[LayerPtr.GATE_UP] == lw.gate_up.data_ptr()
+            assert row[LayerPtr.IN_NORM] == lw.input_norm.data_ptr()
+            assert row[LayerPtr.POST_NORM] == lw.post_norm.data_ptr()
+        last = w[len(dec.weights.layers) * LP_COUNT:]
+        assert last[ModelPtr.FINAL_NORM] == dec.weights.final_norm.data_ptr()
+        assert last[ModelPtr.LM_HEAD] == dec.weights.lm_head.data_ptr()
+        assert args["kvptr"].tolist() == [c.data_ptr() for c in self.caches]
+        assert args["cs_rows"] == self.cs.shape[0] and args["cs_stride"] == self.cs.stride(0)
+        assert args["cs_f32"] == 1 and args["block_size"] == self.caches[0].shape[2]
+        assert args["bt_stride"] == args["block_table"].stride(0)
+        names = {Buf.HIDDEN_IN: "hidden_in", Buf.RESID: "resid", Buf.Q: "q", Buf.ATTN_O: "attn_o",
+                 Buf.ACT: "act", Buf.OUT: "out", Buf.LOGITS: "logits", Buf.PART_O: "part_o",
+                 Buf.PART_ML: "part_ml"}
+        b = dp.header["batch"]
+        bufs = {k: args[n] for k, n in names.items()}
+        st_ = vm.VMState(dec.spec, b, dp.header["attn_chunks"], dec.weights, bufs, self.caches, args["positions"],
+                         args["slots"], args["seq_lens"], args["block_table"], args["cos_sin"],
+                         [0] * int(args["counters"].numel()))
+        vm.run_segment(Segment([], [], [], [], prog), st_)
+        self.launches += 1
+
+
+def test_cuda_launch_path_plumbing():
+    """backend._run_cuda with a fake launcher: every kernel argument (by name) is the tensor / value
+    it must be, the weight and kv pointer tables hold the right addresses in the right slots, and
+    running the launched programs gives the reference result (segments + Triton fallback)."""
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [6, 0, 30], torch.bfloat16, seed=4)
+    hn, logits, _ = _ref_step(spec, w, batch, cs)
+    dec = MegakernelDecoder(spec, w, 4, "cpu", lm_head=True, num_sms=5, fallback=frozenset({"o_proj"}))
+    dec.executor = "cuda"
+    dec._wptr = dec._weight_table()
+    caches = batch.clone_caches()
+    dec._module = fake = _FakeModule(dec, caches, cs)
+    lo = torch.full((3, spec.vocab_size), float("nan"))
+    out = dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs,
+              logits_out=lo)
+    assert fake.launches == 3  # [L0 qkv, attn] o_proj [L0 gate_up .. L1 attn] o_proj [L1 gate_up .. lm_head]
+    assert_matches(out, hn, torch.bfloat16, "step")
+    assert_matches(lo, logits, torch.bfloat16, "step")
