@@ -19,11 +19,11 @@ MODELS = {"1b": "bench/models/llama-3.2-1b", "8b": "bench/models/llama-3.1-8b"}
 
 def shapes(spec: LlamaSpec):
     h, i = spec.hidden_size, spec.intermediate_size
-    yield "qkv", spec.qkv_size, h, dict(norm=True)
-    yield "o_proj", h, spec.q_size, dict(res=True)
-    yield "gate_up", 2 * i, h, dict(norm=True, silu=True)
-    yield "down", h, i, dict(res=True)
-    yield "lm_head", spec.vocab_size, h, dict(norm=True, fp32=True)
+    yield "qkv", spec.qkv_size, h, {"norm": True}
+    yield "o_proj", h, spec.q_size, {"res": True}
+    yield "gate_up", 2 * i, h, {"norm": True, "silu": True}
+    yield "down", h, i, {"res": True}
+    yield "lm_head", spec.vocab_size, h, {"norm": True, "fp32": True}
 
 
 def candidates(m: int):
@@ -57,26 +57,30 @@ def main() -> int:
                 act = "silu_and_mul" if f.get("silu") else None
                 default = select_config(m, n_out, k, silu=bool(f.get("silu")))
 
-                def time_cfg(cfg):
-                    return rotating_median_ms(lambda j: _linear(x, copies[j], norm_weight=nw, residual=res,
-                                                                activation=act, out=out, out_dtype=out.dtype, config=cfg), len(copies), 15)
+                def time_cfg(cfg, x=x, copies=copies, nw=nw, res=res, act=act, out=out):
+                    return rotating_median_ms(
+                        lambda j: _linear(x, copies[j], norm_weight=nw, residual=res, activation=act, out=out,
+                                          out_dtype=out.dtype, config=cfg), len(copies), 15)
                 t_def = time_cfg(default)
                 best = (t_def, default)
                 for cfg in candidates(m):
                     try:
                         t = time_cfg(cfg)
-                    except Exception as e:  # a config the kernel rejects (e.g. registers) is skipped, noted
+                    except Exception as e:  # noqa: BLE001 - a config the GPU rejects (shared memory) is skipped, noted
                         print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
                     if t < best[0]:
                         best = (t, cfg)
-                gbs = lambda t: nbytes / t / 1e6  # noqa: E731
-                row = dict(model=mk, op=op, m=m, n=n, k=k, default_us=t_def * 1e3, default_gbs=gbs(t_def),
-                           best_us=best[0] * 1e3, best_gbs=gbs(best[0]), best=repr(best[1]), default=repr(default))
+                def gbs(t: float, nbytes: int = nbytes) -> float:
+                    return nbytes / t / 1e6
+                row = {"model": mk, "op": op, "m": m, "n": n, "k": k, "default_us": t_def * 1e3,
+                       "default_gbs": gbs(t_def), "best_us": best[0] * 1e3, "best_gbs": gbs(best[0]),
+                       "best": repr(best[1]), "default": repr(default)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
-        json.dump(results, open(args.json, "w"), indent=1)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     print("| model | op | M | default us | default GB/s | best us | best GB/s | best config |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:

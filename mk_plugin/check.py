@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -60,7 +60,8 @@ class Table:
         if self.timing:
             head += ["time us", "GB/s"]
         widths = [max(len(h), *(len(r[i]) for r in self.rows)) for i, h in enumerate(head)]
-        line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+        def line(cells: list[str]) -> str:
+            return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
         print(line(head))
         print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
         for r in self.rows:
@@ -102,7 +103,10 @@ def run_check(args: argparse.Namespace) -> int:
 
     out, hsum = T.rms_norm(x, lw.input_norm, spec.rms_eps, res_in)
     r_out, r_h = ref.rms_norm(x, lw.input_norm, spec.rms_eps, res_in)
-    tab.add("rms_norm (+residual)", shape, compare(out, r_out, dt),
+    res_o, res_h = compare(out, r_out, dt), compare(hsum, r_h, dt)  # normed output and the residual sum
+    tab.add("rms_norm (+residual)", shape, {"max_abs": max(res_o["max_abs"], res_h["max_abs"]),
+                                            "rel_fro": max(res_o["rel_fro"], res_h["rel_fro"]),
+                                            "pass": res_o["pass"] and res_h["pass"]},
             lambda: T.rms_norm(x, lw.input_norm, spec.rms_eps, res_in), _nbytes(x, res_in, x, x, lw.input_norm))
 
     def lin_row(op: str, xin: torch.Tensor, wt: torch.Tensor, want: torch.Tensor, **kw) -> torch.Tensor:

@@ -3,7 +3,7 @@ gaps), median of many, with inputs rotated so weights that fit in L2 are not tim
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -57,5 +58,5 @@ def test_llama3_rope_scaling_missing_key():
 
 def test_spec_is_frozen():
     s = LlamaSpec.tiny()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.hidden_size = 512  # type: ignore[misc]

@@ -1,7 +1,7 @@
 """Input checks shared by the op wrappers: each raises ValueError naming the offending value."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -12,7 +12,8 @@ MAX_DECODE_TOKENS = 16
 def check_tensor(name: str, t: object, *, ndim: int | None = None, dtypes: Iterable[torch.dtype] | None = None,
                  device: torch.device | None = None, contiguous: bool = True) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        # ValueError, not TypeError: every bad input of an op is one exception type for callers
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if dtypes is not None:
