@@ -66,38 +66,6 @@ def time_graph(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def trace_summary(rows: list[dict], clock_ghz: float = 1.98) -> str:
-    """Per-op breakdown of one traced step (MegakernelDecoder.trace_records), averaged over layers:
-    incremental critical time (op's last end - previous op's last end), mean task time after its
-    waits, mean counter wait, mean time consumers waited for weight chunks, producer lead (how long
-    before the consumers were ready the producer started issuing the task's weights)."""
-    from collections import defaultdict
-    by_op: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_op[r["op"]].append(r)
-    keys = sorted(by_op, key=lambda k: min(r["tid"] for r in by_op[k]))
-    t0 = min(r["start"] for r in rows)
-    agg: dict[str, list[tuple[float, ...]]] = defaultdict(list)
-    prev_end = t0
-    for k in keys:
-        rs = by_op[k]
-        end = max(r["end"] for r in rs)
-        name = k.split(".")[-1]
-        exec_us = statistics.mean((r["end"] - r["ready"]) / 1e3 for r in rs)
-        wait_us = statistics.mean((r["ready"] - r["start"]) / 1e3 for r in rs)
-        wcyc_us = statistics.mean(r["wait_cycles"] / (clock_ghz * 1e3) for r in rs)
-        lead = [(r["ready"] - r["prod_first"]) / 1e3 for r in rs if r["prod_first"]]
-        agg[name].append(((end - prev_end) / 1e3, exec_us, wait_us, wcyc_us, statistics.mean(lead) if lead else 0.0,
-                          len(rs)))
-        prev_end = end
-    out = [f"traced step: {(max(r['end'] for r in rows) - t0) / 1e3:.1f} us over {len(rows)} tasks",
-           f"{'op':<11} {'n':>4} {'crit_us':>8} {'task_us':>8} {'ctrwait':>8} {'wgtwait':>8} {'prodlead':>8}"]
-    for name, vals in agg.items():
-        m = [statistics.mean(v[i] for v in vals) for i in range(6)]
-        out.append(f"{name:<11} {m[5]:>4.0f} {m[0]:>8.2f} {m[1]:>8.2f} {m[2]:>8.2f} {m[3]:>8.2f} {m[4]:>8.2f}")
-    return "\n".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(Path(__file__).resolve().parent / "models" / "llama-3.2-1b"))
@@ -106,9 +74,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--lm-head", action="store_true", help="fuse the LM head into the megakernel step")
     ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--trace", action="store_true", help="also run one traced step and print a per-op breakdown")
+    ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
+                    "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     args = ap.parse_args()
 
+    from mk_plugin.persistent import trace as mktrace
     from mk_plugin.persistent.backend import MegakernelDecoder
     from mk_plugin.triton_ops import DecodeWorkspace, decode_step
 
@@ -139,7 +109,9 @@ def main() -> None:
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
             torch.cuda.synchronize()
-            print(f"\n[batch {bsz}] " + trace_summary(tdec.trace_records(bsz)))
+            recs = mktrace.annotate(tdec.trace_records(bsz), tdec.program(bsz), seq)
+            print(f"\n[batch {bsz}] traced step: {mktrace.step_span_ns(recs) / 1e3:.1f} us over {len(recs)} tasks\n"
+                  + mktrace.op_table_markdown(mktrace.op_table(recs)))
         if not args.no_triton:
             ws = DecodeWorkspace.allocate(spec, bsz, bt.shape[1], 16, "cuda")
             tout = torch.empty_like(hidden)
