@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
+from pathlib import Path
 
 import torch
 
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import rotating_median_ms, rotation_count
-from mk_plugin.triton_ops.linear import LinearConfig, _linear, select_config
+from mk_plugin.triton_ops.linear import LinearConfig, _linear, select_config, tuned_file
 
 MODELS = {"1b": "bench/models/llama-3.2-1b", "8b": "bench/models/llama-3.1-8b"}
 
@@ -35,12 +37,42 @@ def candidates(m: int):
             yield LinearConfig(bn, bk, 1, True, nw, st)
 
 
+def _config_of(text: str) -> dict:
+    """LinearConfig(...)'s repr -> its fields (the JSON results keep configs as repr strings)."""
+    return {k: (v == "True") if v in ("True", "False") else int(v)
+            for k, v in re.findall(r"(\w+)=(\w+)", text)}
+
+
+def tuned_entries(results: list[dict], gpu: str, note: str) -> dict:
+    """The sweep's winners as the tuned-config file `select_config` reads for this GPU model."""
+    entries = [{"m": r["m"], "n_out": r["n"] // 2 if r["op"] == "gate_up" else r["n"], "k": r["k"],
+                "silu": r["op"] == "gate_up", "op": f"{r['model']}:{r['op']}", "config": _config_of(r["best"]),
+                "best_us": round(r["best_us"], 2), "default_us": round(r["default_us"], 2)} for r in results]
+    return {"gpu": gpu, "source": note, "entries": entries}
+
+
+def write_tuned(results: list[dict], gpu: str, note: str) -> Path:
+    p = tuned_file(gpu)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(tuned_entries(results, gpu, note), indent=1) + "\n")
+    return p
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--write-tuned", action="store_true",
+                    help="store the winners where select_config reads them for this GPU model")
+    ap.add_argument("--from-json", default=None, help="no GPU: rebuild the tuned file from a saved --json")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="GPU model name for --from-json")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print(write_tuned(saved, args.gpu, f"bench/sweep_linear.py results {args.from_json}"))
+        return 0
     dt = torch.bfloat16
     results = []
     for mk in args.models.split(","):
@@ -78,6 +110,8 @@ def main() -> int:
                        "best": repr(best[1]), "default": repr(default)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
+    if args.write_tuned:
+        print(write_tuned(results, torch.cuda.get_device_name(), "bench/sweep_linear.py"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

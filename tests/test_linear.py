@@ -307,3 +307,45 @@ def test_gpu_cuda_graph_replay(m):
     g.replay()
     torch.cuda.synchronize()
     assert_matches(out, expected(x2, w, nw, None, True), torch.bfloat16)
+
+
+# ---- measured configs (mk_plugin/triton_ops/tuned/*.json, written by bench/sweep_linear.py) ----
+def _tuned_entries():
+    import json
+
+    from mk_plugin.triton_ops.linear import TUNED_DIR
+    for p in sorted(TUNED_DIR.glob("linear_*.json")):
+        for e in json.loads(p.read_text())["entries"]:
+            yield pytest.param(e, id=f"{p.stem}-{e['op']}-m{e['m']}")
+
+
+@pytest.mark.parametrize("entry", list(_tuned_entries()))
+def test_every_tuned_config_is_correct(entry):
+    """Each measured winner computes the right answer at its own K (N cut to 48 columns, M to 1 or 3):
+    the sweep that picked them timed them without checking their results."""
+    from mk_plugin.triton_ops.linear import LinearConfig, _linear
+
+    torch.manual_seed(0)
+    cfg = LinearConfig(**entry["config"])
+    m, n_out, k, silu = (1 if entry["m"] == 1 else 3), min(entry["n_out"], 48), entry["k"], entry["silu"]
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w = (torch.randn(2 * n_out if silu else n_out, k) * 0.02).to(torch.bfloat16)
+    nw = (torch.rand(k) + 0.5).to(torch.bfloat16)
+    out = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16)
+    _linear(x, w, norm_weight=nw, activation="silu_and_mul" if silu else None, out=out, config=cfg)
+    a, _ = ref.rms_norm(x, nw, 1e-5)
+    y = ref.linear(a.to(torch.bfloat16), w)
+    assert_matches(out, ref.silu_and_mul(y) if silu else y, torch.bfloat16)
+
+
+def test_tuned_table_only_serves_its_gpu_and_kind():
+    from mk_plugin.triton_ops.linear import select_config, tuned_table
+
+    table = tuned_table("NVIDIA H200")
+    assert table, "the H200 table measured on 2026-11-30 is shipped with the package"
+    (m, n, k, silu), cfg = next(iter(table.items()))
+    assert select_config(m, n, k, silu=silu, device_name="NVIDIA H200") == cfg
+    assert select_config(m, n, k, silu=silu, device_name="Some Other GPU") == select_config(m, n, k, silu=silu)
+    assert select_config(m, n, k, silu=silu) == select_config(m, n, k, silu=silu, device_name=None)
+    for (tm, tn, tk, ts), c in table.items():  # M > 1 never gets an FMA-only config
+        assert tm == 1 or c.use_dot

@@ -27,8 +27,11 @@ Design (decode is memory-bound: every weight byte is read exactly once, x stays 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -288,10 +291,43 @@ def _floor_pow2(v: int) -> int:
 
 
 MIN_TILES_BEFORE_SPLIT = 16
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+# A measured winner replaces the heuristic only when it beat it by more than this (replay noise).
+TUNED_MIN_GAIN = 0.03
+
+
+def tuned_file(device_name: str) -> Path:
+    """Where bench/sweep_linear.py --write-tuned stores the measured winners of one GPU model."""
+    return TUNED_DIR / ("linear_" + re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
+
+
+@functools.cache
+def tuned_table(device_name: str) -> dict[tuple[int, int, int, bool], LinearConfig]:
+    """(m, n_out, k, silu) -> LinearConfig measured on this GPU model, for the shapes swept there."""
+    p = tuned_file(device_name)
+    if not p.exists():
+        return {}
+    table = {}
+    for e in json.loads(p.read_text())["entries"]:
+        if e["default_us"] > e["best_us"] * (1 + TUNED_MIN_GAIN):
+            table[(e["m"], e["n_out"], e["k"], e["silu"])] = LinearConfig(**e["config"])
+    return table
+
+
+def _tuned(m: int, n_out: int, k: int, silu: bool, device_name: str | None) -> LinearConfig | None:
+    """The measured config for this shape at the nearest swept M of the same kind (M == 1 is
+    the FMA GEMV, M > 1 the tensor-core path: a winner never crosses between the two)."""
+    if device_name is None:
+        return None
+    ms = [tm for (tm, tn, tk, ts) in tuned_table(device_name) if (tn, tk, ts) == (n_out, k, silu)
+          and (tm == 1) == (m == 1)]
+    if not ms:
+        return None
+    return tuned_table(device_name)[(min(ms, key=lambda tm: abs(tm - m)), n_out, k, silu)]
 
 
 def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
-                  num_sms: int = DEFAULT_NUM_SMS) -> LinearConfig:
+                  num_sms: int = DEFAULT_NUM_SMS, device_name: str | None = None) -> LinearConfig:
     """The heuristic table. Chosen from bandwidth reasoning and ptxas register/shared-memory
     reports for sm_90 (no GPU timing yet): re-tune with measurements through `_linear(config=)`.
 
@@ -308,6 +344,9 @@ def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
     2*num_sms programs, each split at least 2 BLOCK_K chunks long.
     Llama-3.2-1B / 3.1-8B shapes (qkv, o, gate_up, down, lm_head) never split on a 132-SM GPU.
     """
+    tuned = _tuned(m, n_out, k, silu, device_name)
+    if tuned is not None:
+        return tuned
     k_cap = max(16, triton.next_power_of_2(k))
     if m == 1:
         choices, target = ((2, 1) if silu else (4, 2, 1)), 3 * num_sms
@@ -332,6 +371,17 @@ def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _name_of(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def _device_name(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    return _name_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _device_sms(device: torch.device) -> int:
@@ -444,7 +494,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor 
                 out.data_ptr() != residual.data_ptr() or out.dtype != residual.dtype):
             raise ValueError("out partially overlaps residual; alias it exactly or not at all")
 
-    cfg = config or select_config(m, n_out, k, silu=silu, num_sms=_device_sms(dev))
+    cfg = config or select_config(m, n_out, k, silu=silu, num_sms=_device_sms(dev), device_name=_device_name(dev))
     if not cfg.use_dot and m != 1:
         raise ValueError(f"config {cfg} uses the FMA path, which handles M == 1 only (M={m})")
     m_pad = 16 if cfg.use_dot else 1
