@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -141,6 +142,16 @@ def plugin_entry_point_installed() -> bool:
     from importlib.metadata import entry_points
 
     return any(ep.name == "mk_plugin" for ep in entry_points(group="vllm.general_plugins"))
+
+
+def ensure_plugin_visible() -> Path | None:
+    """vLLM finds plugins only through installed entry points: when mk_plugin is not pip-installed,
+    make a temporary shim (and say so); returns its path, or None when nothing was needed."""
+    if plugin_entry_point_installed():
+        return None
+    shim = make_plugin_shim(Path(tempfile.mkdtemp(prefix="mk_shim_")))
+    print(f"note: mk_plugin is not pip-installed; using an entry-point shim at {shim}")
+    return shim
 
 
 def make_plugin_shim(where: Path) -> Path:

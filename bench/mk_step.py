@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import make_decode_batch
+from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import LayerWeights, ModelWeights
 
 PEAK_BPS = 4.8e12
@@ -43,27 +43,8 @@ def gpu_weights(spec: LlamaSpec, seed: int = 0) -> ModelWeights:
 
 
 def time_graph(fn, reps: int) -> float:
-    """Median microseconds of one replay of a CUDA graph of fn()."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    """Median microseconds of one replay of a CUDA graph of fn() (mk_plugin.timing)."""
+    return graph_median_ms(fn, replays=reps) * 1e3
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import gc
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -193,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from mk_plugin.spec import LlamaSpec
 
-    shim = None
-    if not a.dry_run and not common.plugin_entry_point_installed():
-        shim = common.make_plugin_shim(Path(tempfile.mkdtemp(prefix="mk_shim_")))
-        print(f"note: mk_plugin is not pip-installed; using an entry-point shim at {shim}")
+    shim = None if a.dry_run else common.ensure_plugin_visible()
     meta = {"date": common.today(), "gpu": "dry-run" if a.dry_run else common.gpu_name(),
             "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner,
             "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}

@@ -328,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         child_main(json.loads(a.child))
         return 0
-    shim = None
-    if not common.plugin_entry_point_installed():
-        shim = common.make_plugin_shim(Path(tempfile.mkdtemp(prefix="mk_shim_")))
-        print(f"note: mk_plugin is not pip-installed; using an entry-point shim at {shim}")
+    shim = common.ensure_plugin_visible()
     work = Path(tempfile.mkdtemp(prefix="mk_correctness_"))
     rows, ok = [], True
     for model in [m for m in a.models.split(",") if m]:
