@@ -87,6 +87,9 @@ struct Params {
   const int* block_table;
   const void* cos_sin;
   unsigned long long* trace;        // null unless tracing
+  int* err;                         // [ERROR_WORDS] error record (encoding.ERROR_FIELDS)
+  int* err_host;                    // null, or a pinned host mirror of the record
+  unsigned long long budget_ns;     // watchdog budget of every wait
   void* buf[NUM_BUFS];
   int bt_stride;
   int block_size;
@@ -105,7 +108,8 @@ constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
 constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
 constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
 constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
-constexpr int PARAMS_OFF = (RSTD_OFF + 4 * MAX_BATCH + 15) / 16 * 16;
+constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task index
+constexpr int PARAMS_OFF = (FLAGS_OFF + 8 + 15) / 16 * 16;
 static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc shared memory overflow");
 
 struct Smem {
@@ -116,7 +120,79 @@ struct Smem {
   __device__ __forceinline__ float* scratch() const { return reinterpret_cast<float*>(base + UNION_OFF); }
   __device__ __forceinline__ float* rstd() const { return reinterpret_cast<float*>(base + RSTD_OFF); }
   __device__ __forceinline__ Params& params() const { return *reinterpret_cast<Params*>(base + PARAMS_OFF); }
+  // Non-zero once this CTA stops: its consumers leave their queue at the next task boundary and
+  // the producer stops issuing (set by thread 0 on a failed counter wait, or by a consumer warp
+  // whose weight-ring wait timed out).
+  __device__ __forceinline__ volatile int* abort_flag() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF); }
+  // Index (in this launch's task array) of the task the consumers are running, for the record.
+  __device__ __forceinline__ volatile int* cur_task() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 4); }
 };
+
+// The first failed wait of a launch fills the error record (encoding.ERROR_FIELDS): atomicCAS on
+// the code word picks one writer; later failures (usually consequences of the first) are dropped.
+// Out of line: it runs at most once per launch and keeps the waits' fast paths small.
+__device__ __noinline__ void watchdog_record(const Params& P, int code, int task_index, int counter, int expected,
+                                             int seen, unsigned long long waited_ns) {
+  if (atomicCAS(P.err + E_CODE, 0, code) != 0) return;
+  int rec[ERROR_WORDS];
+#pragma unroll
+  for (int i = 0; i < ERROR_WORDS; ++i) rec[i] = 0;
+  rec[E_CODE] = code;
+  rec[E_SM] = (int)blockIdx.x;
+  rec[E_THREAD] = (int)threadIdx.x;
+  rec[E_BATCH] = P.batch;
+  rec[E_TASK_INDEX] = task_index;
+  rec[E_TID] = rec[E_OPCODE] = rec[E_LAYER] = -1;
+  if (task_index >= 0) {
+    const int* r = P.prog + P.tasks_at + task_index * TASK_WORDS;
+    rec[E_TID] = r[F_TID];
+    rec[E_OPCODE] = r[F_OPCODE];
+    rec[E_LAYER] = r[F_LAYER];
+  }
+  rec[E_COUNTER] = counter;
+  rec[E_EXPECTED] = expected;
+  rec[E_SEEN] = seen;
+  rec[E_ELAPSED_US] = (int)min(waited_ns / 1000ull, 0x7fffffffull);
+  rec[E_BUDGET_MS] = (int)(P.budget_ns / 1000000ull);
+  for (int i = 1; i < ERROR_WORDS; ++i) P.err[i] = rec[i];
+  __threadfence();
+  if (P.err_host != nullptr) {  // fields first, code last: a host that sees the code sees the rest
+    volatile int* h = P.err_host;
+    for (int i = 1; i < ERROR_WORDS; ++i) h[i] = rec[i];
+    __threadfence_system();
+    h[E_CODE] = code;
+    __threadfence_system();
+  }
+}
+
+// Counter wait of a task (thread 0): WAIT_OK with v = the counter's value, or the failure status
+// (a timeout is recorded here).
+__device__ __forceinline__ int task_counter_wait(const Params& P, int task_index, int ctr, unsigned target,
+                                                 unsigned& v) {
+  const unsigned* p = P.counters + (size_t)ctr * COUNTER_STRIDE;
+  v = ld_acquire_gpu(p);
+  if (v >= target) return WAIT_OK;
+  unsigned long long waited = 0;
+  const int ws = counter_wait_slow(p, target, P.err, P.budget_ns, v, waited);
+  if (ws == WAIT_TIMEOUT) watchdog_record(P, ERR_COUNTER_TIMEOUT, task_index, ctr, (int)target, (int)v, waited);
+  return ws;
+}
+
+// Weight-ring mbarrier wait. For the record: task_index (-1: the consumers' current task), tag
+// (MBAR_TAG_* + slot), chunk (the chunk number). poll_abort: also give up when this CTA's abort
+// flag is set. budget_mult scales the budget. A timeout is recorded and stops this CTA.
+__device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigned bar, unsigned parity, int task_index,
+                                         int tag, unsigned chunk, bool poll_abort, unsigned budget_mult) {
+  if (mbar_try_wait(bar, parity)) return WAIT_OK;
+  unsigned long long waited = 0;
+  const int ws = mbar_wait_slow(bar, parity, poll_abort ? S.abort_flag() : nullptr, P.budget_ns * budget_mult, waited);
+  if (ws == WAIT_TIMEOUT) {
+    watchdog_record(P, ERR_MBAR_TIMEOUT, task_index >= 0 ? task_index : *S.cur_task(), tag, (int)parity, (int)chunk,
+                    waited);
+    *S.abort_flag() = 1;
+  }
+  return ws;
+}
 
 __device__ __forceinline__ const elem_t* weight_ptr(const Params& P, int layer, int slot) {
   return reinterpret_cast<const elem_t*>(P.wptr[layer * LP_COUNT + slot]);

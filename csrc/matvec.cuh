@@ -79,11 +79,15 @@ static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
 // (KC = chunk_cols_for(NT)).
+//
+// Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
+// PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
 __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, int qbeg, int qend, int lane) {
   const int nt = batch_ntiles(P.batch);
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
   unsigned it = 0;
-  for (int ti = qbeg; ti < qend; ++ti) {
+  int ti = qbeg;
+  for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
@@ -97,7 +101,11 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = t.opcode == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
-          mbar_wait(S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, 1000 + slot);
+          // Lane 0's outcome decides for the warp (lane 0 arms the barrier below).
+          const int ws = __shfl_sync(0xffffffffu,
+                                     ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
+                                               MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
+          if (ws != WAIT_OK) goto drain;
           if (lane == 0) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
           __syncwarp();
           if (lane < valid) {
@@ -110,6 +118,17 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
       }
     }
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_LAST] = global_ns();
+  }
+drain:
+  // The last min(it, NUM_STAGES) chunks may still be landing in this CTA's shared memory; consumers
+  // that stopped early never wait for them, so wait here: the CTA must not exit with bulk copies in
+  // flight. (Earlier chunks were consumed: their slots were freed before being reused.) Nothing
+  // re-arms these barriers any more, so each phase is complete once its bytes have arrived.
+  for (unsigned c = it > NUM_STAGES ? it - NUM_STAGES : 0; c < it; ++c) {
+    const int slot = c % NUM_STAGES;
+    const int ws = ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, min(ti, qend - 1),
+                             MBAR_TAG_DRAIN + slot, c, false, 1);
+    if (ws != WAIT_OK) break;
   }
 }
 
@@ -290,7 +309,11 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
         if (m < mt) {
           const int slot = it % NUM_STAGES;
           const long long c0 = clock64();
-          mbar_wait(S.full_bar(slot), (it / NUM_STAGES) & 1, 2000 + slot);
+          // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
+          // discarded with the step -- keep every consumer_sync of the task, and do not free the
+          // slot (its copy may still be landing); the loop ends at the next task boundary.
+          const int ws =
+              ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
 #pragma unroll
@@ -304,7 +327,7 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
             }
           }
           __syncwarp();
-          if (lane == 0) mbar_arrive(S.empty_bar(slot));
+          if (lane == 0 && ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));
           ++it;
         }
       }

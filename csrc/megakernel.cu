@@ -9,6 +9,14 @@
 //               NUM_STAGES-slot shared-memory ring with cp.async.bulk; it never waits on counters,
 //               so the next tasks' weights load while the consumers wait or compute.
 // Counters must be zero at launch (backend.py zeroes them with a captured memset each step).
+//
+// Watchdog (no trap: the CUDA context survives): every wait is bounded by watchdog_ms. A failed
+// wait fills the error record `err` (common.cuh: watchdog_record); thread 0's counter waits also
+// give up as soon as any SM has recorded a failure. A CTA stops at its next task boundary (the
+// consumers leave the queue together through consumer_sync_or; the producer stops issuing once it
+// sees the CTA's abort flag and drains its in-flight copies). Tasks that are not blocked may still
+// run: an aborted launch writes only the locations a complete one writes (its buffers and this
+// step's KV slots), with unspecified values. A launch that finds a record already set exits at once.
 #pragma nv_diag_suppress 177  // generated constants that this translation unit does not use
 #include "common.cuh"
 #include "matvec.cuh"
@@ -58,17 +66,26 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     const Task t = load_task(P, ti);
     unsigned long long t_start = 0, t_ready = 0, wait_cycles = 0;
     if (P.trace != nullptr && threadIdx.x == 0) t_start = global_ns();
+    int stop = 0;
     if (threadIdx.x == 0) {
+      *S.cur_task() = ti;
+      stop = *S.abort_flag();  // a weight-ring wait of the previous task timed out
 #pragma unroll
       for (int w = 0; w < NUM_WAITS; ++w) {
         const int c = t.wait_ctr[w];
         const unsigned target = (unsigned)t.wait_target[w];
-        if (c < 0 || (c == known_ctr && target <= known_val)) continue;
-        known_val = wait_counter_geq(P.counters + (size_t)c * COUNTER_STRIDE, target, c);
-        known_ctr = c;
+        if (stop || c < 0 || (c == known_ctr && target <= known_val)) continue;
+        unsigned v;
+        if (task_counter_wait(P, ti, c, target, v) != WAIT_OK) {
+          stop = 1;
+        } else {
+          known_val = v;
+          known_ctr = c;
+        }
       }
+      if (stop) *S.abort_flag() = 1;  // tells the producer warp to stop issuing
     }
-    consumer_sync();
+    if (consumer_sync_or(stop)) break;
     if (P.trace != nullptr && threadIdx.x == 0) t_ready = global_ns();
     switch (t.opcode) {
       case OP_QKV_ROPE:
@@ -103,12 +120,8 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
   using namespace mk;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const Smem S{smem_raw};
+  int start_stop = 0;
   if (threadIdx.x == 0) {
-    // A program built for another model, batch limit or grid must never run: trap (launch error).
-    if (prog[HDR_MAGIC] != PROGRAM_MAGIC || prog[HDR_VERSION] != PROGRAM_VERSION ||
-        prog[HDR_SPEC_HASH] != MK_SPEC_HASH || prog[HDR_NUM_QUEUES] != (int)gridDim.x ||
-        prog[HDR_BATCH] < 1 || prog[HDR_BATCH] > MAX_BATCH || blockDim.x != NUM_THREADS)
-      __trap();
     Params& P = S.params();
     P.prog = prog;
     P.wptr = wptr;
@@ -129,6 +142,9 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     P.buf[BUF_PART_O] = part_o;
     P.buf[BUF_PART_ML] = part_ml;
     P.trace = trace;
+    P.err = err;
+    P.err_host = err_host;
+    P.budget_ns = (unsigned long long)(watchdog_ms > 0 ? watchdog_ms : 1) * 1000000ull;
     P.bt_stride = bt_stride;
     P.block_size = block_size;
     P.cs_rows = cs_rows;
@@ -137,13 +153,37 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     P.batch = prog[HDR_BATCH];
     P.chunks = prog[HDR_ATTN_CHUNKS];
     P.tasks_at = prog[HDR_TASKS_AT];
-    for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(S.full_bar(s), 1);
-      mbar_init(S.empty_bar(s), CONSUMER_WARPS);
+    *S.cur_task() = -1;
+    // A program built for another model, batch limit or grid must never run: record which check
+    // failed and exit (the host validates ProgramMeta before launching, so this is a last guard).
+    int bad = 0;
+    if (prog[HDR_MAGIC] != PROGRAM_MAGIC) bad |= HDRCHK_MAGIC;
+    if (prog[HDR_VERSION] != PROGRAM_VERSION) bad |= HDRCHK_VERSION;
+    if (prog[HDR_SPEC_HASH] != MK_SPEC_HASH) bad |= HDRCHK_SPEC_HASH;
+    if (prog[HDR_NUM_QUEUES] != (int)gridDim.x) bad |= HDRCHK_NUM_QUEUES;
+    if (P.batch < 1 || P.batch > MAX_BATCH) bad |= HDRCHK_BATCH;
+    if (blockDim.x != NUM_THREADS) bad |= HDRCHK_BLOCK;
+    int stop = 0;
+    if (ld_relaxed_gpu_s32(err) != 0) {
+      stop = 1;  // an earlier failure is still recorded: refuse to run until the host clears it
+    } else if (bad) {
+      watchdog_record(P, ERR_BAD_PROGRAM, -1, -1, 0, bad, 0);
+      stop = 1;
     }
-    fence_mbar_init();
+    *S.abort_flag() = stop;
+    start_stop = stop;
+    if (!stop) {
+      for (int s = 0; s < NUM_STAGES; ++s) {
+        mbar_init(S.full_bar(s), 1);
+        mbar_init(S.empty_bar(s), CONSUMER_WARPS);
+      }
+      fence_mbar_init();
+    }
   }
-  __syncthreads();
+  // Barrier + broadcast of thread 0's decision in one step (not a later read of the shared flag,
+  // which thread 0 may already have set again in its first counter wait): the whole CTA exits, or
+  // none of it does -- a warp missing from a later consumer barrier would hang the others.
+  if (__syncthreads_or(start_stop)) return;
   const Params& P = S.params();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qbeg = __ldg(prog + HEADER_WORDS + blockIdx.x), qend = __ldg(prog + HEADER_WORDS + blockIdx.x + 1);

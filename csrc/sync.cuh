@@ -6,7 +6,8 @@
 //   task's counter. Release is cumulative, so every store ordered before it by the barrier is
 //   visible to any thread that observes the new counter value with an acquire at gpu scope.
 // - A waiting task: one thread spins with ld.acquire.gpu until counter >= target, then the
-//   consumers pass consumer_sync() and read the producers' data. Data written during this launch
+//   consumers pass consumer_sync_or() (bar.red: the same ordering as bar.sync, and it carries the
+//   watchdog's stop decision) and read the producers' data. Data written during this launch
 //   is read with ld.global.cg (L2), never the non-coherent/L1 path, so no stale L1 line is used.
 // - No fence.proxy.async is needed: the async proxy (cp.async.bulk) only reads the weights, which
 //   nothing writes during the launch, and only writes shared-memory slots whose previous readers
@@ -16,11 +17,11 @@
 
 namespace mk {
 
-// Watchdog: a wait longer than this means the program deadlocked (or an SM was not co-resident).
-// The waiting thread prints what it waited for and traps, turning a hang into a launch error.
-#ifndef MK_WATCHDOG_NS
-#define MK_WATCHDOG_NS 5000000000ull
-#endif
+// Watchdog: every wait below is bounded by a budget (kernel parameter watchdog_ms). The slow paths
+// return a WaitStatus instead of spinning forever; the caller records the failure in the error
+// record (common.cuh: watchdog_record) and leaves its loop, so the launch ends and the host reads
+// the record (MegakernelHang). Fast paths are unchanged: one load / one try_wait.
+enum WaitStatus : int { WAIT_OK = 0, WAIT_ABORTED = 1, WAIT_TIMEOUT = 2 };
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -28,10 +29,11 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
-__device__ __noinline__ void watchdog_fire(const char* what, int a, int b, int c) {
-  printf("mk_decode watchdog: block %d thread %d stuck in %s (%d, %d, %d)\n", (int)blockIdx.x, (int)threadIdx.x,
-         what, a, b, c);
-  __trap();
+// The error record's code word, read without caching (another SM may have set it).
+__device__ __forceinline__ int ld_relaxed_gpu_s32(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
@@ -44,26 +46,40 @@ __device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Spin until *p >= target, backing off with __nanosleep (32 ns doubling to 256 ns). `ctr` is the
-// counter id, only for the watchdog's message.
-__device__ __forceinline__ unsigned wait_counter_geq(const unsigned* p, unsigned target, int ctr) {
-  unsigned v = ld_acquire_gpu(p);
-  if (v >= target) return v;
+// Slow path of a counter wait (the caller has read *p once and found it < target): spin until
+// *p >= target, backing off with __nanosleep (32 ns doubling to 256 ns). WAIT_ABORTED as soon as
+// *err != 0 (a wait somewhere in this launch has failed: nothing here can finish), WAIT_TIMEOUT
+// after budget_ns. v: the last value read; waited_ns: time spent here.
+__device__ __forceinline__ int counter_wait_slow(const unsigned* p, unsigned target, const int* err,
+                                                 unsigned long long budget_ns, unsigned& v,
+                                                 unsigned long long& waited_ns) {
   unsigned ns = 32;
   const unsigned long long t0 = global_ns();
-  while (v < target) {
+  while (true) {
     __nanosleep(ns);
     ns = ns < 256 ? ns * 2 : 256;
     v = ld_acquire_gpu(p);
-    if (global_ns() - t0 > MK_WATCHDOG_NS) watchdog_fire("counter wait (ctr, target, value)", ctr, (int)target, (int)v);
+    if (v >= target) return WAIT_OK;
+    waited_ns = global_ns() - t0;
+    if (ld_relaxed_gpu_s32(err) != 0) return WAIT_ABORTED;
+    if (waited_ns > budget_ns) return WAIT_TIMEOUT;
   }
-  return v;
 }
 
 // Barrier 1 among the consumer warps only (the producer warp never joins it; barrier 0 is
 // __syncthreads, used once at start-up).
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
+}
+
+// consumer_sync() that also ORs `pred` over the consumer threads (bar.red.or: same barrier, same
+// memory ordering as bar.sync), so one thread's decision reaches all of them in the same barrier.
+__device__ __forceinline__ bool consumer_sync_or(int pred) {
+  int r;
+  asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbar.red.or.pred q, 1, %2, p;\n\t"
+               "selp.s32 %0, 1, 0, q;\n\t}"
+               : "=r"(r) : "r"(pred), "n"(CONSUMER_THREADS) : "memory");
+  return r != 0;
 }
 
 // ---- mbarriers (shared::cta addresses as 32-bit) -------------------------------------------
@@ -93,13 +109,18 @@ __device__ __forceinline__ bool mbar_try_wait(unsigned addr, unsigned parity) {
   return ok != 0;
 }
 
-// Wait until the phase of parity `parity` has completed. `tag` names the barrier for the watchdog.
-__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity, int tag) {
-  if (mbar_try_wait(addr, parity)) return;
+// Slow path of an mbarrier wait (the caller's try_wait failed): until the phase of parity `parity`
+// has completed. WAIT_ABORTED as soon as *flag != 0 (flag: this CTA's abort word in shared memory,
+// or null), WAIT_TIMEOUT after budget_ns.
+__device__ __forceinline__ int mbar_wait_slow(unsigned addr, unsigned parity, const volatile int* flag,
+                                              unsigned long long budget_ns, unsigned long long& waited_ns) {
   const unsigned long long t0 = global_ns();
   while (!mbar_try_wait(addr, parity)) {
-    if (global_ns() - t0 > MK_WATCHDOG_NS) watchdog_fire("mbarrier wait (tag, parity, -)", tag, (int)parity, 0);
+    waited_ns = global_ns() - t0;
+    if (flag != nullptr && *flag != 0) return WAIT_ABORTED;
+    if (waited_ns > budget_ns) return WAIT_TIMEOUT;
   }
+  return WAIT_OK;
 }
 
 }  // namespace mk

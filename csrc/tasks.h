@@ -44,18 +44,55 @@ enum ModelPtrSlot : int {
 };
 
 // Parameters of the extern "C" kernel mk_decode (encoding.KERNEL_PARAMS)
-#define MK_DECODE_PARAMS const int* __restrict__ prog, const unsigned long long* __restrict__ wptr, const unsigned long long* __restrict__ kvptr, unsigned* counters, const long long* positions, const long long* slots, const int* seq_lens, const int* block_table, int bt_stride, int block_size, const void* cos_sin, int cs_rows, int cs_stride, int cs_f32, void* hidden_in, void* resid, void* q, void* attn_o, void* act, void* out, void* logits, void* part_o, void* part_ml, unsigned long long* trace
+#define MK_DECODE_PARAMS const int* __restrict__ prog, const unsigned long long* __restrict__ wptr, const unsigned long long* __restrict__ kvptr, unsigned* counters, const long long* positions, const long long* slots, const int* seq_lens, const int* block_table, int bt_stride, int block_size, const void* cos_sin, int cs_rows, int cs_stride, int cs_f32, void* hidden_in, void* resid, void* q, void* attn_o, void* act, void* out, void* logits, void* part_o, void* part_ml, unsigned long long* trace, int* err, int* err_host, int watchdog_ms
 
 constexpr int NUM_BUFS = 9;
 constexpr int LP_COUNT = 6;
 constexpr int PROGRAM_MAGIC = 0x4d4b5031;
-constexpr int PROGRAM_VERSION = 1;
+constexpr int PROGRAM_VERSION = 2;
 constexpr int TASK_WORDS = 16;
 constexpr int NUM_WAITS = 2;
 constexpr int HEADER_WORDS = 8;
 constexpr int COUNTER_STRIDE = 8;
 constexpr int MAX_BATCH = 16;
 constexpr int UNIT = 16;
+
+// Watchdog error record (encoding.ERROR_FIELDS)
+enum ErrorCode : int {
+  ERR_NONE = 0,
+  ERR_COUNTER_TIMEOUT = 1,
+  ERR_MBAR_TIMEOUT = 2,
+  ERR_BAD_PROGRAM = 3
+};
+
+enum HeaderCheck : int {
+  HDRCHK_MAGIC = 1,
+  HDRCHK_VERSION = 2,
+  HDRCHK_SPEC_HASH = 4,
+  HDRCHK_NUM_QUEUES = 8,
+  HDRCHK_BATCH = 16,
+  HDRCHK_BLOCK = 32
+};
+
+constexpr int ERROR_WORDS = 16;
+constexpr int E_CODE = 0;
+constexpr int E_SM = 1;
+constexpr int E_THREAD = 2;
+constexpr int E_BATCH = 3;
+constexpr int E_TASK_INDEX = 4;
+constexpr int E_TID = 5;
+constexpr int E_OPCODE = 6;
+constexpr int E_LAYER = 7;
+constexpr int E_COUNTER = 8;
+constexpr int E_EXPECTED = 9;
+constexpr int E_SEEN = 10;
+constexpr int E_ELAPSED_US = 11;
+constexpr int E_BUDGET_MS = 12;
+constexpr int MBAR_TAG_EMPTY = 1000;
+constexpr int MBAR_TAG_FULL = 2000;
+constexpr int MBAR_TAG_DRAIN = 3000;
+constexpr int PRODUCER_BUDGET_MULT = 2;
+static_assert(E_BUDGET_MS < ERROR_WORDS, "error record size");
 
 // Header words
 constexpr int HDR_MAGIC = 0;

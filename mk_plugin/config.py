@@ -11,17 +11,22 @@ MK_DUMP_LOGITS  <dir>                      debug (needs enforce_eager): every co
 MK_FORCE_TOKENS <file.json>                debug (needs enforce_eager): teacher forcing; the token
                                            sampled after a request of seq_len L is forced to file[L]
                                            (the JSON list is the whole sequence: prompt + continuation)
+MK_WATCHDOG_MS  1..600000 (default 2000)   budget of every wait inside the megakernel; a wait that
+                                           exceeds it aborts the launch and raises MegakernelHang on
+                                           the host. Always bounded: 0 ("off") is refused.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .ops import STEP_OPS
 
 MODES = ("megakernel", "triton", "stock")
 DEFAULT_MODE = "triton"
+DEFAULT_WATCHDOG_MS = 2000
+WATCHDOG_MS_MAX = 600_000  # = persistent.encoding.WATCHDOG_MS_MAX (config must not import torch)
 
 
 class ConfigError(ValueError):
@@ -37,6 +42,16 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"{name}={v!r} is not a boolean; use 0 or 1")
 
 
+def _millis(env: Mapping[str, str], name: str, default: int) -> int:
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{name}={v!r} is not an integer number of milliseconds") from None
+
+
 @dataclass(frozen=True)
 class MkConfig:
     mode: str = DEFAULT_MODE
@@ -45,8 +60,13 @@ class MkConfig:
     verbose: bool = False
     dump_logits: str | None = None
     force_tokens: str | None = None
+    watchdog_ms: int = DEFAULT_WATCHDOG_MS
 
     def __post_init__(self) -> None:
+        if isinstance(self.watchdog_ms, bool) or not isinstance(self.watchdog_ms, int) \
+                or not 1 <= self.watchdog_ms <= WATCHDOG_MS_MAX:
+            raise ConfigError(f"MK_WATCHDOG_MS={self.watchdog_ms!r} must be an integer number of milliseconds in "
+                              f"1..{WATCHDOG_MS_MAX}; every megakernel wait is bounded (0 = off is not allowed)")
         if self.mode not in MODES:
             raise ConfigError(f"MK_MODE={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         bad = sorted(set(self.fallback) - set(STEP_OPS))
@@ -62,7 +82,8 @@ class MkConfig:
         fb = frozenset(s.strip() for s in env.get("MK_FALLBACK", "").split(",") if s.strip())
         return cls(mode=mode, fallback=fb, trace=_flag(env, "MK_TRACE"), verbose=_flag(env, "MK_VERBOSE"),
                    dump_logits=env.get("MK_DUMP_LOGITS", "").strip() or None,
-                   force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None)
+                   force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None,
+                   watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS))
 
 
 def get_config() -> MkConfig:

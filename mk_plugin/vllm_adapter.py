@@ -39,6 +39,25 @@ Why the branch is in the top-level ``forward``
   them). Kernels run on ``torch.cuda.current_stream()``; per-step values are read on the device from
   the metadata tensors (block_table, seq_lens, slot_mapping); padded entries have seq_len 0, slot -1.
 
+Megakernel hangs (MK_MODE=megakernel; see persistent/errors.MegakernelHang and the README)
+- Every wait inside the megakernel is bounded (MK_WATCHDOG_MS); a stuck launch records the failure
+  in the decoder's error record (mirrored to pinned host memory) and ends. The record is sticky:
+  later launches, including CUDA-graph replays, exit at once until it is cleared.
+- ``compute_logits`` runs in Python after every step in both runners (V2: ``GPUModelRunner.sample``
+  after ``cudagraph_manager.run_fullgraph``; V1: after the CUDAGraphWrapper), so it is where the
+  adapter looks: it reads the pinned mirror (no host synchronisation; the GPU may still be behind,
+  so a hang is seen 0-2 steps late). On a hang it logs the MegakernelHang once and switches the
+  decode path to Triton for the rest of the run: eager decode steps call the Triton decoder; a
+  FULL-graph replay (a step whose forward did not run in Python) still launches the captured
+  megakernel, which exits at once, and compute_logits recomputes that step with Triton from the
+  graph's static input tensors (recorded at capture) before computing the logits.
+- Not guaranteed: the steps that ran between the hang and the step at which the host saw it
+  returned invalid hidden states (their sampled tokens are wrong), and the K/V those steps should
+  have written are invalid too, so the requests in flight at that moment may keep producing wrong
+  tokens. Requests admitted after the switch are computed by the Triton path. Recomputing a
+  replayed step assumes the replayed graph is the smallest captured size >= the number of logits
+  rows and that logits rows are the first rows of the output (true for pure decode steps).
+
 V1 vs V2 runners: both build ``FlashAttentionMetadata`` per layer (V2 through
 ``v1/worker/gpu/attn_utils.build_attn_metadata``); in non-FULL modes their ``seq_lens`` may have
 fewer rows than the (padded) input, so the decode runs on the first ``len(seq_lens)`` tokens and the
@@ -237,6 +256,15 @@ class DecodeState:
     kv_key: tuple | None = None    # identity of the last validated KV cache list
 
 
+@dataclass
+class _DecodeCall:
+    """One call of the decode path: its decoder arguments (hidden, positions, kv caches,
+    block_table, seq_lens, slot_mapping, cos_sin), its output rows and the backend that ran it."""
+    args: tuple
+    out: Any
+    backend: str
+
+
 def _weights_from_model(model: Any, spec: Any) -> Any:
     """ModelWeights viewing vLLM's parameters in their own layouts; checks every shape and dtype."""
     import torch
@@ -349,7 +377,8 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
         try:
             from .persistent.backend import MegakernelDecoder
 
-            mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback)
+            mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
+                                   watchdog_ms=cfg.watchdog_ms)
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
             decoder, backend = mk, "megakernel"
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path
@@ -401,10 +430,18 @@ class MkDecodeMixin:
         self._mk_dbg_seq_lens: list[int] | None = None
         self._mk_dbg_calls = 0
         self._mk_force: list[int] | None = None
+        # Hang handling (compute_logits): whether forward ran in Python for the current step, the
+        # decode call it made, the calls captured into CUDA graphs (by token count), the hang seen.
+        self._mk_py_step = False
+        self._mk_last_call: _DecodeCall | None = None
+        self._mk_graph_calls: dict[int, _DecodeCall] = {}
+        self._mk_hang: Any = None        # the MegakernelHang that switched the run to Triton
+        self._mk_megakernel: Any = None  # the MegakernelDecoder it came from (its record stays set)
 
     # -- vLLM entry points --
     def forward(self, input_ids: Any, positions: Any, intermediate_tensors: Any = None,
                 inputs_embeds: Any = None, **kwargs: Any) -> Any:
+        self._mk_py_step, self._mk_last_call = True, None  # (a capture resets it in _mk_run)
         if intermediate_tensors is None and not kwargs and self._mk_cfg.mode != "stock":
             out = self._mk_maybe_decode(input_ids, positions, inputs_embeds)
             if out is not None:
@@ -415,6 +452,7 @@ class MkDecodeMixin:
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
 
     def compute_logits(self, hidden_states: Any) -> Any:
+        hidden_states = self._mk_after_step(hidden_states)
         logits = super().compute_logits(hidden_states)
         if logits is not None and (self._mk_cfg.dump_logits or self._mk_cfg.force_tokens):
             logits = self._mk_debug_logits(logits)
@@ -427,6 +465,7 @@ class MkDecodeMixin:
             "class": type(self).__name__, "mode": self._mk_cfg.mode,
             "backend": None if st is None else st.backend,
             "unsupported": self._mk_unsupported,
+            "hang": None if self._mk_hang is None else str(self._mk_hang),
             "max_tokens": None if st is None else st.max_tokens,
             "counts": dict(self._mk_counts), "logged": dict(self._mk_log.seen),
         }
@@ -504,6 +543,15 @@ class MkDecodeMixin:
             hidden.copy_(inputs_embeds[:reqs])
         else:  # == VocabParallelEmbedding at TP 1 (F.embedding), into a preallocated buffer
             torch.index_select(st.weights.embed, 0, input_ids[:reqs], out=hidden)
+        call = _DecodeCall((hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs],
+                            st.cos_sin), st.out_buf[:reqs], st.backend)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A FULL-graph capture: replays of this graph do not run forward; compute_logits finds
+            # the graph's static tensors here if it has to recompute a replayed step.
+            self._mk_graph_calls[num_tokens] = call
+            self._mk_py_step, self._mk_last_call = False, None
+        else:
+            self._mk_last_call = call
         try:
             st.decoder(hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs], st.cos_sin,
                        out=st.out_buf[:reqs])
@@ -517,6 +565,70 @@ class MkDecodeMixin:
         if self._mk_cfg.verbose:
             self._mk_log.note(f"decode:{num_tokens}", f"decode path ({st.backend}) for {num_tokens} token rows")
         return st.out_buf[:num_tokens]
+
+    # -- megakernel hangs (see the module docstring) --
+    def _mk_after_step(self, hidden_states: Any) -> Any:
+        """Called by compute_logits once per step: notice a recorded megakernel hang (no host
+        synchronisation unless one is pending), switch to Triton, and return the hidden states to
+        compute logits from -- recomputed with Triton when this step's came from the megakernel
+        after the switch."""
+        py_step, call = self._mk_py_step, self._mk_last_call
+        self._mk_py_step, self._mk_last_call = False, None
+        st = self._mk_state
+        if st is None:
+            return hidden_states
+        if self._mk_hang is None:
+            if st.backend != "megakernel" or not st.decoder.pending_error():
+                return hidden_states
+            if not self._mk_switch_to_triton(st):
+                return hidden_states
+        if not py_step:  # a FULL-graph replay: it ran the captured megakernel, which exited at once
+            call = self._mk_graph_call(hidden_states.shape[0])
+        if call is None or call.backend != "megakernel":
+            return hidden_states  # stock or Triton produced this step
+        rows = hidden_states.shape[0]
+        if rows > call.out.shape[0]:
+            raise RuntimeError(f"mk_plugin: cannot recompute a megakernel step of {call.out.shape[0]} rows for "
+                               f"{rows} logits rows after {self._mk_hang}")
+        st.decoder(*call.args, out=call.out)
+        self._mk_counts["recomputed"] += 1
+        return call.out[:rows]
+
+    def _mk_graph_call(self, rows: int) -> _DecodeCall | None:
+        """The decode call captured for the graph vLLM replays for `rows` requests: the smallest
+        captured token count >= rows (vLLM pads a batch up to the next capture size)."""
+        sizes = sorted(n for n in self._mk_graph_calls if n >= rows)
+        return self._mk_graph_calls[sizes[0]] if sizes else None
+
+    def _mk_switch_to_triton(self, st: DecodeState) -> bool:
+        """Read the pending hang (synchronises: rare), log it once and make the Triton decoder the
+        decode path for the rest of the run. The megakernel's record is left set on purpose: the
+        captured graphs keep launching it and it must keep exiting at once."""
+        import torch
+
+        from .persistent.errors import MegakernelHang
+        from .triton_ops import DecodeWorkspace, decode_step
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        mk = st.decoder
+        try:
+            mk.check_errors(clear=False)
+            return False  # the mirror and the record disagree: nothing to report (yet)
+        except MegakernelHang as e:
+            hang = e
+        try:
+            ws = DecodeWorkspace.allocate(st.spec, st.max_tokens, st.capacity_tokens // st.block_size, st.block_size,
+                                          st.embed_buf.device)
+        except ValueError as e:
+            raise RuntimeError(f"mk_plugin: {hang}; the Triton decode path cannot take over ({e})") from hang
+        self._mk_hang, self._mk_megakernel = hang, mk
+        st.decoder = functools.partial(decode_step, st.spec, st.weights, workspace=ws)
+        st.workspace, st.backend = ws, "triton"
+        self._mk_log.warn("megakernel_hang", f"{hang}. The megakernel is disabled for the rest of this run: decode "
+                          "steps use the Triton path (replays of captured graphs are recomputed with it in "
+                          "compute_logits). Steps computed between the hang and now returned invalid results.")
+        return True
 
     # -- debug hooks (MK_DUMP_LOGITS / MK_FORCE_TOKENS; eager only, they sync the host) --
     def _mk_record_seq_lens(self, raw: Any = None, st: DecodeState | None = None) -> None:

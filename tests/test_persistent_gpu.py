@@ -231,3 +231,90 @@ def test_megakernel_with_triton_fallback(models, fallback):
     assert_matches(part, full, spec.torch_dtype, "step")
     for a, b in zip(pcaches, fcaches):
         assert_matches(a, b, spec.torch_dtype, "step")
+
+
+def test_watchdog_stops_a_hung_program(models):
+    """A deliberately corrupted program (one wait that can never be satisfied) on the GPU: the launch
+    ends on its own (watchdog, no trap), the host raises MegakernelHang with the record, the CUDA
+    context stays usable, check=True recomputes the step with Triton, a captured graph of the bad
+    program replays without waiting again (sticky record), a program whose header fails the kernel's
+    check is refused in-kernel, and afterwards the good program gives bit-identical results."""
+    from mk_plugin.persistent.backend import with_unsatisfiable_wait
+    from mk_plugin.persistent.encoding import ErrorCode, H, HeaderCheck
+    from mk_plugin.persistent.errors import MegakernelHang
+
+    spec, w = models("llama-3.2-1b", 2)
+    seq_lens = [100, 0, 2049, 16]
+    batch = gpu_batch(spec, seq_lens, seed=11)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200)
+    good_out, good_logits, good_caches = _run_mk(dec, spec, w, batch, cs)
+    assert not dec.pending_error()
+    good = dec.program(len(seq_lens))
+    dec.install_program(with_unsatisfiable_wait(good))
+
+    # 1. unchecked: the launch ends by itself; the kernel wrote the pinned host mirror
+    _run_mk(dec, spec, w, batch, cs)  # synchronises: returns only because every CTA exited
+    assert dec.pending_error()
+    with pytest.raises(MegakernelHang) as e:
+        dec.check_errors()
+    h = e.value
+    assert h.error_code == ErrorCode.COUNTER_TIMEOUT and h.seen < h.expected and h.budget_ms == 200
+    assert h.elapsed_us >= 200_000 and 0 <= h.sm < dec.num_sms and h.tid >= 0 and h.op is not None
+    assert "checker rejects this program" in str(h), str(h)
+    assert not dec.pending_error()
+    assert float((torch.ones(4, device=DEV) * 2).sum()) == 8.0  # the context is healthy
+
+    # 2. check=True: the step is recomputed with Triton (outputs and KV valid), then raised
+    caches = [c.clone() for c in batch.kv_caches]
+    hidden = w.embed[batch.input_ids]
+    out = torch.full_like(hidden, float("nan"))
+    logits = torch.full((hidden.shape[0], spec.vocab_size), float("nan"), device=DEV)
+    with pytest.raises(MegakernelHang) as e2:
+        dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs, out=out,
+            logits_out=logits, check=True)
+    assert e2.value.recovered
+    hn, rlogits, rcaches, _, _ = _ref_and_triton(spec, w, batch, cs)
+    dt = spec.torch_dtype
+    assert_matches(out, hn, dt, "step")
+    assert_matches(logits, rlogits, dt, "step")
+    for a, r in zip(caches, rcaches):
+        assert_matches(a, r, dt, "step")
+
+    # 3. a CUDA graph of the bad program: the first replay aborts, later replays exit at once
+    args = (hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        dec(*args, out=out, logits_out=logits)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dec.clear_errors()  # capture does not run the kernel; start from a clean record
+    g.replay()
+    torch.cuda.synchronize()
+    assert dec.pending_error()
+    with pytest.raises(MegakernelHang):
+        dec.check_errors(clear=False)
+    out.fill_(float("nan"))
+    g.replay()  # the record is still set: every CTA exits at once, nothing is written
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    dec.clear_errors()
+
+    # 4. a header the kernel refuses (spec hash altered on the device, bypassing ProgramMismatch)
+    dec.install_program(good)
+    e_ = dec._entry(len(seq_lens))
+    e_.seg_progs[0][H["spec_hash"]] += 1
+    _run_mk(dec, spec, w, batch, cs)
+    rec = dec.error_record()
+    assert rec["code"] == ErrorCode.BAD_PROGRAM and rec["seen"] & HeaderCheck.SPEC_HASH, rec
+    dec.clear_errors()
+
+    # 5. the good program afterwards: bit-identical to before the hangs (deterministic)
+    dec.install_program(good)
+    out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
+    assert torch.equal(out2, good_out) and torch.equal(logits2, good_logits)
+    for a, b in zip(caches2, good_caches):
+        assert torch.equal(a, b)
+    assert not dec.pending_error()

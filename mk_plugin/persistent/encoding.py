@@ -25,7 +25,9 @@ import numpy as np
 from ..spec import LlamaSpec
 
 MAGIC = 0x4D4B5031  # "MKP1"
-VERSION = 1
+# 2: the kernel takes an error record and a watchdog budget (err, err_host, watchdog_ms) and exits
+#    cleanly on a stuck wait instead of trapping.
+VERSION = 2
 
 
 class Opcode(enum.IntEnum):
@@ -102,7 +104,58 @@ KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
     ("part_o", "void*"),
     ("part_ml", "void*"),
     ("trace", "unsigned long long*"),                    # null, or [num_tasks * TRACE_WORDS]
+    ("err", "int*"),                                     # [ERROR_WORDS] device error record (sticky)
+    ("err_host", "int*"),                                # null, or a pinned host mirror of `err`
+    ("watchdog_ms", "int"),                              # budget of every wait, in ms (>= 1)
 )
+
+# Watchdog error record (MegakernelDecoder.err, int32 words; see errors.MegakernelHang). Every wait
+# of the kernel is bounded by watchdog_ms. The first wait to exceed it wins an atomicCAS on `code`
+# (0 -> code), fills the other fields and, when err_host is given, copies the record there (a
+# pinned host page the host can poll without synchronising). Other waits see code != 0 and bail
+# out; every CTA then leaves its queue and the launch ends normally (no trap: the CUDA context
+# stays usable). A launch that starts while code != 0 exits at once: the record is sticky until
+# the host clears it, so a captured graph replaying a hung program does not wait again.
+#   code        ErrorCode
+#   sm, thread  blockIdx.x / threadIdx.x of the waiter
+#   batch       the program's batch (header)
+#   task_index  position of the task in this launch's task array (-1: not in a task)
+#   tid, opcode, layer   of that task's record
+#   counter     counter id (COUNTER_TIMEOUT), MBAR_TAG_* + ring slot (MBAR_TIMEOUT), -1
+#   expected    counter target / mbarrier phase parity / 0
+#   seen        counter value read last / weight chunk number / failed HeaderCheck bits
+#   elapsed_us  how long the waiter waited;  budget_ms  the budget in force
+ERROR_FIELDS: tuple[str, ...] = ("code", "sm", "thread", "batch", "task_index", "tid", "opcode", "layer",
+                                 "counter", "expected", "seen", "elapsed_us", "budget_ms")
+ERROR_WORDS = 16
+E = {name: i for i, name in enumerate(ERROR_FIELDS)}
+
+
+class ErrorCode(enum.IntEnum):
+    NONE = 0
+    COUNTER_TIMEOUT = 1  # a task's dependency counter did not reach its target within the budget
+    MBAR_TIMEOUT = 2     # a weight-ring mbarrier phase did not complete within the budget
+    BAD_PROGRAM = 3      # the launch's program header failed the kernel's check (see HeaderCheck)
+
+
+class HeaderCheck(enum.IntFlag):
+    """Bits of `seen` in a BAD_PROGRAM record: which header check failed."""
+    MAGIC = 1
+    VERSION = 2
+    SPEC_HASH = 4
+    NUM_QUEUES = 8      # != grid size
+    BATCH = 16          # not in 1..MAX_BATCH
+    BLOCK = 32          # blockDim.x != NUM_THREADS
+
+
+# `counter` of an MBAR_TIMEOUT record = tag + ring slot: which side waited for what.
+MBAR_TAG_EMPTY = 1000   # producer waiting for the consumers to free a slot
+MBAR_TAG_FULL = 2000    # consumer waiting for a weight chunk to land
+MBAR_TAG_DRAIN = 3000   # producer waiting, before it exits, for its in-flight copies to land
+# The producer runs ahead of the consumers, so its slot waits start earlier than the counter wait
+# that is really stuck: it uses this multiple of the budget, and the counter wait is reported.
+PRODUCER_BUDGET_MULT = 2
+WATCHDOG_MS_MAX = 600_000
 
 # Per-task trace record (MK_TRACE / MegakernelDecoder(trace=True)), uint64 words: %globaltimer ns
 # when the consumers start the task (before its waits), are ready (waits done), end (before the
@@ -336,6 +389,19 @@ def generate_header() -> str:
         f"constexpr int COUNTER_STRIDE = {COUNTER_STRIDE};",
         f"constexpr int MAX_BATCH = {MAX_BATCH};",
         f"constexpr int UNIT = {UNIT};",
+        "",
+        "// Watchdog error record (encoding.ERROR_FIELDS)",
+        _enum_cpp("ErrorCode", "ERR_", ErrorCode),
+        _enum_cpp("HeaderCheck", "HDRCHK_", HeaderCheck),
+        f"constexpr int ERROR_WORDS = {ERROR_WORDS};",
+    ]
+    lines += [f"constexpr int E_{k.upper()} = {i};" for k, i in E.items()]
+    lines += [
+        f"constexpr int MBAR_TAG_EMPTY = {MBAR_TAG_EMPTY};",
+        f"constexpr int MBAR_TAG_FULL = {MBAR_TAG_FULL};",
+        f"constexpr int MBAR_TAG_DRAIN = {MBAR_TAG_DRAIN};",
+        f"constexpr int PRODUCER_BUDGET_MULT = {PRODUCER_BUDGET_MULT};",
+        f"static_assert(E_{ERROR_FIELDS[-1].upper()} < ERROR_WORDS, \"error record size\");",
         "",
         "// Header words",
     ]

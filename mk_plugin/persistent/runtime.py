@@ -10,6 +10,7 @@ cupy is imported only inside functions of this module (CPU CI has no cupy).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import time
@@ -52,6 +53,18 @@ def build_source(csrc: Path = CSRC) -> str:
         return "\n".join(out)
 
     return expand(ENTRY) + "\n"
+
+
+@functools.lru_cache(maxsize=4)
+def _source_hash(csrc: Path, stamp: tuple) -> str:
+    return hashlib.sha256(build_source(csrc).encode()).hexdigest()[:16]
+
+
+def source_hash(csrc: Path = CSRC) -> str:
+    """16 hex digits of sha256(build_source()): identifies the kernel text a program is built for
+    (cached; recomputed when a csrc file changes)."""
+    stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in csrc.iterdir() if f.is_file()))
+    return _source_hash(csrc, stamp)
 
 
 def compile_options(spec: LlamaSpec, arch: str = DEFAULT_ARCH) -> tuple[str, ...]:

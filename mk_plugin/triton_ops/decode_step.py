@@ -12,6 +12,7 @@ import torch
 
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
+from ._checks import check_device, check_shape, check_tensor, check_tokens
 from .linear import linear
 from .paged_attention import choose_num_splits, paged_attention, paged_attention_workspace_size
 from .rms_norm import rms_norm
@@ -49,6 +50,39 @@ class DecodeWorkspace:
                    torch.empty(ws_elems, dtype=torch.float32, device=device))
 
 
+def _check_step_inputs(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       slot_mapping: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Everything a step's kernels will check, checked before the first one launches: a refused
+    step must not have written this token's K/V already."""
+    if len(kv_caches) != spec.num_layers or len(weights.layers) != spec.num_layers:
+        raise ValueError(f"got {len(kv_caches)} kv caches and {len(weights.layers)} layers of weights; "
+                         f"the spec has num_layers={spec.num_layers}")
+    check_tensor("hidden", hidden, ndim=2, dtypes=(spec.torch_dtype,))
+    check_device(hidden)
+    b, dev = hidden.shape[0], hidden.device
+    check_tokens("hidden", b)
+    check_shape("hidden", hidden, (b, spec.hidden_size))
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(spec.torch_dtype,), device=dev)
+        check_shape("out", out, (b, spec.hidden_size))
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=dev, contiguous=False)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=dev)
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_shape(name, t, (b,))
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.shape[0] < b:
+            raise ValueError(f"{name} has {t.shape[0]} rows for a batch of {b} tokens (one request per token)")
+    shape = (spec.num_kv_heads, spec.head_dim)
+    for i, c in enumerate(kv_caches):
+        check_tensor(f"kv_caches[{i}]", c, ndim=5, dtypes=(spec.torch_dtype,), device=dev, contiguous=False)
+        if c.shape[1] != 2 or tuple(c.shape[3:]) != shape:
+            raise ValueError(f"kv_caches[{i}] has shape {tuple(c.shape)}; expected (num_blocks, 2, block_size, "
+                             f"{shape[0]}, {shape[1]}) (vLLM FLASH_ATTN layout)")
+
+
 def decode_step(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                 slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, *,
@@ -56,10 +90,8 @@ def decode_step(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, po
     """Run all layers for B decode tokens (token b is request b) and return the final-normed hidden
     states [B, H] (what LlamaModel.forward returns). hidden is the embedded input [B, H]; this step's
     K/V are written into kv_caches (one per layer, vLLM FLASH_ATTN layout) at slot_mapping."""
+    _check_step_inputs(spec, weights, hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, out)
     b = hidden.shape[0]
-    if len(kv_caches) != spec.num_layers or len(weights.layers) != spec.num_layers:
-        raise ValueError(f"got {len(kv_caches)} kv caches and {len(weights.layers)} layers of weights; "
-                         f"the spec has num_layers={spec.num_layers}")
     ws = workspace or DecodeWorkspace.allocate(spec, b, block_table.shape[1], kv_caches[0].shape[2], hidden.device)
     if b > ws.max_tokens:
         raise ValueError(f"batch of {b} tokens exceeds the workspace's max_tokens={ws.max_tokens}")
