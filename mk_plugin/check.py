@@ -19,6 +19,12 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def _worst(*results: dict) -> dict:
+    """One table row for several compared outputs of one op: the largest errors, all must pass."""
+    return {"max_abs": max(x["max_abs"] for x in results), "rel_fro": max(x["rel_fro"] for x in results),
+            "pass": all(x["pass"] for x in results)}
+
+
 def _seq_lens(batch: int, context: int) -> list[int]:
     """Longest first, others shorter and not block aligned; the last entry padded when batch > 2."""
     lens = [max(1, context - 13 * i) for i in range(batch)]
@@ -76,6 +82,9 @@ def _truncate(spec: LlamaSpec, w: ModelWeights, layers: int) -> tuple[LlamaSpec,
 
 def run_check(args: argparse.Namespace) -> int:
     from . import triton_ops as T
+    from .triton_ops.linear import linear_bytes
+    from .triton_ops.paged_attention import paged_attention_bytes, paged_attention_num_splits
+    from .triton_ops.rope_kv_append import rope_kv_append_bytes
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -103,10 +112,7 @@ def run_check(args: argparse.Namespace) -> int:
 
     out, hsum = T.rms_norm(x, lw.input_norm, spec.rms_eps, res_in)
     r_out, r_h = ref.rms_norm(x, lw.input_norm, spec.rms_eps, res_in)
-    res_o, res_h = compare(out, r_out, dt), compare(hsum, r_h, dt)  # normed output and the residual sum
-    tab.add("rms_norm (+residual)", shape, {"max_abs": max(res_o["max_abs"], res_h["max_abs"]),
-                                            "rel_fro": max(res_o["rel_fro"], res_h["rel_fro"]),
-                                            "pass": res_o["pass"] and res_h["pass"]},
+    tab.add("rms_norm (+residual)", shape, _worst(compare(out, r_out, dt), compare(hsum, r_h, dt)),
             lambda: T.rms_norm(x, lw.input_norm, spec.rms_eps, res_in), _nbytes(x, res_in, x, x, lw.input_norm))
 
     def lin_row(op: str, xin: torch.Tensor, wt: torch.Tensor, want: torch.Tensor, **kw) -> torch.Tensor:
@@ -114,7 +120,8 @@ def run_check(args: argparse.Namespace) -> int:
         T.linear(xin, wt, out=o, **kw)
         tab.add(op, f"{xin.shape[0]}x{wt.shape[1]} -> {o.shape[1]}", compare(o, want, dt),
                 _rotating(lambda wi: T.linear(xin, wi, out=o, **kw), wt) if tab.timing else None,
-                _nbytes(xin, wt, o))
+                linear_bytes(xin.shape[0], wt.shape[0], wt.shape[1], dt, activation=kw.get("activation"),
+                             norm="norm_weight" in kw, residual="residual" in kw, out_dtype=o.dtype))
         return o
 
     a_ref, _ = ref.rms_norm(x, lw.input_norm, spec.rms_eps)
@@ -131,27 +138,26 @@ def run_check(args: argparse.Namespace) -> int:
     q_r = ref.apply_rope(qf.view(b, spec.num_q_heads, -1), batch.positions, cos_sin).reshape(b, -1)
     ref.kv_append(ref.apply_rope(kf.view(b, spec.num_kv_heads, -1), batch.positions, cos_sin),
                   vf.view(b, spec.num_kv_heads, -1), cache_r, batch.slot_mapping)
-    res = compare(q_t, q_r, dt)
-    res_c = compare(cache_t, cache_r, dt)
-    res = {"max_abs": max(res["max_abs"], res_c["max_abs"]), "rel_fro": max(res["rel_fro"], res_c["rel_fro"]),
-           "pass": res["pass"] and res_c["pass"]}
+    res = _worst(compare(q_t, q_r, dt), compare(cache_t, cache_r, dt))
     cache_bench = cache_t.clone()
     tab.add("qkv_rope: rope+kv_append", f"{b}x{spec.qkv_size}", res,
             lambda: T.rope_kv_append(qkv, batch.positions, cos_sin, cache_bench, batch.slot_mapping,
                                      num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
                                      head_dim=spec.head_dim, q_out=q_t),
-            _nbytes(qkv, q_t) + 2 * b * spec.kv_size * qkv.element_size())
+            rope_kv_append_bytes(b, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dt, cos_sin.dtype,
+                                 num_written=sum(s > 0 for s in lens)))
 
     scale = spec.head_dim ** -0.5
     att_t = poison_(torch.empty(b, spec.q_size, device=dev, dtype=dt))
     T.paged_attention(q_t, cache_t, batch.block_table, batch.seq_lens, scale, out=att_t)
     att_r = ref.paged_attention(q_t.view(b, spec.num_q_heads, -1), cache_t, batch.block_table, batch.seq_lens,
                                 scale).reshape(b, -1)
-    kv_bytes = 2 * sum(lens) * spec.kv_size * cache_t.element_size()
     tab.add("attention (paged, split-KV)", f"{b}x{spec.num_q_heads}x{spec.head_dim} ctx<={context}",
             compare(att_t, att_r, dt),
             lambda: T.paged_attention(q_t, cache_t, batch.block_table, batch.seq_lens, scale, out=att_t),
-            kv_bytes + _nbytes(q_t, att_t))
+            paged_attention_bytes(lens, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dt,
+                                  paged_attention_num_splits(b, spec.num_kv_heads, batch.block_table.shape[1],
+                                                             batch.block_size, dev), batch.block_size))
 
     lin_row("o_proj: linear+residual", att_t, lw.o, ref.linear(att_t, lw.o) + res_in.float(), residual=res_in)
     m_ref, _ = ref.rms_norm(x, lw.post_norm, spec.rms_eps)
@@ -166,7 +172,7 @@ def run_check(args: argparse.Namespace) -> int:
             compare(lo, ref.linear(f_ref.to(dt), w.lm_head), dt),
             _rotating(lambda wi: T.lm_head(x, wi, norm_weight=w.final_norm, eps=spec.rms_eps, out=lo), w.lm_head)
             if tab.timing else None,
-            _nbytes(x, w.lm_head, lo))
+            linear_bytes(b, spec.vocab_size, h, dt, norm=True, out_dtype=lo.dtype))
 
     # Whole step: Triton path (bf16 caches) vs reference (fp32 copy of the same caches).
     caches_t = batch.clone_caches()

@@ -354,7 +354,9 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
         raise _Unsupported(str(e)) from e
     weights = _weights_from_model(model, spec)
     device = weights.embed.device
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    from .triton_ops._device import interpreting
+
+    if device.type != "cuda" and not interpreting():
         raise _Unsupported(f"weights are on {device}; the decode path runs on CUDA")
     cos_sin = _rotary_table(model, spec, device)
 

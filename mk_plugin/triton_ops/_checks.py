@@ -5,6 +5,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ._device import interpreting
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_DECODE_TOKENS = 16
 
@@ -29,8 +31,7 @@ def check_tensor(name: str, t: object, *, ndim: int | None = None, dtypes: Itera
 
 def check_device(t: torch.Tensor) -> None:
     """Triton needs CUDA tensors, except under the CPU interpreter (TRITON_INTERPRET=1)."""
-    import os
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if t.device.type != "cuda" and not interpreting():
         raise ValueError(f"tensor on {t.device} given to a GPU op; move it to CUDA "
                          "(CPU tensors are accepted only with TRITON_INTERPRET=1)")
 

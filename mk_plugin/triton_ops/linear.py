@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,11 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_shape, check_tensor, check_tokens
+from ._device import H200_SMS, device_name, device_sms, interpreting
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 ACTIVATIONS = (None, "silu_and_mul")
-DEFAULT_NUM_SMS = 132  # H200 SXM; used on CPU (interpreter) so the table is the same everywhere
+DEFAULT_NUM_SMS = H200_SMS
 MAX_SPLIT_K = 8
 # Split-K partials are at most this many bytes ([split_k, M, N_w] fp32); beyond it N is large
 # enough to fill the GPU with N tiles alone.
@@ -368,27 +368,6 @@ def select_config(m: int, n_out: int, k: int, *, silu: bool = False,
                         num_warps=4, num_stages=stages)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _name_of(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
-
-
-def _device_name(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    return _name_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
 
 # Split-K partial buffers, keyed by (device, stream). Never freed or shrunk: a CUDA graph captured
 # with one keeps its address, so replacing it would leave the graph writing into freed memory. A
@@ -411,10 +390,6 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------------------------
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of two contiguous tensors intersect."""
@@ -494,7 +469,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor 
                 out.data_ptr() != residual.data_ptr() or out.dtype != residual.dtype):
             raise ValueError("out partially overlaps residual; alias it exactly or not at all")
 
-    cfg = config or select_config(m, n_out, k, silu=silu, num_sms=_device_sms(dev), device_name=_device_name(dev))
+    cfg = config or select_config(m, n_out, k, silu=silu, num_sms=device_sms(dev), device_name=device_name(dev))
     if not cfg.use_dot and m != 1:
         raise ValueError(f"config {cfg} uses the FMA path, which handles M == 1 only (M={m})")
     m_pad = 16 if cfg.use_dot else 1
@@ -510,7 +485,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor 
         m, n_out, k, k_per_split, eps,
         M_PAD=m_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=even_k,
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SILU=silu,
-        SPLIT_K=split_k, INTERPRET=_interpret(),
+        SPLIT_K=split_k, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_k > 1:
@@ -518,7 +493,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor 
         _splitk_reduce_kernel[(_cdiv(n_out, block), m)](
             ws, residual if residual is not None else dummy, out, m, n_out,
             SPLIT_K=split_k, BLOCK=block, HAS_RES=residual is not None, SILU=silu,
-            INTERPRET=_interpret(), num_warps=4,
+            INTERPRET=interpreting(), num_warps=4,
         )
     return out
 

@@ -22,20 +22,18 @@ Nothing reads seq_lens on the host, so a call is CUDA-graph capturable (pass ``w
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import check_device, check_tensor, check_tokens
+from ._device import H200_SMS, device_sms, interpreting
 from .rope_kv_append import SUPPORTED_HEAD_DIMS, check_kv_cache
 
 ATTN_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
-H200_SMS = 132
 # The combine kernel holds all S partials of a head in registers: [S_PAD, d] fp32.
 MAX_SPLITS = 64
 # Tokens per inner-loop tile: 64 rows of K and V (a 16-token cache block is 1/4 tile; a tile spans
@@ -46,10 +44,6 @@ MIN_TILE_TOKENS = 64
 def tile_tokens(block_size: int) -> int:
     """Tokens per inner-loop iteration: a whole number of cache blocks, at least MIN_TILE_TOKENS."""
     return max(MIN_TILE_TOKENS, block_size)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -152,18 +146,6 @@ def _paged_attn_combine_kernel(
     tl.store(out_ptr + (b * NUM_Q_HEADS + h).to(tl.int64) * HEAD_DIM + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-@cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms_of(device: torch.device) -> int:
-    """SM count of a CUDA device (a host-side property query, no sync); H200's 132 otherwise."""
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return H200_SMS
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_size: int = 16,
                        num_sms: int = H200_SMS) -> int:
     """Splits so that batch * kvh * splits covers ~num_sms programs, from host-known values only
@@ -179,7 +161,7 @@ def paged_attention_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq
     """The num_splits paged_attention picks when given None (block_table width max_blocks_per_seq):
     use it to size a workspace ahead of CUDA-graph capture."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return choose_num_splits(batch, num_kv_heads, max_blocks_per_seq * block_size, block_size, num_sms_of(dev))
+    return choose_num_splits(batch, num_kv_heads, max_blocks_per_seq * block_size, block_size, device_sms(dev))
 
 
 def paged_attention_workspace_size(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -272,7 +254,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         scale_f * LOG2E, num_splits,
         NUM_KV_HEADS=kvh, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=bs, TILE_N=tile_tokens(bs), DIRECT_OUT=direct,
-        DOT_F32=_interpreting() and dt == torch.bfloat16, num_warps=4, num_stages=2,
+        DOT_F32=interpreting() and dt == torch.bfloat16, num_warps=4, num_stages=2,
     )
     if not direct:
         _paged_attn_combine_kernel[(b, qh)](

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_shape, check_tensor, check_tokens
-from .linear import _interpret, _ranges_overlap, _round_to, check_eps
+from ._device import interpreting
+from .linear import _ranges_overlap, _round_to, check_eps
 
 # 16384 fp32 values over 16 warps = 32 registers per thread: covers every Llama hidden size.
 MAX_SINGLE_PASS = 16384
@@ -126,6 +127,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(m,)](
         x, residual if residual is not None else x, weight, out, hout, hdim, eps,
         BLOCK_H=block, SINGLE_PASS=single, HAS_RES=residual is not None,
-        INTERPRET=_interpret(), num_warps=num_warps,
+        INTERPRET=interpreting(), num_warps=num_warps,
     )
     return out, (residual_out if residual is not None else x)
