@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--lm-head", action="store_true", help="fuse the LM head into the megakernel step")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="compile the megakernel with -DNAME=VALUE (A/B of kernel variants); repeatable")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     args = ap.parse_args()
@@ -66,7 +68,8 @@ def main() -> None:
     spec = LlamaSpec.from_json_file(args.model)
     w = gpu_weights(spec)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
-    dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head)
+    defines = tuple(f"-D{d}" for d in args.define)
+    dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, defines=defines)
     dec.prepare(args.batch)
     rows = []
     for bsz in args.batch:
@@ -86,7 +89,7 @@ def main() -> None:
         t_mk = time_graph(mk, args.reps)
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
         if args.trace:
-            tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True)
+            tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, defines=defines)
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
             torch.cuda.synchronize()
@@ -103,7 +106,7 @@ def main() -> None:
             t_tr = time_graph(tr, args.reps)
             rows.append(("triton", bsz, t_tr, (tw + kvbytes) / (t_tr * 1e-6)))
     print(f"\n{spec.name}: {spec.num_layers} layers, ctx {args.ctx}, lm_head in megakernel: {args.lm_head}, "
-          f"{dec.num_sms} SMs")
+          f"{dec.num_sms} SMs, defines {list(defines) or 'none'}")
     print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
     for name, bsz, t, bps in rows:
         print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%")

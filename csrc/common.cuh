@@ -8,6 +8,14 @@
 #error "compile with the -D options of mk_plugin.persistent.encoding.kernel_defines(spec)"
 #endif
 
+// Ring slots are freed by every consumer thread after its own reads (empty-barrier count =
+// consumer threads): the mbarrier then orders each reader's ldmatrix before the producer's next bulk
+// copy into the slot, which compute-sanitizer's racecheck can follow. 0: one arrive per warp after
+// __syncwarp (also ordered by the PTX memory model, but racecheck reports a WAR hazard on every slot).
+#ifndef MK_RING_RELEASE_ALL
+#define MK_RING_RELEASE_ALL 1
+#endif
+
 namespace mk {
 
 constexpr int H = MK_HIDDEN;

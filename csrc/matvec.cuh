@@ -202,64 +202,100 @@ __device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
-// Whole-task activation staging: x'[B, K] (normalised when nw) into shared memory, rows padded to
-// K*2 + 16 bytes (an odd number of 16-byte units: the fragment reads below are conflict-free).
-// Used when it fits the scratch (B * (2K + 16) <= UNION_BYTES): one round of L2 latency per task
-// instead of one per column group. Ends with consumer_sync().
-__device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, const float* rstd,
-                                        int K, int B) {
+// Whole-task activation staging: x[B, K] as stored into shared memory, rows padded to K*2 + 16
+// bytes (an odd number of 16-byte units: the fragment reads below are conflict-free), and for a
+// norm-fused op the norm weight nw[K] as one more row after them, loaded in the same round of L2
+// requests. The rows' 1/rms (rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps)) then comes from the staged
+// copy: one L2 round trip per pass instead of two (rows_rstd, then staging). Used when it fits the
+// scratch (staged_fits). Ends with consumer_sync().
+constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp row sums, end of scratch
+
+__device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
+  return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
+}
+
+__device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, float* rstd, int K,
+                                        int B, int warp, int lane) {
   const int vpr = K / 8;
-  const int total = B * vpr;
+  const int total = (B + (nw != nullptr ? 1 : 0)) * vpr;
   const int rowb = K * 2 + 16;
   constexpr int U = 4;
   for (int base = threadIdx.x; base < total; base += U * CONSUMER_THREADS) {
-    uint4 v[U], w[U];
+    uint4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * CONSUMER_THREADS;
       const int b = idx / vpr, kv = idx - b * vpr;
-      v[u] = w[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (idx < total) {
-        v[u] = ld_cg_v4(x + (size_t)b * K + kv * 8);
-        if (nw != nullptr) w[u] = __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
-      }
+      v[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (idx < total)
+        v[u] = b < B ? ld_cg_v4(x + (size_t)b * K + kv * 8) : __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * CONSUMER_THREADS;
       if (idx < total) {
         const int b = idx / vpr, kv = idx - b * vpr;
-        uint4 o = v[u];
-        if (nw != nullptr) {
-          const float r = rstd[b];
-          o.x = pack2(lo_f(v[u].x) * r * lo_f(w[u].x), hi_f(v[u].x) * r * hi_f(w[u].x));
-          o.y = pack2(lo_f(v[u].y) * r * lo_f(w[u].y), hi_f(v[u].y) * r * hi_f(w[u].y));
-          o.z = pack2(lo_f(v[u].z) * r * lo_f(w[u].z), hi_f(v[u].z) * r * hi_f(w[u].z));
-          o.w = pack2(lo_f(v[u].w) * r * lo_f(w[u].w), hi_f(v[u].w) * r * hi_f(w[u].w));
-        }
-        *reinterpret_cast<uint4*>(xs + (size_t)b * rowb + kv * 16) = o;
+        *reinterpret_cast<uint4*>(xs + (size_t)b * rowb + kv * 16) = v[u];
       }
     }
   }
   consumer_sync();
+  if (nw == nullptr) return;
+  float* part = reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES);
+  for (int b = 0; b < B; ++b) {  // fixed summation order: bit-identical across runs
+    float ss = 0.f;
+    for (int kv = threadIdx.x; kv < vpr; kv += CONSUMER_THREADS) {
+      const uint4 q = *reinterpret_cast<const uint4*>(xs + (size_t)b * rowb + kv * 16);
+      const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float a = lo_f(w[j]), c = hi_f(w[j]);
+        ss = fmaf(a, a, ss);
+        ss = fmaf(c, c, ss);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) part[warp * MAX_BATCH + b] = ss;
+  }
+  consumer_sync();
+  if (threadIdx.x < B) {
+    float ss = 0.f;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) ss += part[w * MAX_BATCH + threadIdx.x];
+    rstd[threadIdx.x] = rsqrtf(ss / (float)H + EPS);
+  }
+  consumer_sync();
 }
 
-// B fragments from the staged copy (see load_x_frags for the fragment layout).
+// B fragments from the staged copy (see load_x_frags for the fragment layout and the
+// normalisation, here with the norm weight from the staged row B).
 template <int NT, int JMAX>
-__device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* xs, int K, int k0,
-                                             int nsteps, int B, int warp, int lane) {
+__device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* xs, bool norm,
+                                             const float* rstd, int K, int k0, int nsteps, int B, int warp,
+                                             int lane) {
   const int rowb = K * 2 + 16;
 #pragma unroll
   for (int jj = 0; jj < JMAX; ++jj) {
     const int j = warp + jj * CONSUMER_WARPS;
+    const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
+    unsigned w0 = 0, w1 = 0;
+    if (norm && j < nsteps) {
+      w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
+      w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int bi = n * 8 + (lane >> 2);
       unsigned v0 = 0, v1 = 0;
       if (j < nsteps && bi < B) {
-        const unsigned char* p = xs + bi * rowb + (k0 + j * 16 + (lane & 3) * 2) * 2;
+        const unsigned char* p = xs + bi * rowb + off;
         v0 = *reinterpret_cast<const unsigned*>(p);
         v1 = *reinterpret_cast<const unsigned*>(p + 16);
+        if (norm) {
+          const float r = rstd[bi];
+          v0 = pack2(lo_f(v0) * r * lo_f(w0), hi_f(v0) * r * hi_f(w0));
+          v1 = pack2(lo_f(v1) * r * lo_f(w1), hi_f(v1) * r * hi_f(w1));
+        }
       }
       xb[jj][n][0] = v0;
       xb[jj][n][1] = v1;
@@ -269,8 +305,8 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
 
 template <int NT>
 __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
-                                            const elem_t* x, const elem_t* nw, unsigned& it, int warp, int lane,
-                                            unsigned long long& wait_cycles) {
+                                            const elem_t* x, const elem_t* nw, bool staged, unsigned& it, int warp,
+                                            int lane, unsigned long long& wait_cycles) {
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
   constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
@@ -281,7 +317,6 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
   const int upp = MT / wp.mtpu;
   const int uend = t.arg0 + t.arg1;
   const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
-  const bool staged = B * (wp.K * 2 + 16) <= UNION_BYTES;
   unsigned char* xs = reinterpret_cast<unsigned char*>(red);   // staging shares the scratch
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
@@ -293,15 +328,16 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 
-    // Activations: staged once per pass in shared memory when they fit (one L2 round trip per pass);
-    // else each warp loads its fragments of a column group from L2 before waiting for the group's
-    // first chunk (one round trip per group; two groups in flight did not fit 168 registers).
-    if (staged) stage_x(xs, x, nw, rstd, wp.K, B);
+    // Activations: staged once per pass in shared memory when they fit (one L2 round trip per pass,
+    // norm statistics included); else each warp loads its fragments of a column group from L2 before
+    // waiting for the group's first chunk (one round trip per group; two groups in flight did not
+    // fit 168 registers), with rstd from rows_rstd (matvec_dispatch).
+    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
       unsigned xb[JMAX][NT][2];
       if (staged)
-        smem_x_frags<NT, JMAX>(xb, xs, wp.K, k0, nsteps, B, warp, lane);
+        smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
       else
         load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
 #pragma unroll
@@ -326,8 +362,12 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
+#if MK_RING_RELEASE_ALL
+          if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
+#else
           __syncwarp();
           if (lane == 0 && ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));
+#endif
           ++it;
         }
       }

@@ -4,6 +4,7 @@
 //
 // CTA i runs queue i of the program (encoding.py: header | queue offsets | 64-byte task records):
 //   warps 0..7  consumers: for each task, wait for its counters (thread 0, acquire), run it,
+//               each thread freeing a ring slot once it has read it (MK_RING_RELEASE_ALL, below),
 //               consumer_sync, then thread 0 release-adds its signal counter;
 //   warp 8      producer: streams the weights of the same tasks, in the same order, into the
 //               NUM_STAGES-slot shared-memory ring with cp.async.bulk; it never waits on counters,
@@ -48,14 +49,14 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   weight_plan(P, t.opcode, t.layer, wp);
   const elem_t* x = buf_ptr(P, t.in_buf);
   const elem_t* nw = nullptr;
-  if (t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP) {
+  if (t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP)  // norm-fused (their K is H)
     nw = weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
-    rows_rstd(x, P.batch, S.rstd(), S.scratch(), warp, lane);
-  }
+  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
+  if (nw != nullptr && !staged) rows_rstd(x, P.batch, S.rstd(), S.scratch(), warp, lane);  // staged: stage_x
   if (batch_ntiles(P.batch) == 1)
-    matvec_task<1>(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+    matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, wait_cycles);
   else
-    matvec_task<2>(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+    matvec_task<2>(S, P, t, wp, x, nw, staged, it, warp, lane, wait_cycles);
 }
 
 __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, int qbeg, int qend, int warp, int lane) {
@@ -175,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (!stop) {
       for (int s = 0; s < NUM_STAGES; ++s) {
         mbar_init(S.full_bar(s), 1);
-        mbar_init(S.empty_bar(s), CONSUMER_WARPS);
+        mbar_init(S.empty_bar(s), MK_RING_RELEASE_ALL ? CONSUMER_THREADS : CONSUMER_WARPS);
       }
       fence_mbar_init();
     }

@@ -177,7 +177,8 @@ class MegakernelDecoder:
 
     def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
                  fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
-                 executor: str | None = None, trace: bool | None = None, watchdog_ms: int | None = None):
+                 executor: str | None = None, trace: bool | None = None, watchdog_ms: int | None = None,
+                 defines: tuple[str, ...] = ()):
         self.spec = spec
         self.weights = weights
         self.device = torch.device(device)
@@ -219,7 +220,7 @@ class MegakernelDecoder:
         self._module = None
         if self.executor == "cuda":
             from .runtime import MegakernelModule
-            self._module = MegakernelModule(spec)
+            self._module = MegakernelModule(spec, defines=tuple(defines))
 
     # ---- set-up --------------------------------------------------------------------------------
     def _check_weights(self) -> None:

@@ -82,13 +82,19 @@ _MODULES: dict[tuple[str, int], object] = {}
 @dataclass
 class MegakernelModule:
     """Loader of the megakernel for one model spec: source, options, arch, cache key; the CuPy
-    RawModule is compiled on first use per device and cached in-process (and by CuPy on disk)."""
+    RawModule is compiled on first use per device and cached in-process (and by CuPy on disk).
+    `defines` ("-DNAME=VALUE") select kernel variants for A/B measurements (bench/mk_step.py
+    --define); they are part of the cache key."""
     spec: LlamaSpec
     arch: str = DEFAULT_ARCH
+    defines: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        bad = [d for d in self.defines if not re.fullmatch(r"-D[A-Z][A-Z0-9_]*=[-0-9A-Za-z_.]+", d)]
+        if bad:
+            raise ValueError(f"defines {bad} must look like -DNAME=VALUE")
         self.source = build_source()
-        self.options = compile_options(self.spec, self.arch)
+        self.options = compile_options(self.spec, self.arch) + self.defines
         self.key = cache_key(self.source, self.options)
 
     def kernel(self, device_index: int):

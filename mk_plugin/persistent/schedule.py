@@ -7,13 +7,11 @@ behind itself: the unfinished task of smallest tid has all its dependencies done
 of its queue, so some SM can always progress. vm.check_deadlock_free re-proves this per program by
 simulation.
 
-Assignment is greedy list scheduling: the tasks of each op (phase), largest first, each go to the
-SM with the least estimated work so far (weight bytes + a fixed per-task overhead), so SMs that took
-a larger share of one op take a smaller share of the next.
+Assignment is earliest-finish-time list scheduling over a time model of every task (tasks.py):
+each task goes to the SM predicted to finish it first (schedule_queues).
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
@@ -22,27 +20,32 @@ import numpy as np
 from ..spec import LlamaSpec
 from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
-from .tasks import Counter, Task, TaskSet, build_tasks
+from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 
 
-def schedule_queues(tasks: list[Task], num_sms: int) -> list[list[int]]:
-    """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs."""
-    load = [(0.0, sm) for sm in range(num_sms)]
-    heapq.heapify(load)
+def schedule_queues(tasks: list[Task], num_sms: int,
+                    waits: list[list[tuple[int, int]]] | None = None) -> list[list[int]]:
+    """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs.
+
+    Earliest-finish-time list scheduling over the time model of tasks.py: tasks in tid order each
+    go to the SM that would finish them first, given when every SM becomes free and when the task's
+    counters are complete (its producers' predicted ends + SIGNAL_NS). Ops are separated by counter
+    waits, so balancing each op over the SMs free at that moment is what shortens the step; a
+    cumulative-load balance (the first version) put three attention partials in a row on the few
+    SMs without a qkv task and delayed every layer by ~7 us (H200 trace, 1B batch 1).
+    `waits` (default: each task's own) are the dependencies kept inside the segment."""
+    free = np.zeros(num_sms)
+    done: dict[int, float] = {}  # counter -> predicted time its last signaller finishes
     queues: list[list[int]] = [[] for _ in range(num_sms)]
-    i = 0
-    while i < len(tasks):
-        j = i
-        key = (tasks[i].op.key, tasks[i].phase)
-        while j < len(tasks) and (tasks[j].op.key, tasks[j].phase) == key:
-            j += 1
-        for idx in sorted(range(i, j), key=lambda k: -tasks[k].cost):
-            w, sm = heapq.heappop(load)
-            queues[sm].append(idx)
-            heapq.heappush(load, (w + tasks[idx].cost, sm))
-        i = j
-    for q in queues:
-        q.sort(key=lambda k: tasks[k].tid)
+    for idx, t in enumerate(tasks):
+        ws = t.waits if waits is None else waits[idx]
+        ready = max((done.get(c, 0.0) + SIGNAL_NS for c, _ in ws), default=0.0)
+        finish = np.maximum(free, ready) + t.cost
+        sm = int(np.argmin(finish))
+        free[sm] = finish[sm]
+        queues[sm].append(idx)
+        if t.signal is not None:
+            done[t.signal[0]] = max(done.get(t.signal[0], 0.0), float(finish[sm]))
     return queues
 
 
@@ -135,7 +138,7 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
         tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
         # A wait on an op in another segment is dropped: the launch boundary orders it.
         waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
-        queues = schedule_queues(tasks, num_sms)
+        queues = schedule_queues(tasks, num_sms, waits)
         steps.append(Segment(part, tasks, waits, queues,
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues)))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,

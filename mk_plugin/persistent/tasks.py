@@ -38,11 +38,18 @@ from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode
 from .graph import FusedOp, decode_graph, residual_source
 
 MAX_ATTN_CHUNKS = 32
-# Scheduling cost model (bytes-equivalent): a task's fixed overhead (counter wait, barriers, norm
-# statistics) ~ 1 us of one SM's share of HBM bandwidth (4.8 TB/s / 132 ~ 36 GB/s).
-TASK_OVERHEAD = 36_000
-ATTN_PARTIAL_COST = 64_000
-ATTN_COMBINE_COST = 8_000
+# Scheduling time model (ns), fitted to the first H200 trace (2026-11-30, bench/NOTES.md v1, 1B
+# batch 1): a weight-streaming task costs TASK_FIXED_NS (counter wake-up, norm statistics, activation
+# staging, cross-warp reduction, epilogue: a few L2 round trips) plus its weight bytes at its SM's
+# share of the measured copy rate; attention tasks are latency-bound (dependent L2/HBM round trips);
+# a counter release reaches a waiting SM after SIGNAL_NS. Only relative values matter: the
+# scheduler (schedule.schedule_queues) uses them to predict when each SM becomes free.
+HBM_BYTES_PER_NS = 4260.0
+TASK_FIXED_NS = 2500.0
+ATTN_PARTIAL_NS = 3300.0
+ATTN_COMBINE_NS = 2800.0
+FINAL_NORM_NS = 1500.0
+SIGNAL_NS = 500.0
 
 OP_OPCODE = {"qkv_rope": Opcode.QKV_ROPE, "o_proj": Opcode.O_PROJ, "gate_up": Opcode.GATE_UP,
              "down": Opcode.DOWN, "final_norm": Opcode.FINAL_NORM, "lm_head": Opcode.LM_HEAD}
@@ -70,7 +77,7 @@ class Task:
     out_buf: Buf = Buf.NONE
     waits: list[tuple[int, int]] = field(default_factory=list)   # (counter id, target)
     signal: tuple[int, int] | None = None                       # (counter id, add)
-    cost: float = 0.0
+    cost: float = 0.0      # predicted duration in ns (the time model above)
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
@@ -172,6 +179,11 @@ def unit_weight_bytes(spec: LlamaSpec, name: str) -> int:
     return rows * weight_k(spec, name) * el
 
 
+def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
+    """Predicted duration of a weight-streaming task of `units` units (the time model above)."""
+    return TASK_FIXED_NS + units * unit_weight_bytes(spec, name) / (HBM_BYTES_PER_NS / num_sms)
+
+
 class _Builder:
     def __init__(self, spec: LlamaSpec, batch: int, num_sms: int):
         self.spec, self.batch, self.num_sms = spec, batch, num_sms
@@ -232,7 +244,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                             for c0 in (base + s * 8, base + d // 2 + s * 8):
                                 writes.append((f"KV{L}", 0, B, c0, c0 + 8))
                     t = bld.add(Task(0, Opcode.QKV_ROPE, op, (u0, n, 0), in_buf=src, out_buf=Buf.Q,
-                                     signal=(ctr, n), cost=n * unit_weight_bytes(spec, name) + TASK_OVERHEAD,
+                                     signal=(ctr, n), cost=matvec_ns(spec, name, n, num_sms),
                                      reads=[(src.name, 0, B, 0, spec.hidden_size)], writes=writes))
                     pending.append((t, [f"L{L - 1}.down"] if L > 0 else []))
         elif name == "attention":
@@ -246,7 +258,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                             sig, out = bld.counter(f"L{L}.part.b{b}.g{g}", op.key), Buf.PART_O
                             w = [("PART", b, b + 1, g * C + c, g * C + c + 1)]
                         t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q, out_buf=out,
-                                         signal=(sig, 1), cost=ATTN_PARTIAL_COST,
+                                         signal=(sig, 1), cost=ATTN_PARTIAL_NS,
                                          reads=[("Q", b, b + 1, g * G * d, (g + 1) * G * d),
                                                 (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
                                                 (f"KV{L}", b, b + 1, spec.kv_size + g * d,
@@ -257,7 +269,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                     for g in range(nkv):
                         t = bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), in_buf=Buf.PART_O,
                                          out_buf=Buf.ATTN_O, signal=(bld.counter(f"L{L}.attn", op.key), 1),
-                                         cost=ATTN_COMBINE_COST, phase=1,
+                                         cost=ATTN_COMBINE_NS, phase=1,
                                          reads=[("PART", b, b + 1, g * C, (g + 1) * C)],
                                          writes=[("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]))
                         pending.append((t, [f"L{L}.part.b{b}.g{g}"]))
@@ -292,7 +304,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                 else:  # pragma: no cover - decode_graph only emits known ops
                     raise AssertionError(name)
                 t.signal = (ctr, n)
-                t.cost = n * unit_weight_bytes(spec, name) + TASK_OVERHEAD
+                t.cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
                 pending.append((bld.add(t), deps))
         op_ranges[op.key] = (first, len(bld.tasks))
 
