@@ -35,7 +35,13 @@ def today() -> str:
 
 
 def git_commit() -> str:
-    """Short commit of the working tree (a '+dirty' suffix when it has changes), else .commit, else 'unknown'."""
+    """The commit the results belong to: `.commit` when present (written with
+    `git rev-parse --short HEAD > .commit` and carried to the GPU host, whose copy of the tree has
+    stale git metadata: runs there reported an old HEAD), else the working tree's short commit with
+    '+dirty' when it has changes, else 'unknown'."""
+    f = REPO / ".commit"
+    if f.exists() and f.read_text().strip():
+        return f.read_text().strip()
     try:
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                            timeout=10, check=False)
@@ -45,8 +51,7 @@ def git_commit() -> str:
             return c.stdout.strip() + ("+dirty" if d.returncode == 0 and d.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    f = REPO / ".commit"
-    return f.read_text().strip() if f.exists() else "unknown"
+    return "unknown"
 
 
 def gpu_name() -> str:

@@ -12,7 +12,7 @@ TBT is the median over its requests; the reported TBT is the median over --runs 
 warm-up run, each run with fresh random prompt ids (prefix caching cannot skip prefill).
 Floor = (weight bytes + KV bytes of one step) / 4.8 TB/s, KV at the mean context prompt + output/2.
 
-Outputs: bench/results/tbt_<date>.md (table), tbt_<date>.png (if matplotlib imports), rows
+Outputs: bench/results/tbt_<date>_<commit>.md (table), tbt_<date>_<commit>.png (if matplotlib imports), rows
 appended to bench/results/tbt.csv, child logs under bench/results/logs/.
 
     export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner,
             "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
     a.outdir.mkdir(parents=True, exist_ok=True)
-    stamp = meta["date"] + ("_dryrun" if a.dry_run else "")
+    # The commit in every file name: two runs on one day must not overwrite each other's records.
+    stamp = f"{meta['date']}_{meta['commit'].replace('+', '-')}" + ("_dryrun" if a.dry_run else "")
     md_path, png_path = a.outdir / f"tbt_{stamp}.md", a.outdir / f"tbt_{stamp}.png"
     csv_path = a.outdir / ("tbt_dryrun.csv" if a.dry_run else "tbt.csv")
     rows: dict[tuple, dict[str, Any]] = {}
