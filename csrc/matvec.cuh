@@ -75,6 +75,66 @@ __host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / n
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
+// ---- L2 prefetch beyond the ring (experiment: -DMK_L2_PREFETCH=<chunks>, default 0 = off) ------
+// The ring holds NUM_STAGES chunks; while it is full (consumers waiting on counters or computing)
+// HBM would idle. With MK_L2_PREFETCH = N > 0 the producer also walks its queue N chunks past the
+// ring and asks L2 for them (cp.async.bulk.prefetch.L2), so the later bulk copies hit L2.
+// Unmeasured: see bench/NOTES.md "Next megakernel changes" (1) for the prediction.
+#ifndef MK_L2_PREFETCH
+#define MK_L2_PREFETCH 0
+#endif
+#if MK_L2_PREFETCH > 0
+// A resumable walk over the weight chunks of one queue, in the producer's order (task, pass p0,
+// column k0, M-tile m).
+struct ChunkWalk {
+  int ti, qend, op, K, mtpu, upp, uend, p0, k0, m, mt;
+  const elem_t* w;
+  bool done;
+};
+
+// Position c at the first chunk of the first weight-streaming task at or after c.ti.
+__device__ __forceinline__ void walk_task(const Params& P, ChunkWalk& c, int nt) {
+  for (; c.ti < c.qend; ++c.ti) {
+    const Task t = load_task(P, c.ti);
+    WeightPlan wp;
+    if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
+    c.op = t.opcode;
+    c.w = wp.w;
+    c.K = wp.K;
+    c.mtpu = wp.mtpu;
+    c.upp = (ACC_TILES / nt) / wp.mtpu;
+    c.uend = t.arg0 + t.arg1;
+    c.p0 = t.arg0;
+    c.mt = min(c.upp, c.uend - c.p0) * c.mtpu;
+    c.k0 = c.m = 0;
+    return;
+  }
+  c.done = true;
+}
+
+__device__ __forceinline__ void walk_next(const Params& P, ChunkWalk& c, int nt, int KC) {
+  if (++c.m < c.mt) return;
+  c.m = 0;
+  c.k0 += KC;
+  if (c.k0 < c.K) return;
+  c.k0 = 0;
+  c.p0 += c.upp;
+  if (c.p0 < c.uend) {
+    c.mt = min(c.upp, c.uend - c.p0) * c.mtpu;
+    return;
+  }
+  ++c.ti;
+  walk_task(P, c, nt);
+}
+
+// Prefetch the chunk under the walk: its 16 weight rows x [k0, k0 + kc), one request per row.
+__device__ __forceinline__ void walk_prefetch(const ChunkWalk& c, int KC, int lane) {
+  const int kc = min(KC, c.K - c.k0);
+  const int valid = c.op == OP_LM_HEAD ? min(16, V - (c.p0 + c.m) * UNIT) : 16;
+  if (lane < valid) prefetch_l2(c.w + (size_t)weight_row(c.op, c.p0, c.m * 16 + lane) * c.K + c.k0, (unsigned)(kc * 2));
+}
+#endif
+
 // ---- producer: stream the weights of every task of this SM's queue ----------------------------
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
@@ -87,6 +147,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
   unsigned it = 0;
   int ti = qbeg;
+#if MK_L2_PREFETCH > 0
+  ChunkWalk pf{};
+  pf.ti = qbeg;
+  pf.qend = qend;
+  walk_task(P, pf, nt);
+  unsigned pf_it = 0;  // chunk number under the walk (same numbering as `it`)
+#endif
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
     WeightPlan wp;
@@ -101,6 +168,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = t.opcode == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
+#if MK_L2_PREFETCH > 0
+          // Keep the walk MK_L2_PREFETCH chunks past the ring (chunks inside it are copied anyway).
+          for (; !pf.done && pf_it < it + NUM_STAGES + MK_L2_PREFETCH; ++pf_it) {
+            if (pf_it >= it + NUM_STAGES) walk_prefetch(pf, KC, lane);
+            walk_next(P, pf, nt, KC);
+          }
+#endif
           // Lane 0's outcome decides for the warp (lane 0 arms the barrier below).
           const int ws = __shfl_sync(0xffffffffu,
                                      ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,

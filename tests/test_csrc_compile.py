@@ -50,9 +50,14 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
     return out
 
 
-def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path) -> tuple[int, str]:
-    cubin = tmp / f"{spec.name}.cubin"
-    r = subprocess.run([nvcc, *nvcc_options(spec), "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(src)],
+# Kernel variants selected with -D for A/B runs (bench/mk_step.py --define): each must compile
+# without spills too, at the 1B shape.
+VARIANTS = [("-DMK_L2_PREFETCH=8",), ("-DMK_RING_RELEASE_ALL=0",)]
+
+
+def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    cubin = tmp / f"{spec.name}{'_'.join(extra)}.cubin"
+    r = subprocess.run([nvcc, *nvcc_options(spec), *extra, "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(src)],
                        capture_output=True, text=True, timeout=300, check=False)
     return r.returncode, r.stdout + r.stderr
 
@@ -63,15 +68,17 @@ def test_megakernel_compiles_without_spills(tmp_path):
     assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
     src = tmp_path / "megakernel_full.cu"
     src.write_text(build_source())
-    specs = _specs()
+    one_b = LlamaSpec.from_json_file(MODELS / "llama-3.2-1b")
+    jobs = [(s, ()) for s in _specs()] + [(one_b, v) for v in VARIANTS]
     with ThreadPoolExecutor(max_workers=2) as ex:
-        results = list(ex.map(lambda s: _compile(nvcc, src, s, tmp_path), specs))
-    for spec, (rc, log) in zip(specs, results):
-        assert rc == 0, f"{spec.name}: nvcc failed:\n{log[-4000:]}"
+        results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
+    for (spec, extra), (rc, log) in zip(jobs, results):
+        name = f"{spec.name} {' '.join(extra)}".strip()
+        assert rc == 0, f"{name}: nvcc failed:\n{log[-4000:]}"
         spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
-        assert spills, f"{spec.name}: no ptxas resource report:\n{log[-2000:]}"
+        assert spills, f"{name}: no ptxas resource report:\n{log[-2000:]}"
         bad = [s for s in spills if s != (0, 0)]
-        assert not bad, f"{spec.name}: register spills {bad}:\n{log[-4000:]}"
+        assert not bad, f"{name}: register spills {bad}:\n{log[-4000:]}"
         assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]
 
 
