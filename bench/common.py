@@ -54,6 +54,11 @@ def git_commit() -> str:
     return "unknown"
 
 
+def run_stamp() -> str:
+    """<date>_<commit> for result file names: two runs on one day must not overwrite each other."""
+    return f"{today()}_{git_commit().replace('+', '-')}"
+
+
 def gpu_name() -> str:
     """GPU name from nvidia-smi (no CUDA context in the parent), else 'unknown'."""
     try:

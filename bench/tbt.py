@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
     a.outdir.mkdir(parents=True, exist_ok=True)
     # The commit in every file name: two runs on one day must not overwrite each other's records.
-    stamp = f"{meta['date']}_{meta['commit'].replace('+', '-')}" + ("_dryrun" if a.dry_run else "")
+    stamp = common.run_stamp() + ("_dryrun" if a.dry_run else "")
     md_path, png_path = a.outdir / f"tbt_{stamp}.md", a.outdir / f"tbt_{stamp}.png"
     csv_path = a.outdir / ("tbt_dryrun.csv" if a.dry_run else "tbt.csv")
     rows: dict[tuple, dict[str, Any]] = {}

@@ -48,6 +48,8 @@ import common
 TIE_GAP = 0.05          # (b): a divergence is acceptable only where stock's top-2 gap is below this
 MIN_COSINE = 0.999      # (a): per decode step, full vocabulary
 MIN_TOP1 = 0.99         # (a): fraction of decode steps whose top-1 agrees (ties included)
+WEIGHT_STD = 0.02       # seeded checkpoint: N(0, WEIGHT_STD) matrices, 1 + N(0, WEIGHT_STD) norm weights
+DEFAULT_WEIGHTS_DIR = Path(tempfile.gettempdir()) / "mk_correctness_weights"  # shared with bench/soak.py
 
 
 # ---- children --------------------------------------------------------------------------------------
@@ -72,23 +74,33 @@ def child_main(p: dict[str, Any]) -> None:
         out["batches"] = []
         for prompts in p["batches"]:
             outs = llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
-            reqs = []
-            for o in outs:
-                c = o.outputs[0]
-                tops = []
-                for pos in range(len(c.token_ids)):  # [(token, logprob)] by rank
-                    d = c.logprobs[pos] if c.logprobs is not None else {}
-                    ranked = sorted(d.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
-                    tops.append([[int(t), float(lp.logprob)] for t, lp in ranked[:2]])
-                reqs.append({"tokens": list(c.token_ids), "top2": tops})
-            out["batches"].append(reqs)
+            out["batches"].append([{"tokens": list(o.outputs[0].token_ids), "top2": top2_of(o.outputs[0])}
+                                   for o in outs])
     out["status"] = common.worker_status(llm)
     common.emit_result(out)
     del llm  # shuts the engine core down: the next child needs the GPU memory
     gc.collect()
 
 
+def top2_of(c: Any) -> list[list[list[float]]]:
+    """[[token, logprob] of ranks 1 and 2] at every position of a vLLM CompletionOutput that was asked
+    for logprobs=2 (an empty list where vLLM gave none). Also right for DELTA outputs (bench/soak.py),
+    whose logprobs cover only the new tokens."""
+    tops = []
+    for pos in range(len(c.token_ids)):
+        d = c.logprobs[pos] if c.logprobs is not None else {}
+        ranked = sorted(d.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+        tops.append([[int(t), float(lp.logprob)] for t, lp in ranked[:2]])
+    return tops
+
+
 # ---- seeded weights as safetensors (part b) ---------------------------------------------------------
+def seeded_checkpoint(mdir: Path, weights_dir: Path, seed: int) -> Path:
+    """The seeded N(0, WEIGHT_STD) checkpoint of mdir's config under weights_dir (written once, then
+    reused: vllm_correctness.py and soak.py with the same seed share it)."""
+    return write_random_checkpoint(mdir, weights_dir / f"{mdir.name}-seed{seed}", seed, WEIGHT_STD)
+
+
 def write_random_checkpoint(mdir: Path, dest: Path, seed: int, std: float) -> Path:
     """config.json + one safetensors file per layer (HF names, q/k/v and gate/up separate, bf16),
     reused when dest already holds the same (config, seed, std)."""
@@ -203,7 +215,7 @@ def run_pair(label: str, payload: dict[str, Any], modes: tuple[str, str], a: arg
              extra: dict[str, dict[str, str]] | None = None) -> tuple[dict, dict] | None:
     res = []
     for mode in modes:
-        log = a.outdir / "logs" / f"correctness_{common.today()}_{label}_{mode}.log"
+        log = a.outdir / "logs" / f"correctness_{common.run_stamp()}_{label}_{mode}.log"
         print(f"[correctness] {label}: {mode} ...", flush=True)
         try:
             res.append(common.run_child(Path(__file__), payload,
@@ -218,7 +230,7 @@ def run_pair(label: str, payload: dict[str, Any], modes: tuple[str, str], a: arg
 def part_a(mdir: Path, a: argparse.Namespace, shim: Path | None, work: Path, weights: str) -> tuple[list, bool]:
     hf = common.load_hf_config(mdir)
     dummy = weights == "dummy"
-    src = mdir if dummy else write_random_checkpoint(mdir, a.weights_dir / f"{mdir.name}-seed{a.seed}", a.seed, 0.02)
+    src = mdir if dummy else seeded_checkpoint(mdir, a.weights_dir, a.seed)
     tag = f"{mdir.name}_a_{weights}"
     rng = random.Random(a.seed)
     prompt = [rng.randrange(hf["vocab_size"]) for _ in range(a.prompt_a)]
@@ -261,7 +273,7 @@ def part_a(mdir: Path, a: argparse.Namespace, shim: Path | None, work: Path, wei
 
 def part_b(mdir: Path, a: argparse.Namespace, shim: Path | None) -> tuple[list, bool]:
     hf = common.load_hf_config(mdir)
-    wdir = write_random_checkpoint(mdir, a.weights_dir / f"{mdir.name}-seed{a.seed}", a.seed, 0.02)
+    wdir = seeded_checkpoint(mdir, a.weights_dir, a.seed)
     rng = random.Random(a.seed + 1)
     lens4 = [max(1, a.prompt_b + dl) for dl in (0, -13, 7, -29)]
     batches = [[[rng.randrange(hf["vocab_size"]) for _ in range(a.prompt_b)]],
@@ -305,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager-b", action="store_true", help="(b) with enforce_eager=True (default: CUDA graphs)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights-dir", type=Path, default=Path(tempfile.gettempdir()) / "mk_correctness_weights",
+    p.add_argument("--weights-dir", type=Path, default=DEFAULT_WEIGHTS_DIR,
                    help="(b) where the seeded safetensors are written (reused across runs)")
     p.add_argument("--outdir", type=Path, default=common.RESULTS)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
@@ -353,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             f"difference is a near tie (stock top-2 gap < {TIE_GAP})\n\n{table}\n\nOVERALL: {'PASS' if ok else 'FAIL'}\n")
     print(text)
     a.outdir.mkdir(parents=True, exist_ok=True)
-    out = a.outdir / f"correctness_{common.today()}_{a.mode}_{a.runner}.md"
+    out = a.outdir / f"correctness_{common.run_stamp()}_{a.mode}_{a.runner}.md"
     out.write_text(text)
     print(f"written: {out}")
     if not a.keep:
