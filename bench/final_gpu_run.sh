@@ -13,10 +13,17 @@ log="$out/final_gpu_$(date -u +%Y-%m-%d)_${commit}.log"
   timeout ${MK_PYTEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_decode_step.py 2>&1 | tail -8
   echo "+ python3 bench/mk_step.py --batch 1 8 --lm-head"
   timeout 70 python3 bench/mk_step.py --batch 1 8 --lm-head --reps 100 2>&1 | tail -6
-  for v in ${MK_AB_VARIANTS:-MK_L2_PREFETCH=4 MK_L2_PREFETCH=8 MK_L2_PREFETCH=16}; do
-    echo "+ python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton --define $v"
-    timeout 45 python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton --reps 100 --define "$v" 2>&1 | tail -3
+  # Each variant: comma-joined -D settings (bench/NOTES.md "Next megakernel changes").
+  for v in ${MK_AB_VARIANTS:-MK_L2_PREFETCH=4 MK_L2_PREFETCH=8 MK_L2_PREFETCH=16 MK_SETMAXNREG=1 \
+             MK_SETMAXNREG=1,MK_X_PIPELINE=1 MK_SETMAXNREG=1,MK_X_PIPELINE=1,MK_L2_PREFETCH=8}; do
+    defs=(); for d in ${v//,/ }; do defs+=(--define "$d"); done
+    echo "+ python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton ${defs[*]}"
+    timeout 45 python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton --reps 100 "${defs[@]}" 2>&1 | tail -3
   done
+  # Correctness of the variants: the persistent gpu tests with one of them compiled in.
+  tdefs="--mk-define MK_SETMAXNREG=1 --mk-define MK_X_PIPELINE=1 --mk-define MK_L2_PREFETCH=8"
+  echo "+ pytest -m gpu tests/test_persistent_gpu.py $tdefs"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py $tdefs 2>&1 | tail -4
   echo "+ python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512"
   timeout 60 python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512 2>&1 | tail -16
 } 2>&1 | tee "$log"

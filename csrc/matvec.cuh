@@ -75,6 +75,15 @@ __host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / n
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
+// Unstaged activations (batch too large for the scratch): with MK_X_PIPELINE=1 each warp issues the
+// next column group's fragment loads before computing the current group, so one L2 round trip per
+// group overlaps the MMAs and ring waits instead of preceding them. Experiment, default 0 (the
+// GPU-measured kernel); unmeasured: bench/NOTES.md "Next megakernel changes" (5).
+#ifndef MK_X_PIPELINE
+#define MK_X_PIPELINE 0
+#endif
+static_assert(!MK_X_PIPELINE || MK_SETMAXNREG, "MK_X_PIPELINE needs MK_SETMAXNREG=1 (it spills at 168 registers)");
+
 // ---- L2 prefetch beyond the ring (experiment: -DMK_L2_PREFETCH=<chunks>, default 0 = off) ------
 // The ring holds NUM_STAGES chunks; while it is full (consumers waiting on counters or computing)
 // HBM would idle. With MK_L2_PREFETCH = N > 0 the producer also walks its queue N chunks past the
@@ -234,12 +243,14 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
 
 // B fragments (activations x', see the header comment) of this warp's k-steps j = warp + 8*jj of
 // the chunk columns starting at k0 (nsteps 16-column steps in the chunk), for batch n-tiles < NT,
-// straight from global memory (L2): all loads first, then the normalisation.
+// straight from global memory (L2), in two halves: x_frags_issue starts the loads (x and, for a
+// norm-fused op, the norm weight), x_frags_finish normalises once they are needed. load_x_frags
+// does both at once; with MK_X_PIPELINE the next column group's loads are issued before the
+// current group computes (matvec_task).
 template <int NT, int JMAX>
-__device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const elem_t* x, const elem_t* nw,
-                                             const float* rstd, int K, int k0, int nsteps, int B, int warp,
-                                             int lane) {
-  unsigned wv[JMAX][2];
+__device__ __forceinline__ void x_frags_issue(unsigned (&xr)[JMAX][NT][2], unsigned (&wv)[JMAX][2], const elem_t* x,
+                                              const elem_t* nw, int K, int k0, int nsteps, int B, int warp,
+                                              int lane) {
 #pragma unroll
   for (int jj = 0; jj < JMAX; ++jj) {
     const int j = warp + jj * CONSUMER_WARPS;
@@ -254,26 +265,45 @@ __device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const 
       const int bi = n * 8 + (lane >> 2);
       unsigned v0 = 0, v1 = 0;
       if (j < nsteps && bi < B) {
-        const elem_t* xr = x + (size_t)bi * K + k;
-        v0 = ld_cg_u32(xr);
-        v1 = ld_cg_u32(xr + 8);
+        const elem_t* xp = x + (size_t)bi * K + k;
+        v0 = ld_cg_u32(xp);
+        v1 = ld_cg_u32(xp + 8);
       }
-      xb[jj][n][0] = v0;
-      xb[jj][n][1] = v1;
+      xr[jj][n][0] = v0;
+      xr[jj][n][1] = v1;
     }
   }
-  if (nw != nullptr) {
+}
+
+template <int NT, int JMAX>
+__device__ __forceinline__ void x_frags_finish(unsigned (&xb)[JMAX][NT][2], const unsigned (&xr)[JMAX][NT][2],
+                                               const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int B,
+                                               int lane) {
 #pragma unroll
-    for (int jj = 0; jj < JMAX; ++jj)
+  for (int jj = 0; jj < JMAX; ++jj)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
+    for (int n = 0; n < NT; ++n) {
+      const unsigned v0 = xr[jj][n][0], v1 = xr[jj][n][1];
+      if (norm) {
         const int bi = n * 8 + (lane >> 2);
         const float r = bi < B ? rstd[bi] : 0.f;
-        const unsigned v0 = xb[jj][n][0], v1 = xb[jj][n][1], w0 = wv[jj][0], w1 = wv[jj][1];
+        const unsigned w0 = wv[jj][0], w1 = wv[jj][1];
         xb[jj][n][0] = pack2(lo_f(v0) * r * lo_f(w0), hi_f(v0) * r * hi_f(w0));
         xb[jj][n][1] = pack2(lo_f(v1) * r * lo_f(w1), hi_f(v1) * r * hi_f(w1));
+      } else {
+        xb[jj][n][0] = v0;
+        xb[jj][n][1] = v1;
       }
-  }
+    }
+}
+
+template <int NT, int JMAX>
+__device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const elem_t* x, const elem_t* nw,
+                                             const float* rstd, int K, int k0, int nsteps, int B, int warp,
+                                             int lane) {
+  unsigned xr[JMAX][NT][2], wv[JMAX][2];
+  x_frags_issue<NT, JMAX>(xr, wv, x, nw, K, k0, nsteps, B, warp, lane);
+  x_frags_finish<NT, JMAX>(xb, xr, wv, nw != nullptr, rstd, B, lane);
 }
 
 // Whole-task activation staging: x[B, K] as stored into shared memory, rows padded to K*2 + 16
@@ -407,13 +437,31 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
     // waiting for the group's first chunk (one round trip per group; two groups in flight did not
     // fit 168 registers), with rstd from rows_rstd (matvec_dispatch).
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
+#if MK_X_PIPELINE
+    // Norm-fused ops keep the one-shot loads (their norm weights in flight too would cost 16 more
+    // registers); down (8 column groups at K = 8192) is the op that gains most.
+    const bool pipe = !staged && nw == nullptr;
+    unsigned xr[JMAX][NT][2], wvr[JMAX][2];  // the next column group's loads, in flight
+    if (pipe) x_frags_issue<NT, JMAX>(xr, wvr, x, nullptr, wp.K, 0, min(KC, wp.K) >> 4, B, warp, lane);
+#endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
       unsigned xb[JMAX][NT][2];
-      if (staged)
+      if (staged) {
         smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
-      else
+      } else {
+#if MK_X_PIPELINE
+        if (pipe) {
+          x_frags_finish<NT, JMAX>(xb, xr, wvr, false, rstd, B, lane);
+          if (k0 + KC < wp.K)
+            x_frags_issue<NT, JMAX>(xr, wvr, x, nullptr, wp.K, k0 + KC, min(KC, wp.K - k0 - KC) >> 4, B, warp, lane);
+        } else {
+          load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
+        }
+#else
         load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
+#endif
+      }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         if (m < mt) {

@@ -1,6 +1,6 @@
 // The persistent decode megakernel: one launch runs a whole encoded task program (one decode step,
 // or one segment of it between fallback ops). Grid = one CTA per SM, all co-resident
-// (__launch_bounds__(NUM_THREADS, 1), SMEM_BYTES of dynamic shared memory: one CTA per SM).
+// (__launch_bounds__(LAUNCH_THREADS, 1), SMEM_BYTES of dynamic shared memory: one CTA per SM).
 //
 // CTA i runs queue i of the program (encoding.py: header | queue offsets | 64-byte task records):
 //   warps 0..7  consumers: for each task, wait for its counters (thread 0, acquire), run it,
@@ -117,7 +117,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 }  // namespace mk
 
 // Parameters: MK_DECODE_PARAMS, generated from encoding.KERNEL_PARAMS (runtime.py packs by name).
-extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(mk::LAUNCH_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
   using namespace mk;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const Smem S{smem_raw};
@@ -163,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (prog[HDR_SPEC_HASH] != MK_SPEC_HASH) bad |= HDRCHK_SPEC_HASH;
     if (prog[HDR_NUM_QUEUES] != (int)gridDim.x) bad |= HDRCHK_NUM_QUEUES;
     if (P.batch < 1 || P.batch > MAX_BATCH) bad |= HDRCHK_BATCH;
-    if (blockDim.x != NUM_THREADS) bad |= HDRCHK_BLOCK;
+    if (blockDim.x != LAUNCH_THREADS) bad |= HDRCHK_BLOCK;
     int stop = 0;
     if (ld_relaxed_gpu_s32(err) != 0) {
       stop = 1;  // an earlier failure is still recorded: refuse to run until the host clears it
@@ -188,9 +188,15 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
   const Params& P = S.params();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qbeg = __ldg(prog + HEADER_WORDS + blockIdx.x), qend = __ldg(prog + HEADER_WORDS + blockIdx.x + 1);
-  if (warp == CONSUMER_WARPS) {
-    producer_loop(S, P, qbeg, qend, lane);
+  if (warp >= CONSUMER_WARPS) {
+#if MK_SETMAXNREG
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MK_PRODUCER_REGS));
+#endif
+    if (warp == CONSUMER_WARPS) producer_loop(S, P, qbeg, qend, lane);
     return;
   }
+#if MK_SETMAXNREG
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MK_CONSUMER_REGS));
+#endif
   consumer_loop(S, P, qbeg, qend, warp, lane);
 }

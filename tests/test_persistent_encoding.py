@@ -109,3 +109,23 @@ def test_kernel_params_generate_the_signature_and_pack_in_order():
             assert int(v) == {"logits": 0, "kvptr": 4096}.get(n, t.data_ptr())
     with pytest.raises(ValueError, match="missing"):
         pack_args(fake_cp, {k: v for k, v in args.items() if k != "q"})
+
+
+def test_launch_threads_follow_the_defines():
+    """The host launches the thread count the kernel was compiled for (csrc/common.cuh LAUNCH_THREADS)."""
+    from mk_plugin.persistent.encoding import LAYOUT, launch_threads
+
+    assert launch_threads() == LAYOUT.num_threads == 288
+    assert launch_threads(("-DMK_L2_PREFETCH=8",)) == 288
+    assert launch_threads(("-DMK_SETMAXNREG=1", "-DMK_X_PIPELINE=1")) == 384
+
+
+def test_kernel_variant_defines_are_validated():
+    from mk_plugin.persistent.runtime import MegakernelModule
+    from mk_plugin.spec import LlamaSpec
+
+    m = MegakernelModule(LlamaSpec.tiny(), defines=("-DMK_SETMAXNREG=1",))
+    assert m.num_threads == 384 and m.options[-1] == "-DMK_SETMAXNREG=1"
+    assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
+    with pytest.raises(ValueError, match="-DNAME=VALUE"):
+        MegakernelModule(LlamaSpec.tiny(), defines=("MK_SETMAXNREG=1",))

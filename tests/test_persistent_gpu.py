@@ -102,11 +102,11 @@ OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [B
     ("llama-3.2-1b", 2, [1, 0, 300, 77]),
     ("llama-3.1-8b", 1, [129, 4000]),
 ])
-def test_megakernel_vs_vm_op_by_op(models, name, layers, seq_lens):
+def test_megakernel_vs_vm_op_by_op(models, mk_defines, name, layers, seq_lens):
     spec, w = models(name, layers)
     batch = gpu_batch(spec, seq_lens, seed=1)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines)
     prog = dec.program(len(seq_lens))
     wc = ModelWeights(w.embed.cpu(), [LayerWeights(*(getattr(lw, f).cpu() for f in LayerWeights.__dataclass_fields__))
                                       for lw in w.layers], w.final_norm.cpu(), w.lm_head.cpu())
@@ -169,7 +169,7 @@ def _ref_and_triton(spec, w, batch, cs):
 
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 @pytest.mark.parametrize("bsz", [1, 3, 8, 16])
-def test_megakernel_whole_step(models, name, layers, bsz):
+def test_megakernel_whole_step(models, mk_defines, name, layers, bsz):
     spec, w = models(name, layers)
     rnd = random.Random(bsz * 7 + layers)
     seq_lens = [rnd.randint(1, MAX_CTX) for _ in range(bsz)]
@@ -178,7 +178,7 @@ def test_megakernel_whole_step(models, name, layers, bsz):
         seq_lens[1] = 0                  # padded entry: seq_len 0, slot -1
     batch = gpu_batch(spec, seq_lens, seed=bsz)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines)
     out, logits, caches = _run_mk(dec, spec, w, batch, cs)
     hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
     dt = spec.torch_dtype
@@ -190,12 +190,12 @@ def test_megakernel_whole_step(models, name, layers, bsz):
         assert_matches(a, t, dt, "step")
 
 
-def test_megakernel_cuda_graph_replay(models):
+def test_megakernel_cuda_graph_replay(models, mk_defines):
     spec, w = models("llama-3.2-1b", 2)
     seq_lens = [100, 0, 2049, 16, 1, 333, 4000, 64]
     batch = gpu_batch(spec, seq_lens, seed=5)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, defines=mk_defines)
     dec.prepare([8])
     eager_out, _, eager_caches = _run_mk(dec, spec, w, batch, cs)
     caches = [c.clone() for c in batch.kv_caches]
@@ -221,19 +221,19 @@ def test_megakernel_cuda_graph_replay(models):
 
 
 @pytest.mark.parametrize("fallback", [frozenset({"attention"}), frozenset({"qkv_rope", "gate_up", "final_norm"})])
-def test_megakernel_with_triton_fallback(models, fallback):
+def test_megakernel_with_triton_fallback(models, mk_defines, fallback):
     spec, w = models("llama-3.2-1b", 2)
     seq_lens = [7, 0, 1500, 260, 3, 90, 1025, 31]
     batch = gpu_batch(spec, seq_lens, seed=9)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV), spec, w, batch, cs)
-    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback), spec, w, batch, cs)
+    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, defines=mk_defines), spec, w, batch, cs)
+    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback, defines=mk_defines), spec, w, batch, cs)
     assert_matches(part, full, spec.torch_dtype, "step")
     for a, b in zip(pcaches, fcaches):
         assert_matches(a, b, spec.torch_dtype, "step")
 
 
-def test_watchdog_stops_a_hung_program(models):
+def test_watchdog_stops_a_hung_program(models, mk_defines):
     """A deliberately corrupted program (one wait that can never be satisfied) on the GPU: the launch
     ends on its own (watchdog, no trap), the host raises MegakernelHang with the record, the CUDA
     context stays usable, check=True recomputes the step with Triton, a captured graph of the bad
@@ -247,7 +247,7 @@ def test_watchdog_stops_a_hung_program(models):
     seq_lens = [100, 0, 2049, 16]
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, defines=mk_defines)
     good_out, good_logits, good_caches = _run_mk(dec, spec, w, batch, cs)
     assert not dec.pending_error()
     good = dec.program(len(seq_lens))

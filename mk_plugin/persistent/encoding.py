@@ -231,6 +231,14 @@ class KernelLayout:
 
 
 LAYOUT = KernelLayout()
+
+
+def launch_threads(defines: tuple[str, ...] = ()) -> int:
+    """Threads per CTA for a kernel compiled with `defines`: the layout's, or 4 producer warps (a
+    whole warpgroup, for setmaxnreg) with -DMK_SETMAXNREG=1 (csrc/common.cuh LAUNCH_THREADS)."""
+    if "-DMK_SETMAXNREG=1" in defines:
+        return 32 * (LAYOUT.consumer_warps + 4)
+    return LAYOUT.num_threads
 SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 
 

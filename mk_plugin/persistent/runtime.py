@@ -21,7 +21,7 @@ import torch
 
 from ..config import get_config
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, LAYOUT, generate_header, kernel_defines
+from .encoding import KERNEL_PARAMS, LAYOUT, generate_header, kernel_defines, launch_threads
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ENTRY = "megakernel.cu"
@@ -95,6 +95,7 @@ class MegakernelModule:
             raise ValueError(f"defines {bad} must look like -DNAME=VALUE")
         self.source = build_source()
         self.options = compile_options(self.spec, self.arch) + self.defines
+        self.num_threads = launch_threads(self.defines)
         self.key = cache_key(self.source, self.options)
 
     def kernel(self, device_index: int):
@@ -119,7 +120,7 @@ class MegakernelModule:
 
     def launch(self, device: torch.device, num_queues: int, args: dict[str, object]) -> None:
         """Launch one segment program on torch's current stream: grid = num_queues (one CTA per
-        SM; the kernel traps if it disagrees with the program header), LAYOUT.num_threads threads,
+        SM; the kernel refuses a program whose header disagrees), self.num_threads threads,
         LAYOUT.smem_bytes dynamic shared memory. `args` maps every name of encoding.KERNEL_PARAMS
         to a tensor / _Ptr / None (pointer parameters) or an int ("int" parameters).
         No host synchronisation."""
@@ -129,7 +130,7 @@ class MegakernelModule:
         fn = self.kernel(idx)
         stream = _external_stream(cp, torch.cuda.current_stream(device))
         with cp.cuda.Device(idx), stream:
-            fn((num_queues,), (LAYOUT.num_threads,), pack_args(cp, args), shared_mem=LAYOUT.smem_bytes)
+            fn((num_queues,), (self.num_threads,), pack_args(cp, args), shared_mem=LAYOUT.smem_bytes)
 
 
 def pack_args(cp, args: dict[str, object]) -> tuple:
