@@ -59,6 +59,16 @@ def run_stamp() -> str:
     return f"{today()}_{git_commit().replace('+', '-')}"
 
 
+def write_record(outdir: Path, name: str, text: str) -> Path:
+    """Print a markdown record and write it to outdir/name (the file a run leaves in bench/results)."""
+    print(text)
+    outdir.mkdir(parents=True, exist_ok=True)
+    out = outdir / name
+    out.write_text(text)
+    print(f"written: {out}")
+    return out
+
+
 def gpu_name() -> str:
     """GPU name from nvidia-smi (no CUDA context in the parent), else 'unknown'."""
     try:

@@ -511,12 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a.min_prompt}..{a.max_prompt}, outputs {a.min_out}..{a.max_out} (mean {mean_out:.1f}), "
                       f"Poisson arrivals every {a.mean_gap} steps on average, greedy, ignore_eos, logprobs=2. "
                       f"Total time {time.time() - t0:.0f} s (both engines, start-up included).")}
-    text = render(meta, summary, engines, checks, a.warmup_steps)
-    print(text)
-    a.outdir.mkdir(parents=True, exist_ok=True)
-    out = a.outdir / f"soak_{tag}.md"
-    out.write_text(text)
-    print(f"written: {out}")
+    common.write_record(a.outdir, f"soak_{tag}.md", render(meta, summary, engines, checks, a.warmup_steps))
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(c[2] for c in checks) else 1

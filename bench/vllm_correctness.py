@@ -363,11 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             f"every step and top-1 (ties included) >= {MIN_TOP1:.0%}\n(b) seeded N(0, 0.02) weights, greedy, "
             f"{'eager' if a.eager_b else 'CUDA graphs'}: pass = identical for {a.min_identical} steps, or the first "
             f"difference is a near tie (stock top-2 gap < {TIE_GAP})\n\n{table}\n\nOVERALL: {'PASS' if ok else 'FAIL'}\n")
-    print(text)
-    a.outdir.mkdir(parents=True, exist_ok=True)
-    out = a.outdir / f"correctness_{common.run_stamp()}_{a.mode}_{a.runner}.md"
-    out.write_text(text)
-    print(f"written: {out}")
+    common.write_record(a.outdir, f"correctness_{common.run_stamp()}_{a.mode}_{a.runner}.md", text)
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

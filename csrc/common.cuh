@@ -267,6 +267,28 @@ __device__ __forceinline__ Task load_task(const Params& P, int index) {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+// ss + the sum of squares of the 8 16-bit elements in q (fixed order: results are bit-reproducible).
+__device__ __forceinline__ float sumsq8(const uint4& q, float ss) {
+  const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float a = lo_f(w[j]), c = hi_f(w[j]);
+    ss = fmaf(a, a, ss);
+    ss = fmaf(c, c, ss);
+  }
+  return ss;
+}
+
+// rstd[b] = rsqrt(sum of the consumer warps' partial sums part[w * MAX_BATCH + b] / H + eps), b < batch,
+// summed in warp order.
+__device__ __forceinline__ void rstd_from_parts(const float* part, int batch, float* rstd) {
+  if (threadIdx.x < batch) {
+    float ss = 0.f;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) ss += part[w * MAX_BATCH + threadIdx.x];
+    rstd[threadIdx.x] = rsqrtf(ss / (float)H + EPS);
+  }
+}
+
 // Per-row 1/rms of a [batch, H] activation, fp32 statistics of its stored values:
 // rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps), into shared memory. All consumer threads share each
 // row (16-byte L2 loads, four rows in flight per round), partial sums meet in `part` (scratch,
@@ -289,26 +311,14 @@ __device__ __forceinline__ void rows_rstd(const elem_t* x, int batch, float* rst
     for (int r = 0; r < 4; ++r) {
       float ss = 0.f;
 #pragma unroll
-      for (int i = 0; i < ITERS; ++i) {
-        const unsigned w[4] = {v[r][i].x, v[r][i].y, v[r][i].z, v[r][i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float a = lo_f(w[j]), c = hi_f(w[j]);
-          ss = fmaf(a, a, ss);
-          ss = fmaf(c, c, ss);
-        }
-      }
+      for (int i = 0; i < ITERS; ++i) ss = sumsq8(v[r][i], ss);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
       if (lane == 0 && b0 + r < batch) part[warp * MAX_BATCH + b0 + r] = ss;
     }
   }
   consumer_sync();
-  if (threadIdx.x < batch) {
-    float ss = 0.f;
-    for (int w = 0; w < CONSUMER_WARPS; ++w) ss += part[w * MAX_BATCH + threadIdx.x];
-    rstd[threadIdx.x] = rsqrtf(ss / (float)H + EPS);
-  }
+  rstd_from_parts(part, batch, rstd);
   consumer_sync();
 }
 

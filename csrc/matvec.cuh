@@ -348,26 +348,14 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
   float* part = reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES);
   for (int b = 0; b < B; ++b) {  // fixed summation order: bit-identical across runs
     float ss = 0.f;
-    for (int kv = threadIdx.x; kv < vpr; kv += CONSUMER_THREADS) {
-      const uint4 q = *reinterpret_cast<const uint4*>(xs + (size_t)b * rowb + kv * 16);
-      const unsigned w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float a = lo_f(w[j]), c = hi_f(w[j]);
-        ss = fmaf(a, a, ss);
-        ss = fmaf(c, c, ss);
-      }
-    }
+    for (int kv = threadIdx.x; kv < vpr; kv += CONSUMER_THREADS)
+      ss = sumsq8(*reinterpret_cast<const uint4*>(xs + (size_t)b * rowb + kv * 16), ss);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     if (lane == 0) part[warp * MAX_BATCH + b] = ss;
   }
   consumer_sync();
-  if (threadIdx.x < B) {
-    float ss = 0.f;
-    for (int w = 0; w < CONSUMER_WARPS; ++w) ss += part[w * MAX_BATCH + threadIdx.x];
-    rstd[threadIdx.x] = rsqrtf(ss / (float)H + EPS);
-  }
+  rstd_from_parts(part, B, rstd);
   consumer_sync();
 }
 
