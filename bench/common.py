@@ -34,23 +34,28 @@ def today() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
 
 
+def _git(*args: str) -> str | None:
+    try:
+        c = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return c.stdout.strip() if c.returncode == 0 else None
+
+
 def git_commit() -> str:
-    """The commit the results belong to: `.commit` when present (written with
-    `git rev-parse --short HEAD > .commit` and carried to the GPU host, whose copy of the tree has
-    stale git metadata: runs there reported an old HEAD), else the working tree's short commit with
-    '+dirty' when it has changes, else 'unknown'."""
+    """The commit the results belong to. `.commit` (written with `git rev-parse --short HEAD > .commit`
+    and carried to the GPU host, whose copy of the tree has stale git metadata: runs there reported
+    an old HEAD) wins when it is at least as new as the checkout's HEAD commit; otherwise (a .commit
+    left over from an older run) the checkout's short commit, '+dirty' when it has changes."""
+    head = _git("rev-parse", "--short", "HEAD")
     f = REPO / ".commit"
     if f.exists() and f.read_text().strip():
-        return f.read_text().strip()
-    try:
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                           timeout=10, check=False)
-        if c.returncode == 0 and c.stdout.strip():
-            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10, check=False)
-            return c.stdout.strip() + ("+dirty" if d.returncode == 0 and d.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
+        head_time = _git("log", "-1", "--format=%ct")
+        if head is None or head_time is None or f.stat().st_mtime >= int(head_time):
+            return f.read_text().strip()
+    if head:
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        return head + ("+dirty" if dirty else "")
     return "unknown"
 
 
@@ -305,3 +310,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+if __name__ == "__main__":  # `python3 bench/common.py`: the commit for shell scripts' records
+    print(git_commit())

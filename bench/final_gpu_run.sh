@@ -5,7 +5,7 @@
 # Usage (GPU host, project root; carry .commit): bash bench/final_gpu_run.sh $OUT
 set -uo pipefail
 out=${1:-bench/results}; mkdir -p "$out"
-commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=$(python3 bench/common.py)  # see bench/common.git_commit
 log="$out/final_gpu_$(date -u +%Y-%m-%d)_${commit}.log"
 {
   echo "date $(date -u +%FT%TZ) gpu $(python3 -c 'import torch;print(torch.cuda.get_device_name())') commit ${commit}"

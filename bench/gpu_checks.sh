@@ -5,7 +5,7 @@
 set -uo pipefail
 out=${1:-bench/results}
 mkdir -p "$out"
-commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)  # .commit: see bench/common.git_commit
+commit=$(python3 bench/common.py)  # see bench/common.git_commit
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
 stamp=$(date -u +%Y-%m-%d)
 rec="$out/gpu_checks_${stamp}.md"

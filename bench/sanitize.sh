@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${1:-bench/results}; layers=${2:-0}; mkdir -p "$out"
 rec="$out/sanitize_$(date -u +%Y-%m-%d).md"
-commit=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)  # .commit: see bench/common.git_commit
+commit=$(python3 bench/common.py)  # see bench/common.git_commit
 echo "# compute-sanitizer $(date -u +%FT%TZ), $(python3 -c 'import torch;print(torch.cuda.get_device_name())'), commit ${commit}" > "$rec"
 echo "$(compute-sanitizer --version | tail -1)" >> "$rec"
 status=0

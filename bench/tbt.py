@@ -50,6 +50,9 @@ def child_main(payload: dict[str, Any]) -> None:
         "enforce_eager": payload["enforce_eager"], "disable_log_stats": False, "seed": 0}
     if payload.get("max_num_seqs"):
         engine_args["max_num_seqs"] = payload["max_num_seqs"]
+    if payload.get("profile_dir"):  # vLLM's torch profiler: CPU and GPU timelines of the workers
+        engine_args["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": payload["profile_dir"],
+                                          "torch_profiler_with_stack": False, "ignore_frontend": True}
     t0 = time.time()
     llm = LLM(**engine_args)
     startup_s = time.time() - t0
@@ -73,6 +76,15 @@ def child_main(payload: dict[str, Any]) -> None:
             if run > 0:
                 runs_ms.append(common.median(tbts))
         results[str(b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms)}
+    if payload.get("profile_dir"):
+        # One extra, profiled run per batch after the timed ones (profiling slows the host; the
+        # table keeps the unprofiled TBTs). bench/host_gap.py reads the traces.
+        for b in payload["batches"]:
+            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
+            llm.start_profile(profile_prefix=f"{payload['profile_tag']}_b{b}")
+            llm.generate(prompts, SamplingParams(max_tokens=min(out_len, 64), ignore_eos=True, temperature=0.0,
+                                                 detokenize=False), use_tqdm=False)
+            llm.stop_profile()
     common.emit_result({"results": results, "status": common.worker_status(llm),
                         "gpu": torch.cuda.get_device_name(0), "startup_s": startup_s,
                         "engine_args": engine_args})
@@ -119,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outdir", type=Path, default=common.RESULTS)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
     p.add_argument("--dry-run", action="store_true", help="no vLLM: fake numbers, for checking the outputs")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, one torch-profiled run per batch (64 tokens) into "
+                        "<outdir>/profiles/; `python bench/host_gap.py <trace>` tells GPU- from host-bound")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
@@ -217,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                 payload = {"model_dir": str(mdir), "prompt": prompt, "output_len": a.output_len,
                            "batches": a.batch_list, "runs": a.runs, "gpu_mem": a.gpu_mem, "max_model_len": mml,
                            "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
+                if a.profile:
+                    payload["profile_dir"] = str((a.outdir / "profiles").resolve())
+                    payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}"
                 label = f"{mdir.name} prompt {prompt} {mode}"
                 print(f"[tbt] {label} ...", flush=True)
                 log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}.log"
