@@ -3,6 +3,9 @@
 # fused LM head, A/B of the compiled-out kernel experiments (-D variants, bench/NOTES.md), and the
 # 1B check table. Every step has its own timeout. Output tees into $1/final_gpu_<date>_<commit>.log.
 # Usage (GPU host, project root; carry .commit): bash bench/final_gpu_run.sh $OUT
+# Time: ~170 s of tests + ~60 s mk_step + ~35 s per variant + ~60 s variant tests + ~40 s check:
+# ~9 min with the 6 default variants, close to a device call's 600 s: give run() timeout_s=600, or
+# fewer variants with MK_AB_VARIANTS="MK_L2_PREFETCH=8 MK_SETMAXNREG=1,MK_X_PIPELINE=1".
 set -uo pipefail
 out=${1:-bench/results}; mkdir -p "$out"
 commit=$(python3 bench/common.py)  # see bench/common.git_commit
