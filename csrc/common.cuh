@@ -35,7 +35,8 @@
 
 namespace mk {
 
-constexpr int LAUNCH_THREADS = MK_SETMAXNREG ? 32 * (CONSUMER_WARPS + 4) : NUM_THREADS;
+constexpr int LAUNCH_THREADS = MK_SETMAXNREG ? 32 * (CONSUMER_WARPS + SETMAXNREG_PRODUCER_WARPS) : NUM_THREADS;
+static_assert(!MK_SETMAXNREG || SETMAXNREG_PRODUCER_WARPS == 4, "setmaxnreg acts on whole warpgroups");
 static_assert(!MK_SETMAXNREG || 2 * 128 * MK_CONSUMER_REGS + 128 * MK_PRODUCER_REGS <= 65536,
               "setmaxnreg budgets exceed the register file");
 static_assert(MK_CONSUMER_REGS % 8 == 0 && MK_PRODUCER_REGS % 8 == 0 && MK_PRODUCER_REGS >= 24 &&

@@ -67,6 +67,16 @@ __device__ __forceinline__ int weight_row(int op, int p0, int r) {
   }
 }
 
+// Rows of M-tile m of the pass at p0 that exist (16, fewer for the LM head's last tile), and where
+// row `lane` of its chunk at column k0 starts: what the producer copies (or prefetches) per chunk.
+__device__ __forceinline__ int tile_rows(int op, int p0, int m) {
+  return op == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
+}
+
+__device__ __forceinline__ const elem_t* chunk_row(const elem_t* w, int K, int op, int p0, int m, int lane, int k0) {
+  return w + (size_t)weight_row(op, p0, m * 16 + lane) * K + k0;
+}
+
 __device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 : 2; }
 
 // Chunk columns and shared-memory row stride for NT batch n-tiles: NT = 2 halves the chunk so the
@@ -139,8 +149,8 @@ __device__ __forceinline__ void walk_next(const Params& P, ChunkWalk& c, int nt,
 // Prefetch the chunk under the walk: its 16 weight rows x [k0, k0 + kc), one request per row.
 __device__ __forceinline__ void walk_prefetch(const ChunkWalk& c, int KC, int lane) {
   const int kc = min(KC, c.K - c.k0);
-  const int valid = c.op == OP_LM_HEAD ? min(16, V - (c.p0 + c.m) * UNIT) : 16;
-  if (lane < valid) prefetch_l2(c.w + (size_t)weight_row(c.op, c.p0, c.m * 16 + lane) * c.K + c.k0, (unsigned)(kc * 2));
+  if (lane < tile_rows(c.op, c.p0, c.m))
+    prefetch_l2(chunk_row(c.w, c.K, c.op, c.p0, c.m, lane, c.k0), (unsigned)(kc * 2));
 }
 #endif
 
@@ -176,7 +186,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         const int kc = min(KC, wp.K - k0);
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
-          const int valid = t.opcode == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
+          const int valid = tile_rows(t.opcode, p0, m);
 #if MK_L2_PREFETCH > 0
           // Keep the walk MK_L2_PREFETCH chunks past the ring (chunks inside it are copied anyway).
           for (; !pf.done && pf_it < it + NUM_STAGES + MK_L2_PREFETCH; ++pf_it) {
@@ -191,11 +201,9 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (ws != WAIT_OK) goto drain;
           if (lane == 0) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
           __syncwarp();
-          if (lane < valid) {
-            const int row = weight_row(t.opcode, p0, m * 16 + lane);
-            bulk_g2s(S.ring(slot) + lane * RB, wp.w + (size_t)row * wp.K + k0, (unsigned)(kc * 2),
+          if (lane < valid)
+            bulk_g2s(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
                      S.full_bar(slot));
-          }
           ++it;
         }
       }

@@ -148,6 +148,7 @@ static_assert(HDR_SPEC_HASH == HEADER_WORDS - 1, "header size");
 constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_WARPS = 1;
 constexpr int NUM_THREADS = 288;
+constexpr int SETMAXNREG_PRODUCER_WARPS = 4;
 constexpr int CONSUMER_THREADS = 256;
 constexpr int NUM_STAGES = 6;
 constexpr int CHUNK_COLS = 1024;

@@ -118,6 +118,7 @@ def test_launch_threads_follow_the_defines():
     assert launch_threads() == LAYOUT.num_threads == 288
     assert launch_threads(("-DMK_L2_PREFETCH=8",)) == 288
     assert launch_threads(("-DMK_SETMAXNREG=1", "-DMK_X_PIPELINE=1")) == 384
+    assert launch_threads(("-DMK_SETMAXNREG=0",)) == 288
 
 
 def test_kernel_variant_defines_are_validated():

@@ -211,6 +211,9 @@ class KernelLayout:
     union_bytes: int = 32768        # per-task scratch: matvec reduction / attention merge
     acc_tiles: int = 8              # m16n8 accumulator tiles per warp (M-tiles * N-tiles of a pass)
     misc_bytes: int = 512           # mbarriers, rstd[16], kernel parameters
+    # Producer warps with -DMK_SETMAXNREG=1: a whole warpgroup, as setmaxnreg acts per warpgroup
+    # (csrc/common.cuh LAUNCH_THREADS; launch_threads below).
+    setmaxnreg_producer_warps: int = 4
 
     @property
     def row_bytes(self) -> int:
@@ -231,15 +234,16 @@ class KernelLayout:
 
 
 LAYOUT = KernelLayout()
+SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 
 
 def launch_threads(defines: tuple[str, ...] = ()) -> int:
-    """Threads per CTA for a kernel compiled with `defines`: the layout's, or 4 producer warps (a
-    whole warpgroup, for setmaxnreg) with -DMK_SETMAXNREG=1 (csrc/common.cuh LAUNCH_THREADS)."""
-    if "-DMK_SETMAXNREG=1" in defines:
-        return 32 * (LAYOUT.consumer_warps + 4)
+    """Threads per CTA for a kernel compiled with `defines` ("-DNAME=VALUE"): the layout's, or a
+    whole producer warpgroup when MK_SETMAXNREG is non-zero (csrc/common.cuh LAUNCH_THREADS)."""
+    values = dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
+    if int(values.get("MK_SETMAXNREG", "0"), 0):
+        return 32 * (LAYOUT.consumer_warps + LAYOUT.setmaxnreg_producer_warps)
     return LAYOUT.num_threads
-SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 
 
 def _check_layout() -> None:
@@ -429,6 +433,7 @@ def generate_header() -> str:
         f"constexpr int CONSUMER_WARPS = {lay.consumer_warps};",
         f"constexpr int PRODUCER_WARPS = {lay.producer_warps};",
         f"constexpr int NUM_THREADS = {lay.num_threads};",
+        f"constexpr int SETMAXNREG_PRODUCER_WARPS = {lay.setmaxnreg_producer_warps};",
         f"constexpr int CONSUMER_THREADS = {32 * lay.consumer_warps};",
         f"constexpr int NUM_STAGES = {lay.num_stages};",
         f"constexpr int CHUNK_COLS = {lay.chunk_cols};",
