@@ -21,25 +21,9 @@ from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import make_decode_batch
 from mk_plugin.timing import graph_median_ms
-from mk_plugin.weights import LayerWeights, ModelWeights
+from mk_plugin.weights import random_weights
 
 PEAK_BPS = 4.8e12
-
-
-def gpu_weights(spec: LlamaSpec, seed: int = 0) -> ModelWeights:
-    g = torch.Generator("cuda").manual_seed(seed)
-    dt, h, i = spec.torch_dtype, spec.hidden_size, spec.intermediate_size
-
-    def mat(n, k):
-        return (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(dt)
-
-    def norm():
-        return (1.0 + 0.1 * torch.randn(h, generator=g, device="cuda")).to(dt)
-
-    layers = [LayerWeights(norm(), mat(spec.qkv_size, h), mat(h, spec.q_size), norm(), mat(2 * i, h), mat(h, i))
-              for _ in range(spec.num_layers)]
-    embed = mat(spec.vocab_size, h)
-    return ModelWeights(embed, layers, norm(), embed if spec.tie_word_embeddings else mat(spec.vocab_size, h))
 
 
 def time_graph(fn, reps: int) -> float:
@@ -66,7 +50,7 @@ def main() -> None:
     from mk_plugin.triton_ops import DecodeWorkspace, decode_step
 
     spec = LlamaSpec.from_json_file(args.model)
-    w = gpu_weights(spec)
+    w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     defines = tuple(f"-D{d}" for d in args.define)
     dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, defines=defines)

@@ -19,13 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mk_step import gpu_weights
-
 from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import compare, make_decode_batch
+from mk_plugin.weights import random_weights
 
 
 def main() -> int:
@@ -42,7 +39,7 @@ def main() -> int:
     spec = LlamaSpec.from_json_file(args.model)
     if args.layers:
         spec = replace(spec, num_layers=args.layers)
-    w = gpu_weights(spec)
+    w = random_weights(spec, device="cuda", draw_on_device=True)
     seq = [517 + 61 * i for i in range(args.batch)]
     if args.batch > 1:
         seq[1] = 0  # a padded entry (slot -1, seq_len 0), as in vLLM's CUDA-graph batches

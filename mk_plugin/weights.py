@@ -37,17 +37,20 @@ class ModelWeights:
 
 
 def random_weights(spec: LlamaSpec, seed: int = 0, std: float = 0.02, device: str | torch.device = "cpu",
-                   dtype: torch.dtype | None = None) -> ModelWeights:
-    """Seeded N(0, std) matrices and N(1, 0.1) norm weights (never zeros, never all-ones)."""
-    g = torch.Generator().manual_seed(seed)
+                   dtype: torch.dtype | None = None, draw_on_device: bool = False) -> ModelWeights:
+    """Seeded N(0, std) matrices and N(1, 0.1) norm weights (never zeros, never all-ones).
+    draw_on_device: the generator lives on `device` (seconds instead of minutes for 8B-sized
+    weights on a GPU; other values than the CPU draw of the same seed)."""
+    gdev = device if draw_on_device else "cpu"
+    g = torch.Generator(gdev).manual_seed(seed)
     dt = dtype or spec.torch_dtype
     h, i = spec.hidden_size, spec.intermediate_size
 
     def mat(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=g) * std).to(device=device, dtype=dt)
+        return (torch.randn(n, k, generator=g, device=gdev) * std).to(device=device, dtype=dt)
 
     def norm() -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(h, generator=g)).to(device=device, dtype=dt)
+        return (1.0 + 0.1 * torch.randn(h, generator=g, device=gdev)).to(device=device, dtype=dt)
 
     layers = [LayerWeights(norm(), mat(spec.qkv_size, h), mat(h, spec.q_size), norm(),
                            mat(2 * i, h), mat(h, i)) for _ in range(spec.num_layers)]

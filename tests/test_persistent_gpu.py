@@ -17,7 +17,7 @@ from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.encoding import Buf
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import assert_matches, compare, make_decode_batch
-from mk_plugin.weights import LayerWeights, ModelWeights
+from mk_plugin.weights import ModelWeights, random_weights
 
 pytestmark = pytest.mark.gpu
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
@@ -29,23 +29,6 @@ def _spec(name: str, layers: int) -> LlamaSpec:
     if name == "tiny":
         return LlamaSpec.tiny()
     return replace(LlamaSpec.from_json_file(MODELS / name), num_layers=layers)
-
-
-def gpu_weights(spec: LlamaSpec, seed: int = 0) -> ModelWeights:
-    """random_weights' distribution (N(0, 0.02) matrices, N(1, 0.1) norms), drawn on the GPU."""
-    g = torch.Generator(DEV).manual_seed(seed)
-    dt, h, i = spec.torch_dtype, spec.hidden_size, spec.intermediate_size
-
-    def mat(n, k):
-        return (torch.randn(n, k, generator=g, device=DEV) * 0.02).to(dt)
-
-    def norm():
-        return (1.0 + 0.1 * torch.randn(h, generator=g, device=DEV)).to(dt)
-
-    layers = [LayerWeights(norm(), mat(spec.qkv_size, h), mat(h, spec.q_size), norm(), mat(2 * i, h), mat(h, i))
-              for _ in range(spec.num_layers)]
-    embed = mat(spec.vocab_size, h)
-    return ModelWeights(embed, layers, norm(), embed if spec.tie_word_embeddings else mat(spec.vocab_size, h))
 
 
 def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int = 16):
@@ -68,7 +51,7 @@ def models():
         key = f"{name}/{layers}"
         if key not in cache:
             spec = _spec(name, layers)
-            cache[key] = (spec, gpu_weights(spec, seed=len(cache)))
+            cache[key] = (spec, random_weights(spec, seed=len(cache), device=DEV, draw_on_device=True))
         return cache[key]
 
     return get
@@ -108,8 +91,7 @@ def test_megakernel_vs_vm_op_by_op(models, mk_defines, name, layers, seq_lens):
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines)
     prog = dec.program(len(seq_lens))
-    wc = ModelWeights(w.embed.cpu(), [LayerWeights(*(getattr(lw, f).cpu() for f in LayerWeights.__dataclass_fields__))
-                                      for lw in w.layers], w.final_norm.cpu(), w.lm_head.cpu())
+    wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
                  block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
     failures = []

@@ -45,15 +45,20 @@ def _ref_step(spec, w, batch, cs):
     return hn, logits, caches
 
 
-def test_vm_fp32_matches_reference_tightly():
-    spec = LlamaSpec.tiny()
-    w, batch, cs, hidden = _setup(spec, [5, 0, 37, 16], torch.float32)
-    _, st_, caches = _vm_step(spec, w, batch, cs, hidden, sms=7)
-    hn, logits, rcaches = _ref_step(spec, w, batch, cs)
+def _assert_fp32_step_matches(st_, caches, ref_step) -> None:
+    """The VM's hidden output, logits and every layer's cache against the fp32 reference step."""
+    hn, logits, rcaches = ref_step
     torch.testing.assert_close(st_.bufs[Buf.OUT], hn, **FP32_TIGHT)
     torch.testing.assert_close(st_.bufs[Buf.LOGITS], logits, **FP32_TIGHT)
     for a, b in zip(caches, rcaches):
         torch.testing.assert_close(a, b, **FP32_TIGHT)
+
+
+def test_vm_fp32_matches_reference_tightly():
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [5, 0, 37, 16], torch.float32)
+    _, st_, caches = _vm_step(spec, w, batch, cs, hidden, sms=7)
+    _assert_fp32_step_matches(st_, caches, _ref_step(spec, w, batch, cs))
 
 
 def test_vm_bf16_matches_reference_within_step_tolerance():
@@ -71,11 +76,7 @@ def test_vm_bf16_matches_reference_within_step_tolerance():
 def test_vm_random_specs_fp32(spec, seq_lens, sms, block_size):
     w, batch, cs, hidden = _setup(spec, seq_lens, torch.float32, block_size=block_size)
     _, st_, caches = _vm_step(spec, w, batch, cs, hidden, sms=sms, order="random", seed=sms)
-    hn, logits, rcaches = _ref_step(spec, w, batch, cs)
-    torch.testing.assert_close(st_.bufs[Buf.OUT], hn, **FP32_TIGHT)
-    torch.testing.assert_close(st_.bufs[Buf.LOGITS], logits, **FP32_TIGHT)
-    for a, b in zip(caches, rcaches):
-        torch.testing.assert_close(a, b, **FP32_TIGHT)
+    _assert_fp32_step_matches(st_, caches, _ref_step(spec, w, batch, cs))
 
 
 def test_interleaving_does_not_change_results():

@@ -60,3 +60,13 @@ def test_kv_append_skips_padding():
     torch.testing.assert_close(cache[slot // 16, 1, slot % 16], v[0])
     changed = (cache != batch.kv_caches[0]).any(dim=(3, 4))
     assert int(changed.sum()) == 2  # one K row and one V row, nothing for the padded entry
+
+
+def test_random_weights_drawn_on_a_cpu_device_equal_the_default_draw():
+    """draw_on_device (the GPU benches' fast path) on the CPU: the CPU generator, the same values."""
+    from mk_plugin.weights import random_weights
+
+    spec = LlamaSpec.tiny()
+    a, b = random_weights(spec, seed=4), random_weights(spec, seed=4, device="cpu", draw_on_device=True)
+    assert torch.equal(a.layers[1].gate_up, b.layers[1].gate_up) and torch.equal(a.embed, b.embed)
+    assert a.lm_head is a.embed or not spec.tie_word_embeddings
