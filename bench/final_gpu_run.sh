@@ -5,7 +5,8 @@
 # Usage (GPU host, project root; carry .commit): bash bench/final_gpu_run.sh $OUT
 # Time: ~170 s of tests + ~60 s mk_step + ~35 s per variant + ~60 s variant tests + ~40 s check:
 # ~9 min with the 6 default variants, close to a device call's 600 s: give run() timeout_s=600, or
-# fewer variants with MK_AB_VARIANTS="MK_L2_PREFETCH=8 MK_SETMAXNREG=1,MK_X_PIPELINE=1".
+# fewer variants with MK_AB_VARIANTS="MK_L2_PREFETCH=8 MK_SETMAXNREG=1,MK_X_PIPELINE=1";
+# MK_VARIANT_TESTS=0 skips the variant gpu tests, MK_CHECK=0 the check table.
 set -uo pipefail
 out=${1:-bench/results}; mkdir -p "$out"
 commit=$(python3 bench/common.py)  # see bench/common.git_commit
@@ -25,8 +26,12 @@ log="$out/final_gpu_$(date -u +%Y-%m-%d)_${commit}.log"
   done
   # Correctness of the variants: the persistent gpu tests with one of them compiled in.
   tdefs="--mk-define MK_SETMAXNREG=1 --mk-define MK_X_PIPELINE=1 --mk-define MK_L2_PREFETCH=8"
-  echo "+ pytest -m gpu tests/test_persistent_gpu.py $tdefs"
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py $tdefs 2>&1 | tail -4
-  echo "+ python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512"
-  timeout 60 python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512 2>&1 | tail -16
+  if [ "${MK_VARIANT_TESTS:-1}" = 1 ]; then
+    echo "+ pytest -m gpu tests/test_persistent_gpu.py $tdefs"
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py $tdefs 2>&1 | tail -4
+  fi
+  if [ "${MK_CHECK:-1}" = 1 ]; then
+    echo "+ python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512"
+    timeout 60 python3 -m mk_plugin check --config bench/models/llama-3.2-1b --batch 1 --context 512 2>&1 | tail -16
+  fi
 } 2>&1 | tee "$log"

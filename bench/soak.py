@@ -27,6 +27,11 @@ vLLM's counter is readable), and no memory growth in the plugin run: worker torc
 memory_allocated (and nvidia-smi) from the first sample after --warmup-steps to the last periodic
 sample grows by at most --mem-tol-mib (--smi-tol-mib). Stock's memory is reported for reference.
 
+Control (reported, not judged): a third engine runs stock again on the same requests at
+--control-max-num-seqs (default 8), so the batches differ. vLLM is not batch invariant (GEMM and
+attention split choices follow the batch size), so near ties flip inside stock too; the stock-vs-stock
+identical fraction is the yardstick for the plugin's. 0 disables it; its failure does not fail the soak.
+
 Outputs: <outdir>/soak_<date>_<commit>_<model>_<mode>.md (date, GPU, commit, command line, summary, engines,
 divergences), child logs in <outdir>/logs/. Per-request tokens go to a work folder (removed unless
 --keep), not to the logs: 2,000 requests are megabytes.
@@ -35,7 +40,7 @@ divergences), child logs in <outdir>/logs/. Per-request tokens go to a work fold
     python3 bench/soak.py --requests 2000 --mode megakernel
     python3 bench/soak.py --requests 100 --mode triton        # a short smoke run (memory verdict n/a)
 
-Time, roughly 5-10 minutes for llama-3.2-1b (both engines), derived as follows. A rough model of the
+Time, roughly 2-3 minutes per engine for llama-3.2-1b (3 engines with the control), derived as follows. A rough model of the
 scheduler run on the default schedule (FCFS, admission only when the prompt's blocks are free, one
 token per running request per step, the newest request preempted when a block is missing) gives
 ~17k steps at ~7.6 requests per step, ~1.3k steps with a prefill (3.05M prompt tokens, recompute
@@ -431,6 +436,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mean ticks (engine steps) between arrivals; the default keeps the default KV cache busy "
                         "(see the time estimate)")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--control-max-num-seqs", type=int, default=8,
+                   help="a third engine, stock again at this max_num_seqs (other batching, same requests): the "
+                        "stock-vs-stock identical fraction is reported beside the plugin's; 0 = no control run")
     p.add_argument("--kv-requests", type=int, default=4,
                    help="KV cache = room for this many requests of the longest length (sets --kv-blocks)")
     p.add_argument("--kv-blocks", type=int, default=None, help="num_gpu_blocks_override (default: from --kv-requests)")
@@ -450,28 +458,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if not (1 <= a.min_prompt <= a.max_prompt and 1 <= a.min_out <= a.max_out and a.requests >= 1):
         p.error("need 1 <= --min-prompt <= --max-prompt, 1 <= --min-out <= --max-out and --requests >= 1")
-    if a.mean_gap < 0 or a.sample_every < 1 or not 1 <= a.max_num_seqs:
-        p.error("need --mean-gap >= 0, --sample-every >= 1 and --max-num-seqs >= 1")
+    if a.mean_gap < 0 or a.sample_every < 1 or not 1 <= a.max_num_seqs or a.control_max_num_seqs < 0:
+        p.error("need --mean-gap >= 0, --sample-every >= 1, --max-num-seqs >= 1 and --control-max-num-seqs >= 0")
     a.max_model_len = common.max_model_len_for(a.max_prompt, a.max_out)
     a.kv_blocks = a.kv_blocks or default_kv_blocks(a.kv_requests, a.max_model_len)
     return a
 
 
+CONTROL = "stock-control"  # stock again, same requests, other max_num_seqs: stock's own batch variance
+
+
+def engine_plan(a: argparse.Namespace, payload: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, MK mode, payload) of each child: stock, the plugin, and the stock control unless disabled."""
+    plan = [("stock", "stock", payload), (a.mode, a.mode, payload)]
+    if a.control_max_num_seqs:
+        plan.append((CONTROL, "stock", {**payload, "max_num_seqs": a.control_max_num_seqs}))
+    return plan
+
+
 def run_engines(a: argparse.Namespace, payload: dict[str, Any], tag: str, work: Path
                 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Stock, then the plugin; returns the results that came back and the failures."""
+    """Stock, the plugin, then the control; returns the results that came back and the failures."""
     shim = common.ensure_plugin_visible()
     results, failures = {}, []
-    for mode in ("stock", a.mode):
-        log = a.outdir / "logs" / f"soak_{tag}_{mode}.log"
-        print(f"[soak] {mode} ... (log {log})", flush=True)
+    for name, mode, pl in engine_plan(a, payload):
+        log = a.outdir / "logs" / f"soak_{tag}_{name}.log"
+        print(f"[soak] {name} ... (log {log})", flush=True)
         try:
-            results[mode] = common.run_child(Path(__file__), {**payload, "out_json": str(work / f"{mode}.json")},
+            results[name] = common.run_child(Path(__file__), {**pl, "out_json": str(work / f"{name}.json")},
                                              common.child_env(mode, a.runner, shim=shim), log, a.timeout)
         except common.ChildFailed as e:
             print(e, file=sys.stderr)
-            failures.append(f"{mode}: child failed (log {log})")
+            failures.append(f"{name}: child failed (log {log})")
     return results, failures
+
+
+def control_row(schedule: list[SoakRequest], stock: dict[int, Any], control: dict[int, Any] | None,
+                max_num_seqs: int, failed: bool) -> tuple[str, str, bool]:
+    """Stock vs stock under other batching, judged like the plugin. Reported, not judged: it measures
+    how often bf16 near ties flip inside stock vLLM itself (GEMM and attention split choices depend on
+    the batch), the yardstick for the plugin's identical fraction."""
+    label = f"reference, not judged: stock vs stock at max_num_seqs {max_num_seqs} (same requests)"
+    if control is None:
+        return label, "control run failed (see its log)" if failed else "not run", True
+    s = summarize([judge(r, stock.get(r.rid), control.get(r.rid)) for r in schedule])
+    return label, (f"identical {s['identical']}/{s['requests']} ({s['identical_frac']:.2%}), near ties "
+                   f"{len(s['near_ties'])}, non-tie differences {len(s['bugs'])}"), True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,14 +523,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     engines, failures = run_engines(a, payload, tag, work)
     schedule = make_schedule(params)
+    control_failed = any(f.startswith(CONTROL + ":") for f in failures)
+    failures = [f for f in failures if not f.startswith(CONTROL + ":")]  # the control is not judged
     if failures:  # the engines that did come back are still tabulated
         summary, checks = summarize([]), [(f, "see the log", False) for f in failures]
     else:
         outs = {m: {int(k): v for k, v in json.loads(Path(r["out_json"]).read_text()).items()}
                 for m, r in engines.items()}
         summary = summarize([judge(r, outs["stock"].get(r.rid), outs[a.mode].get(r.rid)) for r in schedule])
-        checks = make_checks(summary, engines, a.mode, common.path_check(a.mode, engines[a.mode]["status"]),
+        judged = {m: r for m, r in engines.items() if m != CONTROL}
+        checks = make_checks(summary, judged, a.mode, common.path_check(a.mode, engines[a.mode]["status"]),
                              a.warmup_steps, a.mem_tol_mib, a.smi_tol_mib)
+        if a.control_max_num_seqs:
+            checks.append(control_row(schedule, outs["stock"], outs.get(CONTROL), a.control_max_num_seqs,
+                                      control_failed))
     block = next((r["block_size"] for r in engines.values() if r.get("block_size")), ASSUMED_BLOCK_SIZE)
     mean_out = sum(r.max_tokens for r in schedule) / len(schedule)
     meta = {"mode": a.mode, "date": common.today(), "gpu": common.gpu_name(), "commit": common.git_commit(),

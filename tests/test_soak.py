@@ -347,3 +347,21 @@ def test_accumulate_on_vllm_delta_outputs() -> None:
         soak.accumulate(acc, outs[0])
     assert acc == {7: {"tokens": [10, 20, 30], "finished": True,
                        "top2": [[[t, a], [s, b]] for t, s, a, b in steps]}}
+
+
+def test_control_engine_is_stock_at_other_batching_and_reported_not_judged() -> None:
+    a = soak.parse_args(["--mode", "megakernel", "--control-max-num-seqs", "4"])
+    plan = soak.engine_plan(a, {"max_num_seqs": a.max_num_seqs})
+    assert [(n, m, pl["max_num_seqs"]) for n, m, pl in plan] == [
+        ("stock", "stock", 16), ("megakernel", "megakernel", 16), (soak.CONTROL, "stock", 4)]
+    assert len(soak.engine_plan(soak.parse_args(["--control-max-num-seqs", "0"]), {"max_num_seqs": 16})) == 2
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--control-max-num-seqs", "-1"])
+    p = soak.ScheduleParams(3, VOCAB, 1, 5, 2, 2, 0.0, 0)
+    sched = soak.make_schedule(p)
+    stock = {r.rid: out([1, 2], [1.0, 1.0]) for r in sched}
+    stock[sched[1].rid] = out([1, 2], [1.0, 0.01])  # stock's top-2 gap 0.01 at the step where they part
+    control = {**stock, sched[1].rid: out([1, 3], [1.0, 0.01])}
+    label, result, ok = soak.control_row(sched, stock, control, 4, failed=False)
+    assert ok and "max_num_seqs 4" in label and result.startswith("identical 2/3 (66.67%), near ties 1, non-tie")
+    assert soak.control_row(sched, stock, None, 4, failed=True)[1] == "control run failed (see its log)"
