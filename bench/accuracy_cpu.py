@@ -11,6 +11,7 @@ H200 run), and compares one decode step (batch 1) computed five ways from identi
           64-token tiles in num_splits splits, p rounded to bf16 before P@V, l summed from the
           rounded p): a torch emulation of the Triton path's rounding points (the Triton
           interpreter is ~2 min per layer here and truncates instead of rounding some casts)
+  vm_stock  the same with MK_ROUNDING=1 (encoding.Rounding.STOCK: vLLM's rounding points)
   vm      the megakernel program (persistent.schedule.build_program, 132 queues, lm_head) run by
           persistent.vm (the CPU mirror of csrc/: rounding points, split-KV attention, combine)
   stock   a third, differently rounded bf16 scheme standing in for stock vLLM (approximate:
@@ -58,7 +59,7 @@ sys.path.insert(0, str(REPO))
 
 from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
-from mk_plugin.persistent.encoding import Buf
+from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import make_decode_batch, rel_fro
@@ -69,7 +70,7 @@ BF16 = torch.bfloat16
 LOG2E = 1.4426950408889634
 TIE_GAP = 0.05
 NUM_SMS = 132
-PATHS = ("rref", "triton", "vm", "stock")
+PATHS = ("rref", "triton", "vm", "vm_stock", "stock")
 
 
 def rd(t: torch.Tensor) -> torch.Tensor:
@@ -198,8 +199,8 @@ def step_emulated(kind: str, spec: LlamaSpec, w: ModelWeights, ids: torch.Tensor
 
 
 def step_vm(program, w32: ModelWeights, hidden: torch.Tensor, positions, caches, block_table, seq_lens, slots, cs,
-            stop_after: int | None = None) -> vm.VMState:
-    st = vm.make_state(program, w32, hidden, positions, caches, block_table, seq_lens, slots, cs)
+            stop_after: int | None = None, rounding: Rounding = Rounding.FUSED) -> vm.VMState:
+    st = vm.make_state(program, w32, hidden, positions, caches, block_table, seq_lens, slots, cs, rounding=rounding)
     return vm.run(program, st, stop_after=stop_after)
 
 
@@ -235,6 +236,11 @@ def run_case(c: Case, spec: LlamaSpec, w: ModelWeights, w32: ModelWeights, progr
     st = step_vm(program, w32, w.embed[c.ids].to(BF16), c.positions, [x.clone() for x in c.caches], c.block_table,
                  c.seq_lens, c.slots, cs)
     out["vm"], hid["vm"], secs["vm"] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float(), time.time() - t
+    t = time.time()
+    st = step_vm(program, w32, w.embed[c.ids].to(BF16), c.positions, [x.clone() for x in c.caches], c.block_table,
+                 c.seq_lens, c.slots, cs, rounding=Rounding.STOCK)
+    out["vm_stock"], hid["vm_stock"] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float()
+    secs["vm_stock"] = time.time() - t
     return {"logits": out, "hidden": hid, "secs": secs}
 
 
@@ -260,8 +266,13 @@ def case_metrics(label: str, r: dict) -> dict:
     # pairwise, and the H200 metric against the stock-like path (stock's logits rounded to bf16)
     s16 = rd(lg["stock"].float()).double()
     si = int(s16.argmax())
-    for p in ("rref", "triton", "vm"):
+    s2 = torch.topk(s16, 2).indices
+    sa, sb = int(s2[0]), int(s2[1])
+    for p in ("rref", "triton", "vm", "vm_stock"):
         x = lg[p].double()
+        # error of stock's top-1 vs runner-up margin: what decides a flip against stock
+        row[p]["vs_stock_gap_err"] = float((x[sa] - x[sb]) - (s16[sa] - s16[sb]))
+        row[p]["vs_stock_rel_fro"] = rel_fro(x, s16)
         pi = int(x.argmax())
         tie = pi != si and float(s16[pi]) >= float(s16[si]) - max(bf16_ulp(float(s16[si])), TIE_GAP)
         row[p]["vs_stock"] = "exact" if pi == si else ("tie" if tie else "MISMATCH")
@@ -424,6 +435,8 @@ def summarise(rows: list[dict]) -> dict:
                 "gap_err_rms": math.sqrt(statistics.fmean(g * g for g in ge))}
         if p != "stock":
             s[p]["vs_stock"] = {k: sum(r[p]["vs_stock"] == k for r in rows) for k in ("exact", "tie", "MISMATCH")}
+            s[p]["vs_stock_gap_err_rms"] = math.sqrt(statistics.fmean(r[p]["vs_stock_gap_err"] ** 2 for r in rows))
+            s[p]["vs_stock_rel_fro_mean"] = statistics.fmean(r[p]["vs_stock_rel_fro"] for r in rows)
     ratio = [r["vm"]["rel_fro"] / r["triton"]["rel_fro"] for r in rows]
     ratio_r = [r["vm"]["rel_fro"] / r["rref"]["rel_fro"] for r in rows]
     s["vm_over_triton_rel_fro"] = {"mean": statistics.fmean(ratio), "min": min(ratio), "max": max(ratio),

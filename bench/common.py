@@ -190,10 +190,33 @@ def make_plugin_shim(where: Path) -> Path:
     return d
 
 
+def add_mk_env_arg(p: Any) -> None:
+    """--mk-env NAME=VALUE (repeatable): MK_* switches for the plugin children only (stock runs
+    without the plugin), e.g. --mk-env MK_ROUNDING=stock."""
+    p.add_argument("--mk-env", action="append", default=[], metavar="MK_NAME=VALUE",
+                   help="an MK_* switch for the plugin runs (repeatable), e.g. MK_ROUNDING=stock")
+
+
+def parse_mk_env(items: Sequence[str]) -> dict[str, str]:
+    """The --mk-env list as a dict, checked now (mk_plugin.config) so a typo fails before any engine
+    starts. MK_MODE is the script's own --mode and cannot be set here."""
+    from mk_plugin.config import MkConfig
+
+    env: dict[str, str] = {}
+    for it in items:
+        name, sep, value = it.partition("=")
+        if not sep or not name.startswith("MK_") or name == "MK_MODE":
+            raise ValueError(f"--mk-env {it!r}: want MK_NAME=VALUE (not MK_MODE: use --mode)")
+        env[name] = value
+    MkConfig.from_env(env)  # raises ConfigError naming the bad value
+    return env
+
+
 def child_env(mode: str, runner: str = "default", extra: dict[str, str] | None = None,
-              shim: Path | None = None) -> dict[str, str]:
+              shim: Path | None = None, mk_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of one engine process. Stock and plugin children differ only in MK_MODE and
-    VLLM_PLUGINS; every other variable (engine arguments are passed identically) is the same."""
+    VLLM_PLUGINS (and mk_env, applied to plugin children only); every other variable (engine
+    arguments are passed identically) is the same."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; choose one of {MODES}")
     if runner not in RUNNERS:
@@ -209,6 +232,7 @@ def child_env(mode: str, runner: str = "default", extra: dict[str, str] | None =
         env.update({"VLLM_PLUGINS": "", "MK_MODE": "stock"})
     else:
         env.update({"VLLM_PLUGINS": "mk_plugin", "MK_MODE": "stock" if mode == "mk-stock" else mode})
+        env.update(mk_env or {})
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     if runner != "default":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"

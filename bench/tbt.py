@@ -134,8 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, one torch-profiled run per batch (64 tokens) into "
                         "<outdir>/profiles/; `python bench/host_gap.py <trace>` tells GPU- from host-bound")
+    common.add_mk_env_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    try:
+        a.mk_env_dict = common.parse_mk_env(a.mk_env)
+    except ValueError as e:
+        p.error(str(e))
     if a.quick:
         a.models, a.prompts, a.batches, a.runs, a.modes = "llama-3.2-1b", "512", "1,8", 2, "triton"
     a.model_list = [m for m in a.models.split(",") if m]
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shim = None if a.dry_run else common.ensure_plugin_visible()
     meta = {"date": common.today(), "gpu": "dry-run" if a.dry_run else common.gpu_name(),
-            "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner,
+            "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner + (f" (plugin env {' '.join(a.mk_env)})" if a.mk_env else ""),
             "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
     a.outdir.mkdir(parents=True, exist_ok=True)
     # The commit in every file name: two runs on one day must not overwrite each other's records.
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     if a.dry_run:
                         res = fake_child(mode, a.batch_list, spec, prompt, a.output_len)
                     else:
-                        res = common.run_child(Path(__file__), payload, common.child_env(mode, a.runner, shim=shim),
+                        res = common.run_child(Path(__file__), payload, common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict),
                                                log, a.timeout)
                 except common.ChildFailed as e:
                     failed = True

@@ -219,7 +219,8 @@ def run_pair(label: str, payload: dict[str, Any], modes: tuple[str, str], a: arg
         print(f"[correctness] {label}: {mode} ...", flush=True)
         try:
             res.append(common.run_child(Path(__file__), payload,
-                                        common.child_env(mode, a.runner, extra=(extra or {}).get(mode), shim=shim),
+                                        common.child_env(mode, a.runner, extra=(extra or {}).get(mode), shim=shim,
+                                                         mk_env=a.mk_env_dict),
                                         log, a.timeout))
         except common.ChildFailed as e:
             print(e, file=sys.stderr)
@@ -322,8 +323,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outdir", type=Path, default=common.RESULTS)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per child process")
     p.add_argument("--keep", action="store_true", help="keep the (a) logit dumps")
+    common.add_mk_env_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    try:
+        a.mk_env_dict = common.parse_mk_env(a.mk_env)
+    except ValueError as e:
+        p.error(str(e))
     a.part_list = [x for x in a.parts.split(",") if x]
     if set(a.part_list) - {"a", "b"}:
         p.error("--parts takes a, b or a,b")
@@ -358,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
               "a: ties; b: stock top-2 gap", "a: top-1 incl. ties; b: max logprob diff", "notes", "verdict"]
     table = common.markdown_table(header, rows)
     text = (f"# vLLM correctness: stock vs MK_MODE={a.mode} ({common.today()})\n\nGPU {common.gpu_name()}, "
-            f"commit {common.git_commit()}, vLLM {common.vllm_version()}, runner {a.runner}\n"
+            f"commit {common.git_commit()}, vLLM {common.vllm_version()}, runner {a.runner}"
+            f"{', plugin env ' + ' '.join(a.mk_env) if a.mk_env else ''}\n"
             f"(a) {'/'.join(a.a_weight_list)} weights, teacher-forced, eager, batch 1: pass = cosine >= {MIN_COSINE} "
             f"every step and top-1 (ties included) >= {MIN_TOP1:.0%}\n(b) seeded N(0, 0.02) weights, greedy, "
             f"{'eager' if a.eager_b else 'CUDA graphs'}: pass = identical for {a.min_identical} steps, or the first "

@@ -26,6 +26,12 @@
 #ifndef MK_SETMAXNREG
 #define MK_SETMAXNREG 0
 #endif
+
+// Rounding points (encoding.Rounding, mirrored by vm.py): 0 = FUSED (the GPU-measured kernel,
+// one rounding per fused op), 1 = STOCK (also round where vLLM's unfused ops store).
+#ifndef MK_ROUNDING
+#define MK_ROUNDING 0
+#endif
 #ifndef MK_CONSUMER_REGS
 #define MK_CONSUMER_REGS 224
 #endif
@@ -97,6 +103,17 @@ __device__ __forceinline__ float hi_f(unsigned u) { return bits_to_f((unsigned s
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return (unsigned)f_to_bits(lo) | ((unsigned)f_to_bits(hi) << 16);
 }
+
+constexpr bool STOCK_ROUNDING = MK_ROUNDING == ROUNDING_STOCK;
+static_assert(MK_ROUNDING == ROUNDING_FUSED || MK_ROUNDING == ROUNDING_STOCK, "MK_ROUNDING: 0 fused, 1 stock");
+
+// A value vLLM would have stored in the activation dtype (a GEMM output, x * rstd): rounded under
+// STOCK rounding, kept in fp32 under FUSED.
+__device__ __forceinline__ float stock_rnd(float x) { return STOCK_ROUNDING ? bits_to_f(f_to_bits(x)) : x; }
+
+// One element of rms_norm before its store: x * rstd * w, with vLLM's intermediate rounding of
+// x * rstd under STOCK (its rms_norm kernels compute (scalar_t)(x * rstd) * w).
+__device__ __forceinline__ float norm_elem(float x, float rstd, float w) { return stock_rnd(x * rstd) * w; }
 
 // exp2 on the SFU (ex2.approx(-inf) = +0).
 __device__ __forceinline__ float fast_exp2(float x) {

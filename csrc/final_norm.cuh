@@ -15,7 +15,7 @@ __device__ __forceinline__ void final_norm_task(const Smem& S, const Params& P, 
   for (int idx = threadIdx.x; idx < P.batch * cols; idx += CONSUMER_THREADS) {
     const int b = idx / cols, c = c0 + idx % cols;
     const size_t i = (size_t)b * H + c;
-    out[i] = from_f(bits_to_f(ld_cg_u16(x + i)) * rstd[b] * bits_to_f(ld_nc_u16(w + c)));
+    out[i] = from_f(norm_elem(bits_to_f(ld_cg_u16(x + i)), rstd[b], bits_to_f(ld_nc_u16(w + c))));
   }
 }
 

@@ -15,8 +15,8 @@ __device__ __forceinline__ void gate_up_epilogue(const Params& P, const Task& t,
     const int b = nt * 8 + (lane & 3) * 2 + (e & 1);
     const int col = u * UNIT + (lane >> 2) + (e >> 1) * 8;
     if (b < P.batch) {
-      const float gt = v[e];
-      act[(size_t)b * I + col] = from_f(gt / (1.f + __expf(-gt)) * vu[e]);
+      const float gt = stock_rnd(v[e]);   // STOCK: vLLM's gate_up GEMM stores g and u first
+      act[(size_t)b * I + col] = from_f(gt / (1.f + __expf(-gt)) * stock_rnd(vu[e]));
     }
   }
 }

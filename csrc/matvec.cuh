@@ -1,6 +1,7 @@
 // Weight-streaming skinny GEMM shared by qkv_rope, o_proj, gate_up, down and lm_head tasks:
 //   y[b, row] = sum_k W[row, k] * x'[b, k]     for the task's units (16 output rows each),
-// with x' = round(x * rstd[b] * norm_w[k]) for norm-fused ops, else x' = x.
+// with x' = round(x * rstd[b] * norm_w[k]) for norm-fused ops (norm_elem: round(round(x * rstd) * w)
+// under MK_ROUNDING=1), else x' = x.
 //
 // Tensor cores, "swap AB": the weight rows are the m16 side of mma.m16n8k16, the batch (<= 16
 // tokens, padded to 8 or 16) the n8 side. A task's units are processed in passes of up to
@@ -296,8 +297,8 @@ __device__ __forceinline__ void x_frags_finish(unsigned (&xb)[JMAX][NT][2], cons
         const int bi = n * 8 + (lane >> 2);
         const float r = bi < B ? rstd[bi] : 0.f;
         const unsigned w0 = wv[jj][0], w1 = wv[jj][1];
-        xb[jj][n][0] = pack2(lo_f(v0) * r * lo_f(w0), hi_f(v0) * r * hi_f(w0));
-        xb[jj][n][1] = pack2(lo_f(v1) * r * lo_f(w1), hi_f(v1) * r * hi_f(w1));
+        xb[jj][n][0] = pack2(norm_elem(lo_f(v0), r, lo_f(w0)), norm_elem(hi_f(v0), r, hi_f(w0)));
+        xb[jj][n][1] = pack2(norm_elem(lo_f(v1), r, lo_f(w1)), norm_elem(hi_f(v1), r, hi_f(w1)));
       } else {
         xb[jj][n][0] = v0;
         xb[jj][n][1] = v1;
@@ -393,8 +394,8 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
         v1 = *reinterpret_cast<const unsigned*>(p + 16);
         if (norm) {
           const float r = rstd[bi];
-          v0 = pack2(lo_f(v0) * r * lo_f(w0), hi_f(v0) * r * hi_f(w0));
-          v1 = pack2(lo_f(v1) * r * lo_f(w1), hi_f(v1) * r * hi_f(w1));
+          v0 = pack2(norm_elem(lo_f(v0), r, lo_f(w0)), norm_elem(hi_f(v0), r, hi_f(w0)));
+          v1 = pack2(norm_elem(lo_f(v1), r, lo_f(w1)), norm_elem(hi_f(v1), r, hi_f(w1)));
         }
       }
       xb[jj][n][0] = v0;

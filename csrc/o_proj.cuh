@@ -15,7 +15,8 @@ __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t
     const int row = (p0 + m) * UNIT + (lane >> 2) + (e >> 1) * 8;
     if (b < P.batch) {
       const size_t i = (size_t)b * H + row;
-      out[i] = from_f(bits_to_f(ld_cg_u16(res + i)) + v[e]);  // same thread reads then writes (down)
+      // STOCK: vLLM's GEMM stores its output before the residual add
+      out[i] = from_f(bits_to_f(ld_cg_u16(res + i)) + stock_rnd(v[e]));  // same thread reads then writes (down)
     }
   }
 }

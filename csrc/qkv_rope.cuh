@@ -31,7 +31,7 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Params& P, const Task& t
   for (int e = 0; e < 2; ++e) {
     const int b = nt * 8 + (lane & 3) * 2 + e;
     if (b >= P.batch) continue;
-    float y1 = v[e], y2 = v[e + 2];
+    float y1 = stock_rnd(v[e]), y2 = stock_rnd(v[e + 2]);  // STOCK: vLLM's qkv GEMM stores before RoPE
     if (hl <= G) {  // q or k: rotate the pair (j, j + D/2)
       float c, sn;
       rope_cos_sin(P, ld_nc_s64(P.positions + b), j, c, sn);

@@ -43,6 +43,11 @@ enum ModelPtrSlot : int {
   MP_LM_HEAD = 1
 };
 
+enum RoundingMode : int {
+  ROUNDING_FUSED = 0,
+  ROUNDING_STOCK = 1
+};
+
 // Parameters of the extern "C" kernel mk_decode (encoding.KERNEL_PARAMS)
 #define MK_DECODE_PARAMS const int* __restrict__ prog, const unsigned long long* __restrict__ wptr, const unsigned long long* __restrict__ kvptr, unsigned* counters, const long long* positions, const long long* slots, const int* seq_lens, const int* block_table, int bt_stride, int block_size, const void* cos_sin, int cs_rows, int cs_stride, int cs_f32, void* hidden_in, void* resid, void* q, void* attn_o, void* act, void* out, void* logits, void* part_o, void* part_ml, unsigned long long* trace, int* err, int* err_host, int watchdog_ms
 

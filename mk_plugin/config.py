@@ -14,6 +14,10 @@ MK_FORCE_TOKENS <file.json>                debug (needs enforce_eager): teacher 
 MK_WATCHDOG_MS  1..600000 (default 2000)   budget of every wait inside the megakernel; a wait that
                                            exceeds it aborts the launch and raises MegakernelHang on
                                            the host. Always bounded: 0 ("off") is refused.
+MK_ROUNDING  fused | stock (default fused)  the megakernel's rounding points (persistent.encoding.
+                                           Rounding): fused rounds once per fused op (the GPU-measured
+                                           kernel); stock also rounds where vLLM's unfused ops store,
+                                           to agree more often with stock vLLM at bf16 near ties
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from .ops import STEP_OPS
 MODES = ("megakernel", "triton", "stock")
 DEFAULT_MODE = "triton"
 DEFAULT_WATCHDOG_MS = 2000
+ROUNDINGS = ("fused", "stock")   # = persistent.encoding.Rounding names (config must not import torch)
+DEFAULT_ROUNDING = "fused"
 WATCHDOG_MS_MAX = 600_000  # = persistent.encoding.WATCHDOG_MS_MAX (config must not import torch)
 
 
@@ -61,8 +67,11 @@ class MkConfig:
     dump_logits: str | None = None
     force_tokens: str | None = None
     watchdog_ms: int = DEFAULT_WATCHDOG_MS
+    rounding: str = DEFAULT_ROUNDING
 
     def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ConfigError(f"MK_ROUNDING={self.rounding!r} is not supported; choose one of {', '.join(ROUNDINGS)}")
         if isinstance(self.watchdog_ms, bool) or not isinstance(self.watchdog_ms, int) \
                 or not 1 <= self.watchdog_ms <= WATCHDOG_MS_MAX:
             raise ConfigError(f"MK_WATCHDOG_MS={self.watchdog_ms!r} must be an integer number of milliseconds in "
@@ -83,7 +92,8 @@ class MkConfig:
         return cls(mode=mode, fallback=fb, trace=_flag(env, "MK_TRACE"), verbose=_flag(env, "MK_VERBOSE"),
                    dump_logits=env.get("MK_DUMP_LOGITS", "").strip() or None,
                    force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None,
-                   watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS))
+                   watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS),
+                   rounding=env.get("MK_ROUNDING", DEFAULT_ROUNDING).strip().lower() or DEFAULT_ROUNDING)
 
 
 def get_config() -> MkConfig:

@@ -378,9 +378,11 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     if cfg.mode == "megakernel":
         try:
             from .persistent.backend import MegakernelDecoder
+            from .persistent.encoding import Rounding, rounding_define
 
             mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
-                                   watchdog_ms=cfg.watchdog_ms)
+                                   watchdog_ms=cfg.watchdog_ms,
+                                   defines=(rounding_define(Rounding[cfg.rounding.upper()]),))
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
             decoder, backend = mk, "megakernel"
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path

@@ -76,3 +76,13 @@ def test_get_config_reads_the_process_env(monkeypatch):
     monkeypatch.setenv("MK_MODE", "bogus")
     with pytest.raises(ConfigError):
         get_config()
+
+
+def test_rounding_switch():
+    from mk_plugin.config import ROUNDINGS
+    from mk_plugin.persistent.encoding import Rounding
+
+    assert ROUNDINGS == tuple(r.name.lower() for r in Rounding)  # config cannot import torch: checked here
+    assert cfg().rounding == "fused" and cfg(MK_ROUNDING=" Stock ").rounding == "stock"
+    with pytest.raises(ConfigError, match=r"MK_ROUNDING='exact'.*fused, stock"):
+        cfg(MK_ROUNDING="exact")

@@ -52,7 +52,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 
 # Kernel variants selected with -D for A/B runs (bench/mk_step.py --define): each must compile
 # without spills too, at the 1B shape.
-VARIANTS = [("-DMK_L2_PREFETCH=8",), ("-DMK_RING_RELEASE_ALL=0",), ("-DMK_SETMAXNREG=1",),
+VARIANTS = [("-DMK_L2_PREFETCH=8",), ("-DMK_RING_RELEASE_ALL=0",), ("-DMK_SETMAXNREG=1",), ("-DMK_ROUNDING=1",),
             ("-DMK_SETMAXNREG=1", "-DMK_X_PIPELINE=1", "-DMK_L2_PREFETCH=8")]
 
 

@@ -130,3 +130,28 @@ def test_kernel_variant_defines_are_validated():
     assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
     with pytest.raises(ValueError, match="-DNAME=VALUE"):
         MegakernelModule(LlamaSpec.tiny(), defines=("MK_SETMAXNREG=1",))
+
+
+def test_rounding_define_round_trips_and_rejects_bad_values():
+    from mk_plugin.persistent.encoding import Rounding, rounding_define, rounding_of
+
+    assert rounding_of(()) == Rounding.FUSED
+    for r in Rounding:
+        assert rounding_of(("-DMK_SETMAXNREG=1", rounding_define(r))) == r
+    with pytest.raises(ValueError, match=r"-DMK_ROUNDING=7: choose one of 0 \(fused\), 1 \(stock\)"):
+        rounding_of(("-DMK_ROUNDING=7",))
+    assert "ROUNDING_STOCK = 1" in (ROOT / "csrc" / "tasks.h").read_text()
+
+
+def test_backend_takes_its_rounding_from_the_defines():
+    import torch
+
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.spec import LlamaSpec
+    from mk_plugin.weights import random_weights
+
+    spec = LlamaSpec.tiny()
+    w = random_weights(spec, seed=0, dtype=torch.bfloat16)
+    assert MegakernelDecoder(spec, w, 2, "cpu").rounding == Rounding.FUSED
+    assert MegakernelDecoder(spec, w, 2, "cpu", defines=("-DMK_ROUNDING=1",)).rounding == Rounding.STOCK

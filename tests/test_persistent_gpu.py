@@ -100,7 +100,7 @@ def test_megakernel_vs_vm_op_by_op(models, mk_defines, name, layers, seq_lens):
         out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=n)
         vcaches = [c.cpu() for c in batch.kv_caches]
         st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
-                           bc.seq_lens, bc.slot_mapping, cs.cpu())
+                           bc.seq_lens, bc.slot_mapping, cs.cpu(), rounding=dec.rounding)  # as compiled
         vm.run(prog, st, stop_after=n)
         gbufs = dec.buffers(len(seq_lens))
         gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits

@@ -11,7 +11,7 @@ from test_persistent_schedule import small_specs
 from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.backend import MegakernelDecoder
-from mk_plugin.persistent.encoding import Buf
+from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import assert_matches, make_decode_batch
@@ -193,3 +193,73 @@ def test_cuda_launch_path_plumbing():
     assert fake.launches == 3  # [L0 qkv, attn] o_proj [L0 gate_up .. L1 attn] o_proj [L1 gate_up .. lm_head]
     assert_matches(out, hn, torch.bfloat16, "step")
     assert_matches(lo, logits, torch.bfloat16, "step")
+
+
+# ---- rounding points (encoding.Rounding, -DMK_ROUNDING; csrc stock_rnd / norm_elem) ---------------
+def _vm_step_rounding(spec, w, batch, cs, hidden, rounding, stop_after=None):
+    p = build_program(spec, hidden.shape[0], 132, lm_head=True)
+    caches = batch.clone_caches()
+    st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
+                        batch.slot_mapping, cs, rounding=rounding)
+    vm.run(p, st_, stop_after=stop_after)
+    return p, st_, caches
+
+
+def test_stock_rounding_stays_within_the_step_tolerance_and_differs_from_fused():
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [1, 33, 0], torch.bfloat16, seed=3)
+    _, fused, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.FUSED)
+    _, stock, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK)
+    hn, logits, _ = _ref_step(spec, w, batch, cs)
+    assert_matches(stock.bufs[Buf.OUT], hn, torch.bfloat16, "step")
+    assert_matches(stock.bufs[Buf.LOGITS], logits, torch.bfloat16, "step")
+    assert not torch.equal(stock.bufs[Buf.OUT], fused.bufs[Buf.OUT])  # the switch changes the arithmetic
+
+
+def test_stock_rounding_is_a_no_op_in_fp32():
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [5, 0, 37], torch.float32)
+    _, fused, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.FUSED)
+    _, stock, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK)
+    assert torch.equal(stock.bufs[Buf.LOGITS], fused.bufs[Buf.LOGITS])
+
+
+def test_stock_rounding_points_of_layer_0():
+    """Layer 0 under STOCK against explicit torch formulas: q = round(rope(round(xn @ Wq^T))) with
+    xn = round(round(x * rstd) * w); RESID = round(h + round(attn_o @ Wo^T)); ACT = round(silu(round(g))
+    * round(u)). Compared bitwise on the VM's own inputs of each op."""
+    spec = LlamaSpec.tiny()
+    dt = torch.bfloat16
+    w, batch, cs, hidden = _setup(spec, [9, 20], dt, seed=5)
+    p, _, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK)
+    lw = w.layers[0]
+
+    def rd(t):
+        return t.to(dt).float()
+
+    def normed(x, nw):
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + spec.rms_eps)
+        return rd(rd(xf * r) * nw.float())
+
+    # qkv_rope: q of every head
+    _, st_q, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK, stop_after=p.op_end("L0.qkv_rope"))
+    q = rd(normed(hidden, lw.input_norm) @ lw.qkv[: spec.q_size].float().t())
+    d, half = spec.head_dim, spec.head_dim // 2
+    c = cs.float()[batch.positions.long()]
+    q = q.view(q.shape[0], spec.num_q_heads, d)
+    cos, sin = c[:, None, :half], c[:, None, half:]
+    q1, q2 = q[..., :half], q[..., half:]
+    want_q = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1).reshape(q.shape[0], -1).to(dt)
+    assert torch.equal(st_q.bufs[Buf.Q], want_q)
+    # o_proj: residual add of the rounded GEMM output
+    _, st_a, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK, stop_after=p.op_end("L0.attention"))
+    _, st_o, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK, stop_after=p.op_end("L0.o_proj"))
+    want_r = (hidden.float() + rd(st_a.bufs[Buf.ATTN_O].float() @ lw.o.float().t())).to(dt)
+    assert torch.equal(st_o.bufs[Buf.RESID], want_r)
+    # gate_up: silu(round(g)) * round(u), both from the double-rounded norm
+    _, st_g, _ = _vm_step_rounding(spec, w, batch, cs, hidden, Rounding.STOCK, stop_after=p.op_end("L0.gate_up"))
+    xn = normed(st_o.bufs[Buf.RESID], lw.post_norm)
+    i = spec.intermediate_size
+    g, u = rd(xn @ lw.gate_up[:i].float().t()), rd(xn @ lw.gate_up[i:].float().t())
+    assert torch.equal(st_g.bufs[Buf.ACT], (g / (1.0 + torch.exp(-g)) * u).to(dt))

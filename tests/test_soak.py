@@ -365,3 +365,17 @@ def test_control_engine_is_stock_at_other_batching_and_reported_not_judged() -> 
     label, result, ok = soak.control_row(sched, stock, control, 4, failed=False)
     assert ok and "max_num_seqs 4" in label and result.startswith("identical 2/3 (66.67%), near ties 1, non-tie")
     assert soak.control_row(sched, stock, None, 4, failed=True)[1] == "control run failed (see its log)"
+
+
+def test_mk_env_reaches_plugin_children_only_and_is_checked_early() -> None:
+    common = soak.common
+    env = common.parse_mk_env(["MK_ROUNDING=stock"])
+    assert env == {"MK_ROUNDING": "stock"}
+    assert common.child_env("megakernel", mk_env=env)["MK_ROUNDING"] == "stock"
+    assert "MK_ROUNDING" not in common.child_env("stock", mk_env=env)
+    for bad in ("MK_ROUNDING=exact", "ROUNDING=stock", "MK_MODE=triton", "MK_ROUNDING"):
+        with pytest.raises(ValueError, match="MK_"):
+            common.parse_mk_env([bad])
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--mk-env", "MK_ROUNDING=exact"])
+    assert soak.parse_args(["--mk-env", "MK_ROUNDING=stock"]).mk_env_dict == env

@@ -58,6 +58,7 @@ from .encoding import (
     LayerPtr,
     ModelPtr,
     decode,
+    rounding_of,
     spec_hash,
 )
 from .errors import MegakernelHang, ProgramMismatch
@@ -186,6 +187,9 @@ class MegakernelDecoder:
             self.device = torch.device("cuda", torch.cuda.current_device())
         check_tokens("max_tokens", max_tokens)
         self.max_tokens = max_tokens
+        # Rounding points: the -DMK_ROUNDING of `defines` (one source for the kernel and the VM)
+        self.defines = tuple(defines)
+        self.rounding = rounding_of(self.defines)
         self.fallback = frozenset(fallback)
         self.lm_head = lm_head
         self.trace = get_config().trace if trace is None else trace
@@ -220,7 +224,7 @@ class MegakernelDecoder:
         self._module = None
         if self.executor == "cuda":
             from .runtime import MegakernelModule
-            self._module = MegakernelModule(spec, defines=tuple(defines))
+            self._module = MegakernelModule(spec, defines=self.defines)
 
     # ---- set-up --------------------------------------------------------------------------------
     def _check_weights(self) -> None:
@@ -641,7 +645,7 @@ class MegakernelDecoder:
         b = io.hidden.shape[0]
         st = _vm.VMState(self.spec, b, e.program.attn_chunks, self.weights, self._bufs(b, io), io.kv_caches,
                          io.positions, io.slot_mapping, io.seq_lens, io.block_table, io.cos_sin,
-                         [0] * e.program.num_counters)
+                         [0] * e.program.num_counters, rounding=self.rounding)
         if Buf.LOGITS not in st.bufs:
             st.bufs[Buf.LOGITS] = torch.empty(b, self.spec.vocab_size, dtype=torch.float32)
         for step in e.program.steps:

@@ -131,6 +131,36 @@ ERROR_WORDS = 16
 E = {name: i for i, name in enumerate(ERROR_FIELDS)}
 
 
+class Rounding(enum.IntEnum):
+    """Where the megakernel rounds to the activation dtype (-DMK_ROUNDING=<value>; vm.py mirrors it).
+    FUSED rounds once per fused op (q/k after RoPE, gate/up after silu*mul, the linear output together
+    with its residual add, the norm's x * rstd * w). STOCK also rounds where vLLM's unfused ops store:
+    the qkv GEMM output before RoPE, gate and up before silu*mul, o_proj/down outputs before the
+    residual add, and the norm as round(round(x * rstd) * w) (vLLM's rms_norm kernels, eager and
+    compiled). Attention's internals are not matched (FlashAttention's tiling is not reproducible)."""
+    FUSED = 0
+    STOCK = 1
+
+
+def define_values(defines: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """NAME -> VALUE of "-DNAME=VALUE" options."""
+    return dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
+
+
+def rounding_of(defines: tuple[str, ...] | list[str] = ()) -> Rounding:
+    """The Rounding a kernel compiled with `defines` uses (default FUSED); a bad value is an error."""
+    raw = define_values(defines).get("MK_ROUNDING", str(int(Rounding.FUSED)))
+    try:
+        return Rounding(int(raw, 0))
+    except ValueError:
+        raise ValueError(f"-DMK_ROUNDING={raw}: choose one of "
+                         f"{', '.join(f'{r.value} ({r.name.lower()})' for r in Rounding)}") from None
+
+
+def rounding_define(r: Rounding) -> str:
+    return f"-DMK_ROUNDING={int(r)}"
+
+
 class ErrorCode(enum.IntEnum):
     NONE = 0
     COUNTER_TIMEOUT = 1  # a task's dependency counter did not reach its target within the budget
@@ -240,8 +270,7 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 def launch_threads(defines: tuple[str, ...] = ()) -> int:
     """Threads per CTA for a kernel compiled with `defines` ("-DNAME=VALUE"): the layout's, or a
     whole producer warpgroup when MK_SETMAXNREG is non-zero (csrc/common.cuh LAUNCH_THREADS)."""
-    values = dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
-    if int(values.get("MK_SETMAXNREG", "0"), 0):
+    if int(define_values(defines).get("MK_SETMAXNREG", "0"), 0):
         return 32 * (LAYOUT.consumer_warps + LAYOUT.setmaxnreg_producer_warps)
     return LAYOUT.num_threads
 
@@ -388,6 +417,7 @@ def generate_header() -> str:
         _enum_cpp("BufId", "BUF_", Buf),
         _enum_cpp("LayerPtrSlot", "LP_", LayerPtr),
         _enum_cpp("ModelPtrSlot", "MP_", ModelPtr),
+        _enum_cpp("RoundingMode", "ROUNDING_", Rounding),
         "// Parameters of the extern \"C\" kernel mk_decode (encoding.KERNEL_PARAMS)",
         "#define MK_DECODE_PARAMS " + ", ".join(f"{t} {n}" for n, t in KERNEL_PARAMS),
         "",

@@ -22,7 +22,7 @@ import torch
 
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
-from .encoding import TASK_FIELDS, Buf, DecodedProgram, Opcode, decode
+from .encoding import TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode
 from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
 from .tasks import UNIT, qkv_unit, qkv_unit_dims, qkv_unit_rows
@@ -144,6 +144,7 @@ class VMState:
     cos_sin: torch.Tensor
     counters: list[int]
     executed: list[int] = field(default_factory=list)   # tids in execution order
+    rounding: Rounding = Rounding.FUSED                 # the kernel's -DMK_ROUNDING (encoding.Rounding)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,7 +153,7 @@ class VMState:
 
 def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-               slot_mapping: torch.Tensor, cos_sin: torch.Tensor) -> VMState:
+               slot_mapping: torch.Tensor, cos_sin: torch.Tensor, rounding: Rounding = Rounding.FUSED) -> VMState:
     """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step."""
     spec, b, C = program.spec, program.batch, program.attn_chunks
     dt, dev = hidden.dtype, hidden.device
@@ -175,12 +176,22 @@ def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, po
         Buf.PART_ML: buf(0, torch.float32, nkv, C, G, 2),
     }
     return VMState(spec, b, C, weights, bufs, kv_caches, positions, slot_mapping, seq_lens, block_table,
-                   cos_sin, [0] * program.num_counters)
+                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding))
 
 
 def _rnd(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """Round fp32 to the activation dtype (round to nearest even) and back: the kernel's stores."""
     return x.to(dt).float()
+
+
+def _stock_rnd(st: VMState, x: torch.Tensor) -> torch.Tensor:
+    """csrc stock_rnd: a value vLLM stores in the activation dtype, rounded under STOCK rounding."""
+    return _rnd(x, st.dtype) if st.rounding == Rounding.STOCK else x
+
+
+def _norm_elem(st: VMState, x: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """csrc norm_elem: x * rstd * w before its store; STOCK rounds x * rstd first."""
+    return _stock_rnd(st, x * rstd) * w
 
 
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,7 +202,7 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The MMA's B operand of a norm-fused linear: round((x * rstd) * w) to the activation dtype."""
     r = _rstd(x, st.spec.rms_eps)
-    return _rnd(x.float() * r[:, None] * w.float()[None, :], st.dtype)
+    return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
 def op_qkv_rope(st: VMState, t: dict[str, int]) -> None:
@@ -205,7 +216,7 @@ def op_qkv_rope(st: VMState, t: dict[str, int]) -> None:
     bs = cache.shape[2]
     for u in range(t["arg0"], t["arg0"] + t["arg1"]):
         kind, head, s = qkv_unit(spec, u)
-        y = xn @ lw.qkv[qkv_unit_rows(spec, u)].float().t()   # [B, 16]
+        y = _stock_rnd(st, xn @ lw.qkv[qkv_unit_rows(spec, u)].float().t())   # [B, 16]
         dims = qkv_unit_dims(spec, u)
         if kind in ("q", "k"):
             cos, sin = cs[:, s * 8: s * 8 + 8], cs[:, half + s * 8: half + s * 8 + 8]
@@ -284,7 +295,7 @@ def _rows(t: dict[str, int], limit: int) -> slice:
 def op_o_proj(st: VMState, t: dict[str, int]) -> None:
     lw = st.weights.layers[t["layer"]]
     r = _rows(t, st.spec.hidden_size)
-    y = st.bufs[Buf.ATTN_O].float() @ lw.o[r].float().t()
+    y = _stock_rnd(st, st.bufs[Buf.ATTN_O].float() @ lw.o[r].float().t())
     res = st.bufs[Buf(t["res_buf"])][:, r].float()
     st.bufs[Buf.RESID][:, r] = (res + y).to(st.dtype)
 
@@ -294,15 +305,15 @@ def op_gate_up(st: VMState, t: dict[str, int]) -> None:
     I = st.spec.intermediate_size
     xn = _normed(st, st.bufs[Buf.RESID], lw.post_norm)
     r = _rows(t, I)
-    g = xn @ lw.gate_up[r].float().t()
-    u = xn @ lw.gate_up[I + r.start: I + r.stop].float().t()
+    g = _stock_rnd(st, xn @ lw.gate_up[r].float().t())
+    u = _stock_rnd(st, xn @ lw.gate_up[I + r.start: I + r.stop].float().t())
     st.bufs[Buf.ACT][:, r] = (g / (1.0 + torch.exp(-g)) * u).to(st.dtype)
 
 
 def op_down(st: VMState, t: dict[str, int]) -> None:
     lw = st.weights.layers[t["layer"]]
     r = _rows(t, st.spec.hidden_size)
-    y = st.bufs[Buf.ACT].float() @ lw.down[r].float().t()
+    y = _stock_rnd(st, st.bufs[Buf.ACT].float() @ lw.down[r].float().t())
     st.bufs[Buf.RESID][:, r] = (st.bufs[Buf.RESID][:, r].float() + y).to(st.dtype)
 
 
@@ -310,7 +321,8 @@ def op_final_norm(st: VMState, t: dict[str, int]) -> None:
     x = st.bufs[Buf.RESID]
     r = _rows(t, st.spec.hidden_size)
     rstd = _rstd(x, st.spec.rms_eps)
-    st.bufs[Buf.OUT][:, r] = (x[:, r].float() * rstd[:, None] * st.weights.final_norm[r].float()).to(st.dtype)
+    st.bufs[Buf.OUT][:, r] = _norm_elem(st, x[:, r].float(), rstd[:, None],
+                                        st.weights.final_norm[r].float()).to(st.dtype)
 
 
 def op_lm_head(st: VMState, t: dict[str, int]) -> None:
