@@ -26,6 +26,9 @@ PASS = no BUG, >= 99% identical, the plugin run took the mk decode path, both ru
 vLLM's counter is readable), and no memory growth in the plugin run: worker torch.cuda
 memory_allocated (and nvidia-smi) from the first sample after --warmup-steps to the last periodic
 sample grows by at most --mem-tol-mib (--smi-tol-mib). Stock's memory is reported for reference.
+torch's reserved pool is reported too (not judged): on the H200 (soak_2026-11-30_dad3af1_...) nvidia-smi
+grew in steps of ~170-350 MiB in all three engines, stock included, with torch allocated flat;
+reserved tells a caching-allocator pool that grows with new prefill shapes from a leak outside torch.
 
 Control (reported, not judged): a third engine runs stock again on the same requests at
 --control-max-num-seqs (default 8), so the batches differ. vLLM is not batch invariant (GEMM and
@@ -271,7 +274,8 @@ def engine_row(name: str, r: dict[str, Any], warmup: int) -> list[str]:
     return [name, start, str(r["steps"]), f"{r['wall_s']:.1f}", f"{r['tokens'] / max(r['wall_s'], 1e-9):.0f}",
             f"{b['mean']:.2f} / {b['max']} / {b['changed'] * 100:.0f}%", gauge_range(r["samples"], "running"),
             pre, str(r["added_while_busy"]), fmt_mem(memory_growth(r["samples"], "smi_mib", warmup)),
-            fmt_mem(memory_growth(r["samples"], "alloc_mib", warmup))]
+            fmt_mem(memory_growth(r["samples"], "alloc_mib", warmup)),
+            fmt_mem(memory_growth(r["samples"], "reserved_mib", warmup))]
 
 
 def status_line(name: str, r: dict[str, Any]) -> str:
@@ -300,7 +304,7 @@ def render(meta: dict[str, str], summary: dict[str, Any], engines: dict[str, dic
     eng_md = common.markdown_table(
         ["engine", "start-up s", "steps", "soak s", "tok/s", "batch mean / max / % steps changed",
          "running (gauge samples)", "preemptions", "added while busy", "nvidia-smi MiB first / last / max (growth)",
-         "torch allocated MiB first / last / max (growth)"],
+         "torch allocated MiB first / last / max (growth)", "torch reserved MiB first / last / max (growth)"],
         [engine_row(name, r, warmup) for name, r in engines.items()])
     statuses = "\n".join(status_line(name, r) for name, r in engines.items())
     div_header = ["request", "prompt len", "max tokens", "first diff", "stock top-2 gap",
@@ -401,7 +405,8 @@ def soak_engine(llm: Any, p: dict[str, Any]) -> dict[str, Any]:
                   "preemptions": m.get(PREEMPTIONS)})
         print(f"[soak] step {s['step']} clock {s['clock']}: {s['done']}/{len(schedule)} done, running "
               f"{s['running']}, waiting {s['waiting']}, preemptions {s['preemptions']}, "
-              f"nvidia-smi {s['smi_mib']} MiB, torch allocated {s.get('alloc_mib')}", flush=True)
+              f"nvidia-smi {s['smi_mib']} MiB, torch allocated {s.get('alloc_mib')}, reserved {s.get('reserved_mib')}",
+              flush=True)
         return s
 
     # LLMEngine.add_request takes a raw TokensPrompt (vLLM 0.24 logs a deprecation warning once)
