@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The next GPU session's calls (bench/NOTES.md "Next GPU session"), one per device `run`, so the
+# machine's ~30 s warm window between calls is not spent typing. Run from the project root on the
+# GPU host; carry .commit (and the bundle part named below). Output under $2 (default bench/results).
+#   call 1: carry .commit .gpuhost/part.0   bash bench/gpu_calls.sh 1 $OUT
+#   call 2: carry .commit .gpuhost/part.1   bash bench/gpu_calls.sh 2 $OUT
+#   call 3: carry .commit .gpuhost/part.2 .gpuhost/unpack.sh   bash bench/gpu_calls.sh 3 $OUT
+#   call 4, 5: carry .commit                bash bench/gpu_calls.sh 4 $OUT
+# Each call copies its bundle part to /root/parts first (the bundle is needed from call 3 on) and
+# tees its output into $out/gpu_call_<n>_<date>_<commit>.log (mk_step prints only: the log is its record).
+set -uo pipefail
+n=${1:?call number 1..5}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
+for p in .gpuhost/part.*; do [ -f "$p" ] && cp "$p" /root/parts/; done
+vllm_env() {
+  [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
+  export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+  cp bench/results/tbt.csv "$out/" 2>/dev/null || true  # new rows append to the committed history
+}
+quiet() { grep -v "^(EngineCore" | tail -"${1:-12}"; }
+commit=$(python3 bench/common.py)
+{
+echo "date $(date -u +%FT%TZ) call $n commit $commit"
+case $n in
+  1) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py \
+       --mk-define MK_ROUNDING=1 2>&1 | tail -4
+     timeout 120 python3 bench/mk_step.py --batch 1 --lm-head --no-triton --trace \
+       --define MK_L2_PREFETCH=8 2>&1 | tail -8 ;;
+  2) timeout 120 python3 bench/mk_step.py --batch 8 --lm-head --no-triton --trace \
+       --define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1 2>&1 | tail -8 ;;
+  3) vllm_env
+     timeout 260 python3 bench/vllm_correctness.py --mode megakernel --parts a --a-weights random --steps-a 1024 \
+       --mk-env MK_ROUNDING=stock --timeout 120 --outdir "$out" 2>&1 | quiet 6
+     timeout 300 python3 bench/tbt.py --models llama-3.2-1b-1layer --prompts 512 --batches 1,8 \
+       --modes triton,megakernel --runs 2 --outdir "$out" 2>&1 | quiet 10 ;;
+  4) vllm_env
+     timeout 580 python3 bench/vllm_correctness.py --models llama-3.1-8b --mode megakernel --a-weights random \
+       --outdir "$out" 2>&1 | quiet 14 ;;
+  5) vllm_env
+     timeout 240 python3 bench/vllm_correctness.py --mode triton --parts b --runner v1 --timeout 110 \
+       --outdir "$out" 2>&1 | quiet 10
+     timeout 330 python3 bench/tbt.py --models llama-3.2-1b --prompts 2048 --batches 1,4,8 \
+       --modes triton,megakernel --runs 2 --outdir "$out" 2>&1 | quiet 10 ;;
+  *) echo "call number 1..5" >&2 ;;
+esac
+} 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
