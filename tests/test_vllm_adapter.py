@@ -56,6 +56,10 @@ class _Capture(logging.Handler):
 
 @pytest.fixture
 def mk_log():
+    # vLLM configures logging (dictConfig) on its first import, which strips the handlers of existing
+    # "vllm.*" loggers: import it first, or a test run on its own loses the capture handler.
+    import vllm.logger  # noqa: F401
+
     h = _Capture()
     va.logger.addHandler(h)
     old = va.logger.level
@@ -431,13 +435,19 @@ def test_megakernel_unavailable_falls_back_to_triton(monkeypatch, mk_log, triton
     assert len(mk_log.warnings()) == 1 and "MK_MODE=megakernel is unavailable" in mk_log.warnings()[0]
 
 
-def test_megakernel_path_matches_reference(monkeypatch, mk_log):
+@pytest.mark.parametrize("rounding", ["fused", "stock"])
+def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
     # MegakernelDecoder on a CPU device runs its encoded programs in the VM: the same programs and
     # fallback glue as the GPU; here driven through the adapter exactly like the Triton path.
-    pytest.importorskip("mk_plugin.persistent.backend")
+    from mk_plugin.persistent.backend import MegakernelDecoder  # CI installs it: a failure must show
+    from mk_plugin.persistent.encoding import Rounding
+
+    monkeypatch.setenv("MK_ROUNDING", rounding)
     model, w = make_model(monkeypatch, "megakernel")
     profile_run(model)
     assert model._mk_state.backend == "megakernel" and model._mk_state.workspace is None
+    dec = model._mk_state.decoder
+    assert isinstance(dec, MegakernelDecoder) and dec.rounding == Rounding[rounding.upper()]
     b = make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1)
     caches_ref = b.clone_caches()
     bind_kv(model, b.kv_caches)
