@@ -24,10 +24,12 @@ echo "date $(date -u +%FT%TZ) call $n commit $commit"
 case $n in
   1) timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py \
        --mk-define MK_ROUNDING=1 2>&1 | tail -4
-     timeout 120 python3 bench/mk_step.py --batch 1 --lm-head --no-triton --trace \
-       --define MK_L2_PREFETCH=8 2>&1 | tail -8 ;;
-  2) timeout 120 python3 bench/mk_step.py --batch 8 --lm-head --no-triton --trace \
-       --define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1 2>&1 | tail -8 ;;
+     for d in "" "--define MK_L2_PREFETCH=8"; do   # default and variant, same call: per-op tables + records
+       timeout 120 python3 bench/mk_step.py --batch 1 --lm-head --no-triton --trace --records-dir "$out" $d 2>&1 \
+         | tail -16; done ;;
+  2) for d in "" "--define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1"; do
+       timeout 120 python3 bench/mk_step.py --batch 8 --lm-head --no-triton --trace --records-dir "$out" $d 2>&1 \
+         | tail -16; done ;;
   3) vllm_env
      timeout 260 python3 bench/vllm_correctness.py --mode megakernel --parts a --a-weights random --steps-a 1024 \
        --mk-env MK_ROUNDING=stock --timeout 120 --outdir "$out" 2>&1 | quiet 6

@@ -26,6 +26,13 @@ from mk_plugin.weights import random_weights
 PEAK_BPS = 4.8e12
 
 
+def _commit() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common  # bench/common.py: .commit when newer than the checkout's HEAD
+
+    return common.git_commit()
+
+
 def time_graph(fn, reps: int) -> float:
     """Median microseconds of one replay of a CUDA graph of fn() (mk_plugin.timing)."""
     return graph_median_ms(fn, replays=reps) * 1e3
@@ -43,6 +50,9 @@ def main() -> None:
                     help="compile the megakernel with -DNAME=VALUE (A/B of kernel variants); repeatable")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
+    ap.add_argument("--records-dir", type=Path, default=None,
+                    help="with --trace: save each traced step's records (mk_plugin.persistent.trace format, with the "
+                         "defines and commit in meta) for `python -m mk_plugin.trace convert` and bench/roofline.py")
     args = ap.parse_args()
 
     from mk_plugin.persistent import trace as mktrace
@@ -80,6 +90,12 @@ def main() -> None:
             recs = mktrace.annotate(tdec.trace_records(bsz), tdec.program(bsz), seq)
             print(f"\n[batch {bsz}] traced step: {mktrace.step_span_ns(recs) / 1e3:.1f} us over {len(recs)} tasks\n"
                   + mktrace.op_table_markdown(mktrace.op_table(recs)))
+            if args.records_dir is not None:
+                tag = "_".join(d[2:].replace("=", "") for d in defines) or "default"
+                meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=_commit(),
+                                            gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
+                path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json"
+                print(f"records: {mktrace.save_records(path, recs, meta)}")
         if not args.no_triton:
             ws = DecodeWorkspace.allocate(spec, bsz, bt.shape[1], 16, "cuda")
             tout = torch.empty_like(hidden)
