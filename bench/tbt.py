@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,15 +100,16 @@ def floor_bytes(spec: Any, batch: int, prompt: int, output: int) -> int:
     return spec.weight_bytes_per_step() + spec.kv_bytes_per_step([prompt + output // 2] * batch)
 
 
-def fake_child(mode: str, batches: list[int], spec: Any, prompt: int, output: int) -> dict[str, Any]:
+def fake_child(mode: str, batches: list[int], spec: Any, prompt: int, output: int, runs_per: int = 1
+               ) -> dict[str, Any]:
     """--dry-run: plausible numbers without a GPU (checks the parent's tables, CSV and plot)."""
     rnd = random.Random(f"{mode}-{prompt}-{spec.hidden_size}")
     speed = {"stock": 1.0, "mk-stock": 1.0, "triton": 1.3, "megakernel": 1.8}[mode]
     res = {}
     for b in batches:
         floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
-        ms = floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random())
-        res[str(b)] = {"runs_ms": [ms], "tbt_ms": ms}
+        runs = [floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random()) for _ in range(runs_per)]
+        res[str(b)] = {"runs_ms": runs, "tbt_ms": statistics.median(runs)}
     st = {"stock": {"class": "LlamaForCausalLM"}}.get(mode, {"class": "MkLlamaForCausalLM", "backend": mode,
                                                            "counts": {"decode:1": 1}, "unsupported": None})
     return {"results": res, "status": [st], "gpu": "dry-run", "startup_s": 0.0}
@@ -174,7 +176,20 @@ def render(rows: list[dict[str, Any]], modes: list[str], meta: dict[str, str], n
             f"vLLM {meta['vllm']}, runner {meta['runner']}, {'eager' if meta['eager'] == 'True' else 'CUDA graphs'}, "
             f"output {meta['output']} tokens, median of {meta['runs']} runs after a warm-up; dummy weights.\n"
             f"% floor = (weight + KV bytes per step) / 4.8 TB/s divided by the TBT (100% = at the HBM floor).\n")
-    return head + "\n" + common.markdown_table(header, body) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    return (head + "\n" + common.markdown_table(header, body) + "\n" + spread_table(rows, modes)
+            + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+
+
+def spread_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
+    """Every run's TBT per mode: on a host-bound loop runs of one engine differ by up to 0.6 ms
+    (bench/NOTES.md), so a speed-up means something only against this spread. Empty with one run."""
+    allm = ["stock"] + modes
+    if not any(len(v) > 1 for r in rows for v in r.get("runs", {}).values()):
+        return ""
+    body = [[r["shape"], r["batch"], r["prompt"]]
+            + [" / ".join(f"{x:.3f}" for x in r.get("runs", {}).get(m, [])) or "n/a" for m in allm] for r in rows]
+    return ("\nRun-to-run spread (each run's TBT, ms, in run order):\n\n"
+            + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} runs" for m in allm], body) + "\n")
 
 
 def plot(rows: list[dict[str, Any]], modes: list[str], path: Path) -> str | None:
@@ -245,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}.log"
                 try:
                     if a.dry_run:
-                        res = fake_child(mode, a.batch_list, spec, prompt, a.output_len)
+                        res = fake_child(mode, a.batch_list, spec, prompt, a.output_len, a.runs)
                     else:
                         res = common.run_child(Path(__file__), payload, common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict),
                                                log, a.timeout)
@@ -267,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms = res["results"][str(b)]["tbt_ms"]
                     r = rows[(mdir.name, prompt, b)]
                     r["tbt"][mode] = ms
+                    r.setdefault("runs", {})[mode] = list(res["results"][str(b)]["runs_ms"])
                     csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
                     print(f"[tbt]   batch {b}: {ms:.3f} ms  runs {[f'{x:.3f}' for x in res['results'][str(b)]['runs_ms']]}")
