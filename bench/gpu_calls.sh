@@ -5,11 +5,11 @@
 #   call 1: carry .commit .gpuhost/part.0   bash bench/gpu_calls.sh 1 $OUT
 #   call 2: carry .commit .gpuhost/part.1   bash bench/gpu_calls.sh 2 $OUT
 #   call 3: carry .commit .gpuhost/part.2 .gpuhost/unpack.sh   bash bench/gpu_calls.sh 3 $OUT
-#   call 4, 5: carry .commit                bash bench/gpu_calls.sh 4 $OUT
+#   call 4, 5, 6: carry .commit             bash bench/gpu_calls.sh 4 $OUT
 # Each call copies its bundle part to /root/parts first (the bundle is needed from call 3 on) and
 # tees its output into $out/gpu_call_<n>_<date>_<commit>.log (mk_step prints only: the log is its record).
 set -uo pipefail
-n=${1:?call number 1..5}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
+n=${1:?call number 1..6}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
 for p in .gpuhost/part.*; do [ -f "$p" ] && cp "$p" /root/parts/; done
 vllm_env() {
   [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
@@ -43,6 +43,9 @@ case $n in
        --outdir "$out" 2>&1 | quiet 10
      timeout 330 python3 bench/tbt.py --models llama-3.2-1b --prompts 2048 --batches 1,4,8 \
        --modes triton,megakernel --runs 2 --outdir "$out" 2>&1 | quiet 10 ;;
-  *) echo "call number 1..5" >&2 ;;
+  6) vllm_env   # issue 5's sweep at 1B (~6 min: 3 engines x 4 prompts x 5 batches); 8B needs one call per mode
+     timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes triton,megakernel --outdir "$out" \
+       2>&1 | quiet 12 ;;
+  *) echo "call number 1..6" >&2 ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -1,6 +1,7 @@
 """Time between tokens (TBT) of stock vLLM vs the mk_plugin decode path, on the GPU host.
 
-Every (model, prompt length, mode) runs in its own child process with identical engine arguments
+Every (model, mode) runs in its own child process, all prompt lengths in one engine (max_model_len
+sized for the longest), with identical engine arguments
 (dummy weights from the config-only folders in bench/models, skip_tokenizer_init with token-id
 prompts, ignore_eos, greedy, disable_log_stats=False, CUDA graphs on). Modes: stock = vLLM without
 the plugin (VLLM_PLUGINS=""); triton / megakernel = the plugin with MK_MODE set; mk-stock = the
@@ -18,7 +19,11 @@ appended to bench/results/tbt.csv, child logs under bench/results/logs/.
     export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
     python bench/tbt.py --quick
     python bench/tbt.py --models llama-3.2-1b --prompts 512,2048 --batches 1,4,8 --modes triton,megakernel
+    python bench/tbt.py --sweep --models llama-3.2-1b   # batch 1,2,4,8,16 x prompt 128..8192: + TBT-vs-context plot
     python bench/tbt.py --dry-run        # no GPU: fake numbers, exercises the table/CSV/plot code
+
+With several prompt lengths a second plot, tbt_<date>_<commit>_vs_context.png, draws TBT against the
+context length per shape (a line per mode and batch).
 """
 from __future__ import annotations
 
@@ -57,12 +62,12 @@ def child_main(payload: dict[str, Any]) -> None:
     t0 = time.time()
     llm = LLM(**engine_args)
     startup_s = time.time() - t0
-    out_len, prompt = payload["output_len"], payload["prompt"]
+    out_len = payload["output_len"]
     sp = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0,
                         detokenize=False)
     rng = random.Random(payload["seed"])
     results: dict[str, Any] = {}
-    for b in payload["batches"]:
+    for prompt, b in ((p, b) for p in payload["prompts"] for b in payload["batches"]):
         runs_ms = []
         for run in range(payload["runs"] + 1):  # run 0 is the warm-up
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
@@ -76,10 +81,11 @@ def child_main(payload: dict[str, Any]) -> None:
                 tbts.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
             if run > 0:
                 runs_ms.append(common.median(tbts))
-        results[str(b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms)}
+        results[result_key(prompt, b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms)}
     if payload.get("profile_dir"):
-        # One extra, profiled run per batch after the timed ones (profiling slows the host; the
-        # table keeps the unprofiled TBTs). bench/host_gap.py reads the traces.
+        # One extra, profiled run per batch after the timed ones, at the first prompt length (profiling
+        # slows the host; the table keeps the unprofiled TBTs). bench/host_gap.py reads the traces.
+        prompt = payload["prompts"][0]
         for b in payload["batches"]:
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
             llm.start_profile(profile_prefix=f"{payload['profile_tag']}_b{b}")
@@ -93,6 +99,11 @@ def child_main(payload: dict[str, Any]) -> None:
     gc.collect()
 
 
+def result_key(prompt: int, batch: int) -> str:
+    """Key of one (prompt length, batch) result in a child's JSON."""
+    return f"p{prompt}_b{batch}"
+
+
 # ---- parent --------------------------------------------------------------------------------------------
 def floor_bytes(spec: Any, batch: int, prompt: int, output: int) -> int:
     """Bytes one decode step must read: every weight once (LM head included) + K/V of every request
@@ -100,16 +111,16 @@ def floor_bytes(spec: Any, batch: int, prompt: int, output: int) -> int:
     return spec.weight_bytes_per_step() + spec.kv_bytes_per_step([prompt + output // 2] * batch)
 
 
-def fake_child(mode: str, batches: list[int], spec: Any, prompt: int, output: int, runs_per: int = 1
+def fake_child(mode: str, batches: list[int], spec: Any, prompts: list[int], output: int, runs_per: int = 1
                ) -> dict[str, Any]:
     """--dry-run: plausible numbers without a GPU (checks the parent's tables, CSV and plot)."""
-    rnd = random.Random(f"{mode}-{prompt}-{spec.hidden_size}")
+    rnd = random.Random(f"{mode}-{prompts}-{spec.hidden_size}")
     speed = {"stock": 1.0, "mk-stock": 1.0, "triton": 1.3, "megakernel": 1.8}[mode]
     res = {}
-    for b in batches:
+    for prompt, b in ((p, b) for p in prompts for b in batches):
         floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
         runs = [floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random()) for _ in range(runs_per)]
-        res[str(b)] = {"runs_ms": runs, "tbt_ms": statistics.median(runs)}
+        res[result_key(prompt, b)] = {"runs_ms": runs, "tbt_ms": statistics.median(runs)}
     st = {"stock": {"class": "LlamaForCausalLM"}}.get(mode, {"class": "MkLlamaForCausalLM", "backend": mode,
                                                            "counts": {"decode:1": 1}, "unsupported": None})
     return {"results": res, "status": [st], "gpu": "dry-run", "startup_s": 0.0}
@@ -125,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}")
     p.add_argument("--runs", type=int, default=5, help="measured runs after one warm-up run")
     p.add_argument("--quick", action="store_true", help="1B, prompt 512, batches 1,8, 2 runs, mode triton")
+    p.add_argument("--sweep", action="store_true",
+                   help="issue 5's sweep: batches 1,2,4,8,16 x prompts 128,512,2048,8192, 2 runs (models and modes "
+                        "as given)")
     p.add_argument("--runner", choices=common.RUNNERS, default="default", help="vLLM model runner (default: V2)")
     p.add_argument("--eager", action="store_true", help="enforce_eager=True (default: CUDA graphs)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
@@ -145,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if a.quick:
         a.models, a.prompts, a.batches, a.runs, a.modes = "llama-3.2-1b", "512", "1,8", 2, "triton"
+    if a.sweep:
+        a.prompts, a.batches, a.runs = "128,512,2048,8192", "1,2,4,8,16", 2
     a.model_list = [m for m in a.models.split(",") if m]
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
@@ -220,6 +236,40 @@ def plot(rows: list[dict[str, Any]], modes: list[str], path: Path) -> str | None
     return None
 
 
+def plot_vs_context(rows: list[dict[str, Any]], modes: list[str], path: Path) -> str | None:
+    """TBT against the prompt length, one panel per shape, a line per (mode, batch): colour = mode,
+    marker = batch; the HBM floor of each batch dashed in grey."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable: plot skipped"
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    markers = "os^Dv<>p*h"
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.8), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for k, m in enumerate(["stock"] + modes):
+            for j, b in enumerate(batches):
+                rs = sorted((r for r in rows if r["shape"] == shape and r["batch"] == b and m in r["tbt"]),
+                            key=lambda r: r["prompt"])
+                if rs:
+                    ax.plot([r["prompt"] for r in rs], [r["tbt"][m] for r in rs], color=f"C{k}",
+                            marker=markers[j % len(markers)], label=f"{m} B{b}", lw=1.2, ms=4)
+        for b in batches:
+            rs = sorted((r for r in rows if r["shape"] == shape and r["batch"] == b), key=lambda r: r["prompt"])
+            ax.plot([r["prompt"] for r in rs], [r["floor_ms"] for r in rs], color="0.6", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (context at the first decode step)")
+        ax.set_ylabel("TBT ms")
+        ax.set_title(f"{shape} (grey dashed: HBM floor per batch)")
+        ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.child:
@@ -242,57 +292,66 @@ def main(argv: list[str] | None = None) -> int:
     for model in a.model_list:
         mdir = common.model_dir(model)
         spec = LlamaSpec.from_json_file(mdir)
+        mml = common.max_model_len_for(max(a.prompt_list), a.output_len)
         for prompt in a.prompt_list:
-            mml = common.max_model_len_for(prompt, a.output_len)
             for b in a.batch_list:
                 fb = floor_bytes(spec, b, prompt, a.output_len)
                 rows[(mdir.name, prompt, b)] = {"shape": mdir.name, "batch": b, "prompt": prompt, "bytes": fb,
                                                 "floor_ms": fb / common.HBM_BYTES_PER_S * 1e3, "tbt": {}}
-            for mode in ["stock"] + a.mode_list:
-                payload = {"model_dir": str(mdir), "prompt": prompt, "output_len": a.output_len,
-                           "batches": a.batch_list, "runs": a.runs, "gpu_mem": a.gpu_mem, "max_model_len": mml,
-                           "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
-                if a.profile:
-                    payload["profile_dir"] = str((a.outdir / "profiles").resolve())
-                    payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}"
-                label = f"{mdir.name} prompt {prompt} {mode}"
-                print(f"[tbt] {label} ...", flush=True)
-                log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_p{prompt}_{mode}.log"
-                try:
-                    if a.dry_run:
-                        res = fake_child(mode, a.batch_list, spec, prompt, a.output_len, a.runs)
-                    else:
-                        res = common.run_child(Path(__file__), payload, common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict),
-                                               log, a.timeout)
-                except common.ChildFailed as e:
-                    failed = True
-                    notes.append(f"- {label}: FAILED (log: {log})")
-                    print(e, file=sys.stderr)
-                    continue
-                if meta["gpu"] == "unknown":
-                    meta["gpu"] = res.get("gpu", "unknown")
-                check = common.path_check(mode, res["status"])
-                for msg in (res["status"][0].get("logged") or {}).values() if res["status"] else []:
-                    print(f"[tbt]   worker: mk_plugin: {msg}")
-                if check != "ok":
-                    notes.append(f"- {label}: {check}")
-                    print(f"[tbt] WARNING {label}: {check}", flush=True)
-                csv_rows = []
+        ptag = "p" + "-".join(str(x) for x in a.prompt_list)
+        for mode in ["stock"] + a.mode_list:
+            payload = {"model_dir": str(mdir), "prompts": a.prompt_list, "output_len": a.output_len,
+                       "batches": a.batch_list, "runs": a.runs, "gpu_mem": a.gpu_mem, "max_model_len": mml,
+                       "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
+            if a.profile:
+                payload["profile_dir"] = str((a.outdir / "profiles").resolve())
+                payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{a.prompt_list[0]}_{mode}"
+            label = f"{mdir.name} prompts {','.join(map(str, a.prompt_list))} {mode}"
+            print(f"[tbt] {label} ...", flush=True)
+            log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_{ptag}_{mode}.log"
+            try:
+                if a.dry_run:
+                    res = fake_child(mode, a.batch_list, spec, a.prompt_list, a.output_len, a.runs)
+                else:
+                    res = common.run_child(Path(__file__), payload,
+                                           common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict),
+                                           log, a.timeout)
+            except common.ChildFailed as e:
+                failed = True
+                notes.append(f"- {label}: FAILED (log: {log})")
+                print(e, file=sys.stderr)
+                continue
+            if meta["gpu"] == "unknown":
+                meta["gpu"] = res.get("gpu", "unknown")
+            check = common.path_check(mode, res["status"])
+            for msg in (res["status"][0].get("logged") or {}).values() if res["status"] else []:
+                print(f"[tbt]   worker: mk_plugin: {msg}")
+            if check != "ok":
+                notes.append(f"- {label}: {check}")
+                print(f"[tbt] WARNING {label}: {check}", flush=True)
+            csv_rows = []
+            for prompt in a.prompt_list:
                 for b in a.batch_list:
-                    ms = res["results"][str(b)]["tbt_ms"]
+                    got = res["results"][result_key(prompt, b)]
+                    ms = got["tbt_ms"]
                     r = rows[(mdir.name, prompt, b)]
                     r["tbt"][mode] = ms
-                    r.setdefault("runs", {})[mode] = list(res["results"][str(b)]["runs_ms"])
+                    r.setdefault("runs", {})[mode] = list(got["runs_ms"])
                     csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
-                    print(f"[tbt]   batch {b}: {ms:.3f} ms  runs {[f'{x:.3f}' for x in res['results'][str(b)]['runs_ms']]}")
-                common.append_csv(csv_path, CSV_HEADER, csv_rows)
-                md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))  # partial results survive
+                    print(f"[tbt]   prompt {prompt} batch {b}: {ms:.3f} ms  runs "
+                          f"{[f'{x:.3f}' for x in got['runs_ms']]}")
+            common.append_csv(csv_path, CSV_HEADER, csv_rows)
+            md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))  # partial results survive
     md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))
     print(md_path.read_text())
     if any(r["tbt"] for r in rows.values()):
         msg = plot(list(rows.values()), a.mode_list, png_path)
         print(msg or f"plot: {png_path}")
+        if len(a.prompt_list) > 1:
+            ctx_path = a.outdir / f"tbt_{stamp}_vs_context.png"
+            msg = plot_vs_context(list(rows.values()), a.mode_list, ctx_path)
+            print(msg or f"plot: {ctx_path}")
     print(f"table: {md_path}\ncsv: {csv_path}")
     return 1 if failed else 0
 

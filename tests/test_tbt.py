@@ -31,3 +31,21 @@ def test_dry_run_writes_table_spread_and_csv(tmp_path):
     rows = list(csv.DictReader(next(tmp_path.glob("tbt*.csv")).read_text().splitlines()))
     assert {r["mode"] for r in rows} == {"stock", "triton", "megakernel"} and len(rows) == 6
     assert all(float(r["tbt_ms"]) > 0 for r in rows)
+
+
+def test_sweep_runs_every_prompt_in_one_engine_per_mode_and_plots_vs_context(tmp_path, monkeypatch):
+    calls = []
+    real = tbt.fake_child
+
+    def spy(mode, batches, spec, prompts, output, runs_per=1):
+        calls.append((mode, tuple(prompts), tuple(batches)))
+        return real(mode, batches, spec, prompts, output, runs_per)
+
+    monkeypatch.setattr(tbt, "fake_child", spy)
+    assert tbt.main(["--dry-run", "--sweep", "--models", "llama-3.2-1b-1layer", "--outdir", str(tmp_path)]) == 0
+    prompts, batches = (128, 512, 2048, 8192), (1, 2, 4, 8, 16)
+    assert calls == [(m, prompts, batches) for m in ("stock", "triton", "megakernel")]
+    rows = list(csv.DictReader(next(tmp_path.glob("tbt*.csv")).read_text().splitlines()))
+    assert len(rows) == 3 * len(prompts) * len(batches)
+    assert {(int(r["prompt"]), int(r["batch"])) for r in rows} == {(p, b) for p in prompts for b in batches}
+    assert next(tmp_path.glob("tbt_*_vs_context.png")).stat().st_size > 0
