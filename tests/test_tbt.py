@@ -49,3 +49,42 @@ def test_sweep_runs_every_prompt_in_one_engine_per_mode_and_plots_vs_context(tmp
     assert len(rows) == 3 * len(prompts) * len(batches)
     assert {(int(r["prompt"]), int(r["batch"])) for r in rows} == {(p, b) for p in prompts for b in batches}
     assert next(tmp_path.glob("tbt_*_vs_context.png")).stat().st_size > 0
+
+
+def test_child_measures_every_prompt_and_batch_in_one_engine(monkeypatch, capsys):
+    """child_main against a fake vllm.LLM: one engine, (runs + 1) generate calls per (prompt, batch),
+    prompts of the right length, TBT from the request metrics, results under result_key."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    import vllm
+
+    made, calls = [], []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            calls.append((len(prompts), {len(p["prompt_token_ids"]) for p in prompts}))
+            n = sp.max_tokens
+            m = SimpleNamespace(first_token_ts=1.0, last_token_ts=1.0 + 0.002 * (n - 1))  # 2 ms per token
+            return [SimpleNamespace(request_id=str(i), metrics=m, outputs=[SimpleNamespace(token_ids=[0] * n)])
+                    for i in range(len(prompts))]
+
+        def apply_model(self, fn):
+            return [{"class": "LlamaForCausalLM"}]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    payload = {"model_dir": str(tbt.common.model_dir("llama-3.2-1b-1layer")), "prompts": [7, 20], "output_len": 5,
+               "batches": [1, 3], "runs": 2, "gpu_mem": 0.5, "max_model_len": 64, "enforce_eager": False,
+               "max_num_seqs": None, "seed": 0}
+    tbt.child_main(payload)
+    out = capsys.readouterr().out
+    res = json.loads(out.split(tbt.common.RESULT_MARK)[1])
+    assert len(made) == 1 and made[0]["max_model_len"] == 64
+    assert calls == [(b, {p}) for p in (7, 20) for b in (1, 3) for _ in range(3)]
+    assert set(res["results"]) == {tbt.result_key(p, b) for p in (7, 20) for b in (1, 3)}
+    assert all(abs(r["tbt_ms"] - 2.0) < 1e-9 and len(r["runs_ms"]) == 2 for r in res["results"].values())
