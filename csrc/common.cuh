@@ -26,17 +26,17 @@
 #ifndef MK_SETMAXNREG
 #define MK_SETMAXNREG 0
 #endif
-
-// Rounding points (encoding.Rounding, mirrored by vm.py): 0 = FUSED (the GPU-measured kernel,
-// one rounding per fused op), 1 = STOCK (also round where vLLM's unfused ops store).
-#ifndef MK_ROUNDING
-#define MK_ROUNDING 0
-#endif
 #ifndef MK_CONSUMER_REGS
 #define MK_CONSUMER_REGS 224
 #endif
 #ifndef MK_PRODUCER_REGS
 #define MK_PRODUCER_REGS 56
+#endif
+
+// Rounding points (encoding.Rounding, mirrored by vm.py): 0 = FUSED (the GPU-measured kernel,
+// one rounding per fused op), 1 = STOCK (also round where vLLM's unfused ops store).
+#ifndef MK_ROUNDING
+#define MK_ROUNDING 0
 #endif
 
 namespace mk {
