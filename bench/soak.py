@@ -282,7 +282,7 @@ def status_line(name: str, r: dict[str, Any]) -> str:
     """What the engine's workers ran (common.worker_status): for the plugin, how many decode steps took
     the mk path per batch size and how many forward calls ran stock (prefill, mixed batches)."""
     st = (r.get("status") or [{}])[0]
-    keys = ("class", "backend", "unsupported", "hang", "counts", "error")
+    keys = ("class", "backend", "rounding", "unsupported", "hang", "counts", "error")
     return f"- {name}: " + ", ".join(f"{k} {st[k]}" for k in keys if st.get(k) is not None)
 
 

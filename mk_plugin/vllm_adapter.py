@@ -471,6 +471,8 @@ class MkDecodeMixin:
             "unsupported": self._mk_unsupported,
             "hang": None if self._mk_hang is None else str(self._mk_hang),
             "max_tokens": None if st is None else st.max_tokens,
+            # the megakernel's rounding points as built (MK_ROUNDING), so records show what ran
+            "rounding": None if st is None or st.backend != "megakernel" else st.decoder.rounding.name.lower(),
             "counts": dict(self._mk_counts), "logged": dict(self._mk_log.seen),
         }
 

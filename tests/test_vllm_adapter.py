@@ -448,6 +448,7 @@ def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
     assert model._mk_state.backend == "megakernel" and model._mk_state.workspace is None
     dec = model._mk_state.decoder
     assert isinstance(dec, MegakernelDecoder) and dec.rounding == Rounding[rounding.upper()]
+    assert model.mk_status()["rounding"] == rounding
     b = make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1)
     caches_ref = b.clone_caches()
     bind_kv(model, b.kv_caches)
