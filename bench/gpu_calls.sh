@@ -27,7 +27,8 @@ case $n in
      for d in "" "--define MK_L2_PREFETCH=8"; do   # default and variant, same call: per-op tables + records
        timeout 120 python3 bench/mk_step.py --batch 1 --lm-head --no-triton --trace --records-dir "$out" $d 2>&1 \
          | tail -16; done ;;
-  2) for d in "" "--define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1"; do
+  2) timeout 200 python3 bench/gpu_vs_vm.py --outdir "$out" 2>&1 | tail -20   # is the VM a faithful model?
+     for d in "" "--define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1"; do
        timeout 120 python3 bench/mk_step.py --batch 8 --lm-head --no-triton --trace --records-dir "$out" $d 2>&1 \
          | tail -16; done ;;
   3) vllm_env
