@@ -3,6 +3,7 @@ vLLM version), one vLLM engine per child process with the env of a mode, result 
 to parent, CSV/markdown writing. Importing this module imports neither torch nor vLLM."""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -190,11 +191,29 @@ def make_plugin_shim(where: Path) -> Path:
     return d
 
 
-def add_mk_env_arg(p: Any) -> None:
+class _MkEnvAction(argparse.Action):
+    """Accumulates --mk-env items into a checked dict (parse_mk_env); a bad item is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
+                 option_string: str | None = None) -> None:
+        try:  # checked together with the earlier items: config validation sees the whole set
+            env = parse_mk_env([*(f"{k}={v}" for k, v in getattr(ns, self.dest).items()), value])
+        except ValueError as e:
+            parser.error(str(e))
+        setattr(ns, self.dest, env)
+
+
+def add_mk_env_arg(p: argparse.ArgumentParser) -> None:
     """--mk-env NAME=VALUE (repeatable): MK_* switches for the plugin children only (stock runs
-    without the plugin), e.g. --mk-env MK_ROUNDING=stock."""
-    p.add_argument("--mk-env", action="append", default=[], metavar="MK_NAME=VALUE",
+    without the plugin), e.g. --mk-env MK_ROUNDING=stock. Parsed and checked while the command line
+    is read: args.mk_env is the dict child_env(mk_env=...) takes."""
+    p.add_argument("--mk-env", action=_MkEnvAction, default={}, metavar="MK_NAME=VALUE",
                    help="an MK_* switch for the plugin runs (repeatable), e.g. MK_ROUNDING=stock")
+
+
+def mk_env_text(env: dict[str, str]) -> str:
+    """The --mk-env settings as written on the command line (for record headers)."""
+    return " ".join(f"{k}={v}" for k, v in env.items())
 
 
 def parse_mk_env(items: Sequence[str]) -> dict[str, str]:

@@ -462,10 +462,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_mk_env_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    try:
-        a.mk_env_dict = common.parse_mk_env(a.mk_env)
-    except ValueError as e:
-        p.error(str(e))
     if not (1 <= a.min_prompt <= a.max_prompt and 1 <= a.min_out <= a.max_out and a.requests >= 1):
         p.error("need 1 <= --min-prompt <= --max-prompt, 1 <= --min-out <= --max-out and --requests >= 1")
     if a.mean_gap < 0 or a.sample_every < 1 or not 1 <= a.max_num_seqs or a.control_max_num_seqs < 0:
@@ -496,7 +492,7 @@ def run_engines(a: argparse.Namespace, payload: dict[str, Any], tag: str, work: 
         print(f"[soak] {name} ... (log {log})", flush=True)
         try:
             results[name] = common.run_child(Path(__file__), {**pl, "out_json": str(work / f"{name}.json")},
-                                             common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict), log,
+                                             common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env), log,
                                              a.timeout)
         except common.ChildFailed as e:
             print(e, file=sys.stderr)

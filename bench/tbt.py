@@ -153,10 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_mk_env_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    try:
-        a.mk_env_dict = common.parse_mk_env(a.mk_env)
-    except ValueError as e:
-        p.error(str(e))
     if a.quick:
         a.models, a.prompts, a.batches, a.runs, a.modes = "llama-3.2-1b", "512", "1,8", 2, "triton"
     if a.sweep:
@@ -279,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shim = None if a.dry_run else common.ensure_plugin_visible()
     meta = {"date": common.today(), "gpu": "dry-run" if a.dry_run else common.gpu_name(),
-            "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner + (f" (plugin env {' '.join(a.mk_env)})" if a.mk_env else ""),
+            "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner + (f" (plugin env {common.mk_env_text(a.mk_env)})" if a.mk_env else ""),
             "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
     a.outdir.mkdir(parents=True, exist_ok=True)
     # The commit in every file name: two runs on one day must not overwrite each other's records.
@@ -314,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     res = fake_child(mode, a.batch_list, spec, a.prompt_list, a.output_len, a.runs)
                 else:
                     res = common.run_child(Path(__file__), payload,
-                                           common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env_dict),
+                                           common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env),
                                            log, a.timeout)
             except common.ChildFailed as e:
                 failed = True

@@ -220,7 +220,7 @@ def run_pair(label: str, payload: dict[str, Any], modes: tuple[str, str], a: arg
         try:
             res.append(common.run_child(Path(__file__), payload,
                                         common.child_env(mode, a.runner, extra=(extra or {}).get(mode), shim=shim,
-                                                         mk_env=a.mk_env_dict),
+                                                         mk_env=a.mk_env),
                                         log, a.timeout))
         except common.ChildFailed as e:
             print(e, file=sys.stderr)
@@ -326,10 +326,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_mk_env_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    try:
-        a.mk_env_dict = common.parse_mk_env(a.mk_env)
-    except ValueError as e:
-        p.error(str(e))
     a.part_list = [x for x in a.parts.split(",") if x]
     if set(a.part_list) - {"a", "b"}:
         p.error("--parts takes a, b or a,b")
@@ -365,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     table = common.markdown_table(header, rows)
     text = (f"# vLLM correctness: stock vs MK_MODE={a.mode} ({common.today()})\n\nGPU {common.gpu_name()}, "
             f"commit {common.git_commit()}, vLLM {common.vllm_version()}, runner {a.runner}"
-            f"{', plugin env ' + ' '.join(a.mk_env) if a.mk_env else ''}\n"
+            f"{', plugin env ' + common.mk_env_text(a.mk_env) if a.mk_env else ''}\n"
             f"(a) {'/'.join(a.a_weight_list)} weights, teacher-forced, eager, batch 1: pass = cosine >= {MIN_COSINE} "
             f"every step and top-1 (ties included) >= {MIN_TOP1:.0%}\n(b) seeded N(0, 0.02) weights, greedy, "
             f"{'eager' if a.eager_b else 'CUDA graphs'}: pass = identical for {a.min_identical} steps, or the first "

@@ -378,4 +378,5 @@ def test_mk_env_reaches_plugin_children_only_and_is_checked_early() -> None:
             common.parse_mk_env([bad])
     with pytest.raises(SystemExit):
         soak.parse_args(["--mk-env", "MK_ROUNDING=exact"])
-    assert soak.parse_args(["--mk-env", "MK_ROUNDING=stock"]).mk_env_dict == env
+    assert soak.parse_args(["--mk-env", "MK_ROUNDING=stock"]).mk_env == env
+    assert soak.parse_args([]).mk_env == {}
