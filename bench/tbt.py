@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,7 +119,7 @@ def fake_child(mode: str, batches: list[int], spec: Any, prompts: list[int], out
     for prompt, b in ((p, b) for p in prompts for b in batches):
         floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
         runs = [floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random()) for _ in range(runs_per)]
-        res[result_key(prompt, b)] = {"runs_ms": runs, "tbt_ms": statistics.median(runs)}
+        res[result_key(prompt, b)] = {"runs_ms": runs, "tbt_ms": common.median(runs)}
     st = {"stock": {"class": "LlamaForCausalLM"}}.get(mode, {"class": "MkLlamaForCausalLM", "backend": mode,
                                                            "counts": {"decode:1": 1}, "unsupported": None})
     return {"results": res, "status": [st], "gpu": "dry-run", "startup_s": 0.0}
