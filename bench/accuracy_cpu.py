@@ -232,15 +232,11 @@ def run_case(c: Case, spec: LlamaSpec, w: ModelWeights, w32: ModelWeights, progr
         hn = step_emulated(kind, spec, w32, c.ids, c.positions, [x.clone() for x in c.caches], c.block_table,
                            c.seq_lens, c.slots, cs.float())
         out[kind], hid[kind], secs[kind] = (hn @ w32.lm_head.t())[0], hn[0], time.time() - t
-    t = time.time()
-    st = step_vm(program, w32, w.embed[c.ids].to(BF16), c.positions, [x.clone() for x in c.caches], c.block_table,
-                 c.seq_lens, c.slots, cs)
-    out["vm"], hid["vm"], secs["vm"] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float(), time.time() - t
-    t = time.time()
-    st = step_vm(program, w32, w.embed[c.ids].to(BF16), c.positions, [x.clone() for x in c.caches], c.block_table,
-                 c.seq_lens, c.slots, cs, rounding=Rounding.STOCK)
-    out["vm_stock"], hid["vm_stock"] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float()
-    secs["vm_stock"] = time.time() - t
+    for name, rounding in (("vm", Rounding.FUSED), ("vm_stock", Rounding.STOCK)):
+        t = time.time()
+        st = step_vm(program, w32, w.embed[c.ids].to(BF16), c.positions, [x.clone() for x in c.caches],
+                     c.block_table, c.seq_lens, c.slots, cs, rounding=rounding)
+        out[name], hid[name], secs[name] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float(), time.time() - t
     return {"logits": out, "hidden": hid, "secs": secs}
 
 

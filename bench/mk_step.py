@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py (git_commit: .commit when newer than HEAD)
 
 from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
@@ -24,13 +26,6 @@ from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
 PEAK_BPS = 4.8e12
-
-
-def _commit() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import common  # bench/common.py: .commit when newer than the checkout's HEAD
-
-    return common.git_commit()
 
 
 def time_graph(fn, reps: int) -> float:
@@ -92,7 +87,7 @@ def main() -> None:
                   + mktrace.op_table_markdown(mktrace.op_table(recs)))
             if args.records_dir is not None:
                 tag = "_".join(d[2:].replace("=", "") for d in defines) or "default"
-                meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=_commit(),
+                meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),
                                             gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
                 path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json"
                 print(f"records: {mktrace.save_records(path, recs, meta)}")
