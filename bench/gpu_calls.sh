@@ -5,11 +5,12 @@
 #   call 1: carry .commit .gpuhost/part.0   bash bench/gpu_calls.sh 1 $OUT
 #   call 2: carry .commit .gpuhost/part.1   bash bench/gpu_calls.sh 2 $OUT
 #   call 3: carry .commit .gpuhost/part.2 .gpuhost/unpack.sh   bash bench/gpu_calls.sh 3 $OUT
-#   call 4, 5, 6: carry .commit             bash bench/gpu_calls.sh 4 $OUT
+#   call 4, 5, 6, 7: carry .commit          bash bench/gpu_calls.sh 4 $OUT
+#   (call 7, the autotuner, needs no vLLM: it can run first, right after call 1)
 # Each call copies its bundle part to /root/parts first (the bundle is needed from call 3 on) and
 # tees its output into $out/gpu_call_<n>_<date>_<commit>.log (mk_step prints only: the log is its record).
 set -uo pipefail
-n=${1:?call number 1..6}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
+n=${1:?call number 1..7}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
 for p in .gpuhost/part.*; do [ -f "$p" ] && cp "$p" /root/parts/; done
 vllm_env() {
   [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
@@ -47,6 +48,12 @@ case $n in
   6) vllm_env   # issue 5's sweep at 1B (~6 min: 3 engines x 4 prompts x 5 batches); 8B needs one call per mode
      timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes triton,megakernel --outdir "$out" \
        2>&1 | quiet 12 ;;
-  *) echo "call number 1..6" >&2 ;;
+  7) # issue 5's autotuner at 1B (~4 min): winners to $out/megakernel_nvidia_h200.json (commit it as
+     # mk_plugin/persistent/tuned/), then the step A/B: the built-in split vs the tuned one
+     timeout 400 python3 bench/autotune.py --models 1b --batch 1 8 --lm-head both --rounds 1 \
+       --cache "$out/megakernel_nvidia_h200.json" --outdir "$out" 2>&1 | grep -v "^  " | tail -14
+     for tun in off "$out/megakernel_nvidia_h200.json"; do
+       MK_TUNING=$tun timeout 90 python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton 2>&1 | tail -4; done ;;
+  *) echo "call number 1..7" >&2 ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -102,6 +102,8 @@ def main() -> None:
             rows.append(("triton", bsz, t_tr, (tw + kvbytes) / (t_tr * 1e-6)))
     print(f"\n{spec.name}: {spec.num_layers} layers, ctx {args.ctx}, lm_head in megakernel: {args.lm_head}, "
           f"{dec.num_sms} SMs, defines {list(defines) or 'none'}")
+    for bsz in args.batch:
+        print(f"tuning, batch {bsz}: {dec.tuning_source[bsz]}")
     print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
     for name, bsz, t, bps in rows:
         print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%")

@@ -18,6 +18,10 @@ MK_ROUNDING  fused | stock (default fused)  the megakernel's rounding points (pe
                                            Rounding): fused rounds once per fused op (the GPU-measured
                                            kernel); stock also rounds where vLLM's unfused ops store,
                                            to agree more often with stock vLLM at bf16 near ties
+MK_TUNING    auto | off | <file.json>      the megakernel's task sizes (persistent.tuning): auto uses
+             (default auto)                the winners bench/autotune.py measured for this GPU (user
+                                           cache, then the packaged table), off the built-in split,
+                                           a path only that table
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ DEFAULT_MODE = "triton"
 DEFAULT_WATCHDOG_MS = 2000
 ROUNDINGS = ("fused", "stock")   # = persistent.encoding.Rounding names (config must not import torch)
 DEFAULT_ROUNDING = "fused"
+DEFAULT_TUNING = "auto"
 WATCHDOG_MS_MAX = 600_000  # = persistent.encoding.WATCHDOG_MS_MAX (config must not import torch)
 
 
@@ -58,6 +63,13 @@ def _millis(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}={v!r} is not an integer number of milliseconds") from None
 
 
+def _tuning(env: Mapping[str, str]) -> str:
+    v = env.get("MK_TUNING", "").strip()
+    if not v:
+        return DEFAULT_TUNING
+    return v.lower() if v.lower() in ("auto", "off") else v   # a path keeps its case
+
+
 @dataclass(frozen=True)
 class MkConfig:
     mode: str = DEFAULT_MODE
@@ -68,8 +80,12 @@ class MkConfig:
     force_tokens: str | None = None
     watchdog_ms: int = DEFAULT_WATCHDOG_MS
     rounding: str = DEFAULT_ROUNDING
+    tuning: str = DEFAULT_TUNING
 
     def __post_init__(self) -> None:
+        if self.tuning not in ("auto", "off") and not os.path.isfile(self.tuning):
+            raise ConfigError(f"MK_TUNING={self.tuning!r} is neither auto, off nor an existing tuning table file "
+                              "(bench/autotune.py writes one)")
         if self.rounding not in ROUNDINGS:
             raise ConfigError(f"MK_ROUNDING={self.rounding!r} is not supported; choose one of {', '.join(ROUNDINGS)}")
         if isinstance(self.watchdog_ms, bool) or not isinstance(self.watchdog_ms, int) \
@@ -93,7 +109,8 @@ class MkConfig:
                    dump_logits=env.get("MK_DUMP_LOGITS", "").strip() or None,
                    force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None,
                    watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS),
-                   rounding=env.get("MK_ROUNDING", DEFAULT_ROUNDING).strip().lower() or DEFAULT_ROUNDING)
+                   rounding=env.get("MK_ROUNDING", DEFAULT_ROUNDING).strip().lower() or DEFAULT_ROUNDING,
+                   tuning=_tuning(env))
 
 
 def get_config() -> MkConfig:

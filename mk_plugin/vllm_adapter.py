@@ -381,7 +381,7 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
             from .persistent.encoding import Rounding, rounding_define
 
             mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
-                                   watchdog_ms=cfg.watchdog_ms,
+                                   watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
                                    defines=(rounding_define(Rounding[cfg.rounding.upper()]),))
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
             decoder, backend = mk, "megakernel"
@@ -473,6 +473,8 @@ class MkDecodeMixin:
             "max_tokens": None if st is None else st.max_tokens,
             # the megakernel's rounding points as built (MK_ROUNDING), so records show what ran
             "rounding": None if st is None or st.backend != "megakernel" else st.decoder.rounding.name.lower(),
+            # per padded batch size: the task split used (MK_TUNING) and where it came from
+            "tuning": None if st is None or st.backend != "megakernel" else dict(st.decoder.tuning_source),
             "counts": dict(self._mk_counts), "logged": dict(self._mk_log.seen),
         }
 

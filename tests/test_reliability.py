@@ -27,6 +27,7 @@ from mk_plugin.persistent.backend import (
 )
 from mk_plugin.persistent.errors import MegakernelHang, ProgramMismatch
 from mk_plugin.persistent.schedule import build_program
+from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import assert_matches, make_decode_batch
 from mk_plugin.weights import random_weights
@@ -202,9 +203,15 @@ def test_program_mismatch_lists_every_mismatch():
         dec.install_program(stale)
     dec.install_program(good)  # a matching program is accepted
 
+    # a program cut into more KV chunks than the decoder's partial buffers hold is refused
+    more = build_program(spec, 2, 5, lm_head=True, tuning=ScheduleTuning(attn_chunks=dec.attn_chunks(2) + 3))
+    with pytest.raises(ProgramMismatch, match=f"attention chunks .*program {dec.attn_chunks(2) + 3}, decoder "
+                                              f"{dec.attn_chunks(2)}"):
+        dec.install_program(more)
+
     # the live device's limits (CUDA decoders pass them): all reported in one error
     meta = program_meta(build_program(spec, 2, 132, lm_head=True))
-    want = replace(dec.expected_meta(2), num_sms=132, source_hash="0" * 16)
+    want = replace(dec.expected_meta(2), num_sms=132, source_hash="0" * 16, attn_chunks=meta.attn_chunks)
     bad = meta_mismatches(meta, want, device_sms=114, device_smem=166912)
     assert len(bad) == 3 and any("kernel source hash" in m for m in bad)
     assert any("exceeds the device's 114 SMs" in m for m in bad)

@@ -460,6 +460,31 @@ def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
     assert mk_log.warnings() == [] and model.mk_status()["counts"].get("decode:3") == 1
 
 
+def test_megakernel_uses_the_tuning_table_mk_tuning_names(monkeypatch, mk_log, tmp_path):
+    from mk_plugin.persistent import tuning as tn
+
+    t = tn.ScheduleTuning((("gate_up", 2.0), ("o_proj", 0.5)), attn_chunks=3)
+    key = tn.spec_tuning_key(SPEC, 3, 132, False)   # a CPU decoder models 132 SMs; vLLM's LM head
+    table = tn.TuningTable("cpu", [tn.TuningEntry(key, t, 80.0, 100.0)]).save(tmp_path / "tuned.json")
+    monkeypatch.setenv("MK_TUNING", str(table))
+    model, w = make_model(monkeypatch, "megakernel")
+    profile_run(model)
+    dec = model._mk_state.decoder
+    src = model.mk_status()["tuning"]
+    assert dec.tunings[3] == t and str(table) in src[3] and "80.0 vs 100.0 us" in src[3]
+    assert dec.tunings[2] == tn.ScheduleTuning((("gate_up", 2.0), ("o_proj", 0.5))) and "batch 3's" in src[2]
+    b = make_decode_batch(SPEC, [37, 5, 19], block_size=16, seed=4)
+    caches_ref = b.clone_caches()
+    bind_kv(model, b.kv_caches)
+    with fwd_ctx(fa_md(b)):
+        out = model(b.input_ids, b.positions)
+    exp, _ = ref.decode_step(SPEC, w, b.input_ids, b.positions, caches_ref, b.block_table, b.seq_lens,
+                             b.slot_mapping, ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype))
+    assert dec.program(3).tuning == t and dec.program(3).attn_chunks == 3
+    assert_matches(out, exp, SPEC.torch_dtype, "step")
+    assert mk_log.warnings() == []
+
+
 def test_debug_dump_and_force_tokens(monkeypatch, tmp_path):
     seq = list(range(100, 160))
     (tmp_path / "force.json").write_text(json.dumps(seq))

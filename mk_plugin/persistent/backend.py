@@ -65,6 +65,7 @@ from .errors import MegakernelHang, ProgramMismatch
 from .graph import FusedOp, residual_source
 from .schedule import FallbackStep, Program, Segment, build_program
 from .tasks import attention_chunks
+from .tuning import DEFAULT_TUNING, ScheduleTuning, resolve, spec_tuning_key
 
 EXECUTORS = ("cuda", "vm")
 ON_HANG = ("raise", "fallback")
@@ -84,6 +85,7 @@ class ProgramMeta:
     source_hash: str        # runtime.source_hash(): the kernel text the layout belongs to
     lm_head: bool
     fallback: frozenset[str]
+    attn_chunks: int = 0    # KV chunks per (request, kv head): sizes the partial-attention buffers
 
 
 def program_meta(program: Program, source: str | None = None) -> ProgramMeta:
@@ -94,7 +96,8 @@ def program_meta(program: Program, source: str | None = None) -> ProgramMeta:
 
     p = program
     hdrs = [{k: int(seg.encoded[i]) for k, i in H.items()} for seg in p.segments]  # raw words: no decode checks
-    vals: dict[str, set[int]] = {k: {h[k] for h in hdrs} for k in ("version", "spec_hash", "batch", "num_queues")}
+    vals: dict[str, set[int]] = {k: {h[k] for h in hdrs}
+                                 for k in ("version", "spec_hash", "batch", "num_queues", "attn_chunks")}
     bad = [f"segments disagree on {k}: {sorted(v)}" for k, v in vals.items() if len(v) > 1]
     bad += [f"segment {i} is not a megakernel program (magic {h['magic']:#x})" for i, h in enumerate(hdrs)
             if h["magic"] != MAGIC]
@@ -107,7 +110,8 @@ def program_meta(program: Program, source: str | None = None) -> ProgramMeta:
     return ProgramMeta(spec_hash=one("spec_hash", spec_hash(p.spec)), spec_name=p.spec.name, batch=one("batch", p.batch),
                        num_sms=one("num_queues", p.num_sms), smem_bytes=LAYOUT.smem_bytes,
                        encoding_version=one("version", VERSION), source_hash=source or source_hash(),
-                       lm_head=p.lm_head, fallback=frozenset(p.fallback))
+                       lm_head=p.lm_head, fallback=frozenset(p.fallback),
+                       attn_chunks=one("attn_chunks", p.attn_chunks))
 
 
 def meta_mismatches(meta: ProgramMeta, want: ProgramMeta, *, device_sms: int | None = None,
@@ -121,7 +125,8 @@ def meta_mismatches(meta: ProgramMeta, want: ProgramMeta, *, device_sms: int | N
                    f"runs {want.spec_name!r} (hash {want.spec_hash:#x})")
     for f, label in (("batch", "batch size"), ("num_sms", "SM count (grid)"), ("smem_bytes", "shared memory bytes"),
                      ("encoding_version", "encoding version"), ("source_hash", "kernel source hash"),
-                     ("lm_head", "lm_head"), ("fallback", "fallback ops")):
+                     ("lm_head", "lm_head"), ("fallback", "fallback ops"),
+                     ("attn_chunks", "attention chunks (partial buffers are sized for the decoder's)")):
         a, b = getattr(meta, f), getattr(want, f)
         if a != b:
             if isinstance(a, frozenset):
@@ -179,7 +184,10 @@ class MegakernelDecoder:
     def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
                  fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
                  executor: str | None = None, trace: bool | None = None, watchdog_ms: int | None = None,
-                 defines: tuple[str, ...] = ()):
+                 defines: tuple[str, ...] = (), tuning: str | dict[int, ScheduleTuning] | None = None):
+        """tuning: per padded batch size, how the step is cut into tasks (persistent.tuning). A dict
+        {batch: ScheduleTuning} (missing batches: default), or an MK_TUNING setting ("auto", "off",
+        a table file); None reads MK_TUNING."""
         self.spec = spec
         self.weights = weights
         self.device = torch.device(device)
@@ -215,6 +223,7 @@ class MegakernelDecoder:
                           if self.device.type == "cuda" else None)
         self._err_host_np = self._err_host.numpy() if self._err_host is not None else None
         self.hangs: list[MegakernelHang] = []    # every hang check_errors()/check=True has seen
+        self._resolve_tunings(get_config().tuning if tuning is None else tuning)
         self._check_weights()
         self._wptr = self._weight_table() if self.executor == "cuda" else None
         self._alloc_workspace()
@@ -227,6 +236,28 @@ class MegakernelDecoder:
             self._module = MegakernelModule(spec, defines=self.defines)
 
     # ---- set-up --------------------------------------------------------------------------------
+    def _resolve_tunings(self, tuning: str | dict[int, ScheduleTuning]) -> None:
+        """self.tunings[b] / self.tuning_source[b] for every batch 1..max_tokens, fixed for the
+        decoder's life (the workspace is sized from them)."""
+        self.tunings: dict[int, ScheduleTuning] = {}
+        self.tuning_source: dict[int, str] = {}
+        if isinstance(tuning, dict):
+            bad = [b for b in tuning if not isinstance(b, int) or not 1 <= b <= self.max_tokens]
+            if bad:
+                raise ValueError(f"tuning given for batch sizes {bad}; this decoder handles 1..{self.max_tokens}")
+            for b in range(1, self.max_tokens + 1):
+                self.tunings[b] = tuning.get(b, DEFAULT_TUNING)
+                self.tuning_source[b] = "given" if b in tuning else "default"
+            return
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        for b in range(1, self.max_tokens + 1):
+            key = spec_tuning_key(self.spec, b, self.num_sms, self.lm_head, self.fallback)
+            self.tunings[b], self.tuning_source[b] = resolve(tuning, gpu, key)
+
+    def attn_chunks(self, batch: int) -> int:
+        """KV chunks per (request, kv head) of the program for `batch` tokens."""
+        return self.tunings[batch].attn_chunks or attention_chunks(batch, self.spec.num_kv_heads, self.num_sms)
+
     def _check_weights(self) -> None:
         s, dt, dev = self.spec, self.spec.torch_dtype, self.device
         w = self.weights
@@ -277,15 +308,18 @@ class MegakernelDecoder:
 
         self.ws = {Buf.RESID: buf(s.hidden_size), Buf.Q: buf(s.q_size), Buf.ATTN_O: buf(s.q_size),
                    Buf.ACT: buf(s.intermediate_size)}
-        parts = max(b * s.num_kv_heads * attention_chunks(b, s.num_kv_heads, self.num_sms)
-                    for b in range(1, m + 1))
-        self.part_o = torch.zeros(parts * s.gqa_group * s.head_dim, dtype=torch.float32, device=dev)
-        self.part_ml = torch.zeros(parts * s.gqa_group * 2, dtype=torch.float32, device=dev)
+        self._alloc_parts(max(b * s.num_kv_heads * self.attn_chunks(b) for b in range(1, m + 1)))
         # Triton fallback scratch: the qkv projection and split-KV attention partials.
         self.qkv_tmp = buf(s.qkv_size)
         from ..triton_ops.paged_attention import MAX_SPLITS, paged_attention_workspace_size
         self.attn_ws = torch.zeros(paged_attention_workspace_size(m, s.num_q_heads, s.head_dim, MAX_SPLITS),
                                    dtype=torch.float32, device=dev)
+
+    def _alloc_parts(self, parts: int) -> None:
+        """fp32 split-KV partials (o; m, l) of `parts` (request, kv head, chunk) triples."""
+        s = self.spec
+        self.part_o = torch.zeros(parts * s.gqa_group * s.head_dim, dtype=torch.float32, device=self.device)
+        self.part_ml = torch.zeros(parts * s.gqa_group * 2, dtype=torch.float32, device=self.device)
 
     def program(self, batch: int) -> Program:
         return self._entry(batch).program
@@ -308,7 +342,8 @@ class MegakernelDecoder:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"megakernel program for batch {batch} is not built; call "
                                "MegakernelDecoder.prepare() before CUDA-graph capture")
-        prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback)
+        prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback,
+                             tuning=self.tunings[batch])
         e = self._upload(prog, program_meta(prog, self._source_hash()))
         self._entries[batch] = e
         return e
@@ -326,7 +361,21 @@ class MegakernelDecoder:
         """The ProgramMeta a program must have to be launched by this decoder for `batch` tokens."""
         return ProgramMeta(spec_hash=spec_hash(self.spec), spec_name=self.spec.name, batch=batch,
                            num_sms=self.num_sms, smem_bytes=LAYOUT.smem_bytes, encoding_version=VERSION,
-                           source_hash=self._source_hash(), lm_head=self.lm_head, fallback=self.fallback)
+                           source_hash=self._source_hash(), lm_head=self.lm_head, fallback=self.fallback,
+                           attn_chunks=self.attn_chunks(batch))
+
+    def retune(self, batch: int, tuning: ScheduleTuning) -> None:
+        """Build the program of `batch` with `tuning` from now on (the autotuner's A/B; a set-up call:
+        graphs captured before it replay the old program). Grows the partial buffers if needed."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("retune() rebuilds a program: not during CUDA-graph capture")
+        if not 1 <= batch <= self.max_tokens:
+            raise ValueError(f"batch of {batch} tokens; this decoder handles 1..{self.max_tokens}")
+        self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
+        self._entries.pop(batch, None)
+        need = max(b * self.spec.num_kv_heads * self.attn_chunks(b) for b in range(1, self.max_tokens + 1))
+        if need * self.spec.gqa_group * self.spec.head_dim > self.part_o.numel():
+            self._alloc_parts(need)
 
     def check_meta(self, meta: ProgramMeta, batch: int | None = None) -> None:
         """Raise ProgramMismatch listing every way `meta` differs from this decoder and its device
@@ -574,7 +623,7 @@ class MegakernelDecoder:
         """Views of the workspace buffers (RESID, Q, ATTN_O, ACT, PART_O, PART_ML) for `batch`
         tokens, as the last step left them (for op-by-op comparisons with the VM)."""
         s = self.spec
-        C = attention_chunks(batch, s.num_kv_heads, self.num_sms)
+        C = self.attn_chunks(batch)
         parts = batch * s.num_kv_heads * C
         out = {k: v[:batch] for k, v in self.ws.items()}
         out[Buf.PART_O] = self.part_o[: parts * s.gqa_group * s.head_dim].view(

@@ -21,10 +21,17 @@ from ..spec import LlamaSpec
 from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
 from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
+from .tuning import DEFAULT_TUNING, ScheduleTuning
 
 
 def schedule_queues(tasks: list[Task], num_sms: int,
                     waits: list[list[tuple[int, int]]] | None = None) -> list[list[int]]:
+    """Queues of list_schedule (below), without its predicted span."""
+    return list_schedule(tasks, num_sms, waits)[0]
+
+
+def list_schedule(tasks: list[Task], num_sms: int,
+                  waits: list[list[tuple[int, int]]] | None = None) -> tuple[list[list[int]], float]:
     """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs.
 
     Earliest-finish-time list scheduling over the time model of tasks.py: tasks in tid order each
@@ -46,7 +53,7 @@ def schedule_queues(tasks: list[Task], num_sms: int,
         queues[sm].append(idx)
         if t.signal is not None:
             done[t.signal[0]] = max(done.get(t.signal[0], 0.0), float(finish[sm]))
-    return queues
+    return queues, float(free.max(initial=0.0))
 
 
 @dataclass
@@ -57,6 +64,7 @@ class Segment:
     waits: list[list[tuple[int, int]]]  # per task, the waits kept (dependencies inside the segment)
     queues: list[list[int]]            # per SM, indices into tasks
     encoded: np.ndarray                # int32 program (encoding.encode)
+    predicted_ns: float = 0.0          # the time model's span of this launch (list_schedule)
 
 
 @dataclass
@@ -80,6 +88,12 @@ class Program:
     num_tids: int
     prefix_len: int | None = None      # set on truncated programs
     taskset: TaskSet | None = field(default=None, repr=False)
+    tuning: ScheduleTuning = DEFAULT_TUNING
+
+    @property
+    def predicted_ns(self) -> float:
+        """The time model's prediction of the megakernel launches (fallback ops not included)."""
+        return sum(s.predicted_ns for s in self.segments)
 
     @property
     def segments(self) -> list[Segment]:
@@ -121,13 +135,13 @@ def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
 
 
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
-                  fallback: frozenset[str] = frozenset()) -> Program:
+                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING) -> Program:
     """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
-    Built once per (spec, padded batch, SM count, lm_head, fallback) and reused every step."""
+    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step."""
     why = megakernel_supports(spec)
     if why is not None:
         raise ValueError(f"the megakernel cannot run this model: {why}")
-    ts = build_tasks(spec, batch, num_sms, lm_head)
+    ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
     fallback = frozenset(fallback)
     steps: list[Segment | FallbackStep] = []
     for part in split_segments(ts.ops, fallback):
@@ -138,11 +152,11 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
         tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
         # A wait on an op in another segment is dropped: the launch boundary orders it.
         waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
-        queues = schedule_queues(tasks, num_sms, waits)
+        queues, span = list_schedule(tasks, num_sms, waits)
         steps.append(Segment(part, tasks, waits, queues,
-                             _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues)))
+                             _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
-                   ts.op_ranges, len(ts.tasks), taskset=ts)
+                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from ..spec import LlamaSpec
 from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode
 from .graph import FusedOp, decode_graph, residual_source
+from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
 
-MAX_ATTN_CHUNKS = 32
 # Scheduling time model (ns), fitted to the first H200 trace (2026-11-30, bench/NOTES.md v1, 1B
 # batch 1): a weight-streaming task costs TASK_FIXED_NS (counter wake-up, norm statistics, activation
 # staging, cross-warp reduction, epilogue: a few L2 round trips) plus its weight bytes at its SM's
@@ -205,17 +205,19 @@ class _Builder:
         return task
 
 
-def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False) -> TaskSet:
+def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False,
+                tuning: ScheduleTuning = DEFAULT_TUNING) -> TaskSet:
     """Every task of one decode step of `batch` tokens for a GPU with `num_sms` SMs, in a global
     topological order (tid), with counters and targets. Waits are filled in after all counters
-    exist (targets are the counters' totals)."""
+    exist (targets are the counters' totals). `tuning` sets the tasks per op and the attention
+    chunks (tuning.py); the default is about one task per SM and one wave of partials."""
     if not 1 <= batch <= 16:
         raise ValueError(f"batch={batch}; the megakernel supports 1..16 decode tokens")
     if num_sms < 1:
         raise ValueError(f"num_sms={num_sms} must be >= 1")
     bld = _Builder(spec, batch, num_sms)
     ops = decode_graph(spec, lm_head)
-    C = attention_chunks(batch, spec.num_kv_heads, num_sms)
+    C = tuning.attn_chunks or attention_chunks(batch, spec.num_kv_heads, num_sms)
     G, d, nkv, B = spec.gqa_group, spec.head_dim, spec.num_kv_heads, batch
     op_ranges: dict[str, tuple[int, int]] = {}
     # (task, [counter names it waits on]) -- resolved to (id, total) at the end
@@ -228,7 +230,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
         name = op.name
         if name == "qkv_rope":
             ug = qkv_units_per_group(spec)
-            per_group = max(1, round(num_sms / nkv))
+            per_group = max(1, round(tuning.tasks_for(name, num_sms) / nkv))
             src = residual_source(L)
             for g in range(nkv):
                 ctr = bld.counter(f"L{L}.qkv.g{g}", op.key)
@@ -276,7 +278,8 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
         else:
             units = op_units(spec, name)
             ctr = bld.counter(op.key, op.key)
-            for u0, n in split_units(0, units, num_sms):
+            parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
+            for u0, n in split_units(0, units, parts):
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
                 if name == "o_proj":
                     src = residual_source(L)

@@ -1,0 +1,169 @@
+"""Autotune the megakernel's task sizes per (GPU, model shape, batch, lm_head) and cache the winners.
+
+    python bench/autotune.py [--models 1b 8b] [--batch 1 2 4 8 16] [--lm-head both] [--ctx 512]
+                             [--rounds 2] [--reps 200] [--write-tuned]
+
+For each key: coordinate descent over persistent.tuning.ScheduleTuning (tasks per op, attention KV
+chunks; persistent/autotune.py), every candidate first checked against the default program's output,
+then timed as the median of CUDA-graph replays with CUDA events (mk_plugin.timing, the mk_step.py
+method). Winners go to the user cache (~/.cache/mk_plugin/megakernel_<gpu>.json), which
+MegakernelDecoder reads under MK_TUNING=auto (the default); with --write-tuned also to the packaged
+table mk_plugin/persistent/tuned/megakernel_<gpu>.json, to commit. A markdown report with every
+trial (predicted by the time model, measured, error vs default) is written to --outdir.
+
+--device cpu runs the same loop on the VM with the time model standing in for the measurement
+(plumbing check only: no timing, nothing written to the packaged table).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent.autotune import autotune
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.runtime import source_hash
+from mk_plugin.persistent.tuning import (
+    TuningEntry,
+    TuningTable,
+    spec_tuning_key,
+    tuned_file,
+    user_cache_file,
+)
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import make_decode_batch
+from mk_plugin.weights import random_weights
+
+
+def load_spec(name: str) -> LlamaSpec:
+    return LlamaSpec.tiny() if name == "tiny" else LlamaSpec.from_json_file(common.model_dir(name))
+
+
+def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log) -> tuple[TuningEntry, list]:
+    """Autotune dec's program for bsz tokens of context args.ctx; the table entry and every trial."""
+    spec, device, lm_head = dec.spec, dec.device, dec.lm_head
+    cuda = device.type == "cuda"
+    seq = [args.ctx] * bsz
+    b = make_decode_batch(spec, seq, seed=bsz, num_layers=0)
+    nb = int(b.block_table.max()) + 4
+    caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, device=device).to(spec.torch_dtype)
+              for _ in range(spec.num_layers)]
+    pristine = [c.clone() for c in caches]   # every run appends the same K/V: keep the inputs identical
+    pos, sl, bt, slots = (t.to(device) for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
+    hidden = w.embed[b.input_ids.to(device)]
+    out = torch.empty_like(hidden)
+    logits = torch.empty(bsz, spec.vocab_size, device=device) if lm_head else None
+
+    def step() -> None:
+        dec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
+
+    def run_step() -> torch.Tensor:
+        for c, p in zip(caches, pristine):
+            c.copy_(p)
+        step()
+        return (logits if lm_head else out).clone()
+
+    def retune(t):
+        dec.retune(bsz, t)
+        dec.prepare([bsz])
+        return dec.program(bsz)
+
+    def predict() -> float:
+        return dec.program(bsz).predicted_ns / 1e3
+
+    def measure() -> float:
+        if not cuda:
+            return predict()   # plumbing only: the time model stands in for the GPU
+        from mk_plugin.timing import graph_median_ms
+        return graph_median_ms(step, replays=args.reps) * 1e3
+
+    log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
+    t0 = time.time()
+    best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
+                            run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, log=log)
+    best_us = min(t.us for t in trials if t.ok and t.tuning == best)
+    meta = {"spec": spec.name, "ctx": args.ctx, "date": common.today(), "commit": common.git_commit(),
+            "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
+            "measured": "cuda-graph median" if cuda else "time model (cpu plumbing run)"}
+    key = spec_tuning_key(spec, bsz, dec.num_sms, lm_head)
+    return TuningEntry(key, best, best_us, trials[0].us, meta), trials
+
+
+def tune_model(spec: LlamaSpec, args, device: str, log) -> list[tuple[TuningEntry, list]]:
+    cuda = device == "cuda"
+    w = random_weights(spec, device=device, draw_on_device=cuda)
+    cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to(device)
+    results = []
+    for lm_head in {"off": [False], "on": [True], "both": [False, True]}[args.lm_head]:
+        dec = MegakernelDecoder(spec, w, max(args.batch), device, lm_head=lm_head, tuning="off",
+                                num_sms=None if cuda else args.num_sms)
+        results += [tune_batch(dec, w, cs, bsz, args, log) for bsz in args.batch]
+    return results
+
+
+def report(spec_results, args, gpu: str) -> str:
+    lines = [f"# Megakernel autotune ({common.today()})", "",
+             f"- gpu: {gpu}", f"- commit: {common.git_commit()}", f"- command: `python3 {' '.join(sys.argv)}`",
+             (f"- context {args.ctx} tokens per request; measured: median of {args.reps} CUDA-graph replays "
+              "(CPU run: the time model, not a measurement)"), "",
+             "## Winners", "",
+             common.markdown_table(["model", "batch", "lm_head", "default us", "best us", "gain", "tuning"],
+                                   [(e.meta["spec"], e.key.batch, e.key.lm_head, f"{e.default_us:.1f}", f"{e.best_us:.1f}",
+                                     f"{100 * e.gain:+.1f}%", e.tuning.label()) for e, _ in spec_results]), ""]
+    for e, trials in spec_results:
+        lines += [f"## {e.meta['spec']} batch {e.key.batch} lm_head {e.key.lm_head}", "",
+                  common.markdown_table(["tuning", "tasks", "predicted us", "measured us", "rel err vs default",
+                                         "bitwise", "ok"],
+                                        [(t.tuning.label(), t.tasks, f"{t.predicted_us:.1f}",
+                                          "-" if t.us is None else f"{t.us:.1f}", f"{t.rel_fro:.1e}", t.bitwise, t.ok)
+                                         for t in trials]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["1b"], help="model folders / aliases (1b, 8b); 'tiny' on cpu")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--lm-head", choices=("off", "on", "both"), default="both",
+                    help="tune the program without the LM head (what vLLM runs), with it (mk_step's headline), or both")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--num-sms", type=int, default=132, help="cpu only: SMs of the modelled GPU")
+    ap.add_argument("--write-tuned", action="store_true", help="also write the packaged table (to commit)")
+    ap.add_argument("--outdir", type=Path, default=common.RESULTS)
+    ap.add_argument("--cache", type=Path, default=None, help="tuning table to update (default: the user cache)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a GPU; --device cpu runs the plumbing on the VM")
+    if any(not 1 <= b <= 16 for b in args.batch):
+        raise SystemExit(f"--batch {args.batch}: the megakernel handles 1..16 tokens")
+    if args.device == "cpu" and args.write_tuned:
+        raise SystemExit("--write-tuned records GPU measurements; a cpu run has none")
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    all_results = []
+    for name in args.models:
+        all_results += tune_model(load_spec(name), args, args.device, print)
+    paths = [args.cache or user_cache_file(gpu)] + ([tuned_file(gpu)] if args.write_tuned else [])
+    for p in paths:
+        table = TuningTable.load(p, gpu)
+        for e, _ in all_results:
+            table.put(e)
+        print(f"tuning table: {table.save(p)}")
+    tag = "-".join(s for s in args.models if "/" not in s) or "models"
+    common.write_record(args.outdir, f"autotune_{common.run_stamp()}_{tag}_{args.device}.md",
+                        report(all_results, args, gpu))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Search over ScheduleTuning for one (decoder, batch): coordinate descent with a measurement and a
+correctness check per candidate. The GPU driver is bench/autotune.py; CPU tests drive it with the
+VM and the time model as the "measurement".
+
+Every candidate is run once and its output compared with the default program's output (the
+tolerance table's "step" tolerance; `bitwise` is recorded too: changing only the task split of a
+linear op leaves every dot product's order unchanged, a different KV chunk count does not). A
+candidate that fails the check is rejected and reported, never timed: a tuning must not buy speed
+with a wrong answer. The winner must beat the best so far by more than `min_gain` to move (replay
+noise), so a flat landscape keeps the default.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..testing import compare
+from .tasks import attention_chunks, op_units
+from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
+
+SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+
+
+@dataclass
+class Trial:
+    tuning: ScheduleTuning
+    predicted_us: float       # the scheduler's time model (tasks.py), before measuring
+    us: float | None          # measured; None when rejected
+    rel_fro: float            # output vs the default program's
+    bitwise: bool
+    ok: bool
+    tasks: int                # tasks in the program
+
+
+def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
+    """Tasks op `op` gets with `factor` (split_units caps at its unit count; qkv rounds per kv group)."""
+    t = ScheduleTuning().with_split(op, factor).tasks_for(op, num_sms)
+    if op == "qkv_rope":
+        per_group = max(1, round(t / spec.num_kv_heads))
+        return spec.num_kv_heads * min(per_group, op_units(spec, op) // spec.num_kv_heads)
+    return min(t, op_units(spec, op))
+
+
+def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Iterable[str] = SPLIT_OPS,
+               factors: Iterable[float] = SPLIT_FACTORS, chunks: Iterable[int] | None = None,
+               lm_head: bool = True) -> list[tuple[str, ScheduleTuning]]:
+    """Candidates differing from `base` in one knob, each with the knob's name; values that give the
+    same program as another value of that knob (same task count) are dropped."""
+    out: list[tuple[str, ScheduleTuning]] = []
+    default_c = attention_chunks(batch, spec.num_kv_heads, num_sms)
+    if chunks is None:
+        chunks = sorted({max(1, default_c // 4), max(1, default_c // 2), default_c, min(MAX_ATTN_CHUNKS, 2 * default_c)})
+    cur_c = base.attn_chunks or default_c
+    for c in chunks:
+        if 1 <= c <= MAX_ATTN_CHUNKS and c != cur_c:
+            out.append(("attn_chunks", base.with_chunks(0 if c == default_c else c)))
+    for op in ops:
+        if op == "lm_head" and not lm_head:
+            continue
+        seen = {effective_tasks(spec, op, base.factor(op), num_sms)}
+        for f in factors:
+            n = effective_tasks(spec, op, f, num_sms)
+            if n not in seen:
+                seen.add(n)
+                out.append((op, base.with_split(op, f)))
+    return out
+
+
+def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
+             retune: Callable[[ScheduleTuning], object],
+             run_step: Callable[[], torch.Tensor],
+             measure: Callable[[], float],
+             predict: Callable[[], float],
+             rounds: int = 2, min_gain: float = TUNED_MIN_GAIN,
+             ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
+             chunks: Iterable[int] | None = None,
+             log: Callable[[str], None] = print) -> tuple[ScheduleTuning, list[Trial]]:
+    """Coordinate descent from the default tuning.
+
+    retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
+    run_step(): one decode step; returns its output (copied), compared with the default's.
+    measure(): microseconds of one step (GPU: CUDA-graph replays, median). predict(): the time
+    model's microseconds for the current program. Returns (best tuning, every trial in order)."""
+    dtype = spec.torch_dtype
+    ops, factors = tuple(ops), tuple(factors)
+    trials: list[Trial] = []
+
+    def trial(t: ScheduleTuning, ref: torch.Tensor | None) -> Trial:
+        prog = retune(t)
+        out = run_step()
+        if ref is None:
+            rf, bitwise, ok = 0.0, True, bool(torch.isfinite(out.float()).all())
+        else:
+            c = compare(out, ref, dtype, "step")
+            rf, bitwise, ok = c["rel_fro"], bool(torch.equal(out, ref)), c["pass"]
+        us = measure() if ok else None
+        tr = Trial(t, predict(), us, rf, bitwise, ok, getattr(prog, "num_tids", 0))
+        trials.append(tr)
+        status = f"{us:9.1f} us" if ok else "REJECTED (output differs from the default program's)"
+        log(f"  {t.label():<40} predicted {tr.predicted_us:8.1f} us  measured {status}  "
+            f"rel {rf:.1e}{' bitwise' if bitwise else ''}")
+        return tr
+
+    retune(DEFAULT_TUNING)
+    ref = run_step().clone()
+    base = trial(DEFAULT_TUNING, None)
+    if not base.ok:
+        raise RuntimeError("the default program's output is not finite: fix the kernel before tuning it")
+    best = base
+    tried = {DEFAULT_TUNING}
+    for r in range(rounds):
+        moved = False
+        knobs = ["attn_chunks", *[o for o in ops if lm_head or o != "lm_head"]]
+        for knob in knobs:
+            cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
+                                              chunks=chunks, lm_head=lm_head) if k == knob and t not in tried]
+            for t in cands:
+                tried.add(t)
+                tr = trial(t, ref)
+                if tr.ok and tr.us < best.us / (1 + min_gain):
+                    best, moved = tr, True
+                    log(f"  -> best so far: {best.tuning.label()} {best.us:.1f} us")
+        if not moved:
+            break
+        log(f"round {r + 1} done: {best.tuning.label()} {best.us:.1f} us (default {base.us:.1f} us)")
+    retune(best.tuning)
+    return best.tuning, trials

@@ -1,0 +1,245 @@
+"""Program-level choices of the megakernel that the autotuner measures, and where its winners live.
+
+A `ScheduleTuning` changes only how the decode step is cut into tasks -- units (16 output columns)
+per task of each weight-streaming op, and the attention's KV chunks -- never the kernel's code, so
+every tuning runs on the same compiled module, and a tuned program is as correct as the default one
+(the VM and the deadlock/ordering checks run on any of them; the autotuner also compares each
+candidate's output with the default program's before timing it).
+
+Why these knobs: the H200 traces (bench/results/trace_*) show the small per-layer ops (qkv_rope,
+o_proj: 12.6 and 8.4 MB at 1B) at ~1.5 TB/s, dominated by per-task fixed cost and counter waits,
+while gate_up/down/lm_head stream at 2.6-4.3 TB/s. Fewer, larger tasks amortise the fixed cost;
+more, smaller tasks balance the tail. Which wins depends on the GPU, the shape and the batch, which
+is what a measurement per (GPU, shape, batch) settles. The ring depth and chunk width are layout
+constants (encoding.KernelLayout, generated into csrc/tasks.h): 6 x 32 KiB in flight per SM is
+already ~6x what Little's law asks for at the copy rate, so they are not searched.
+
+Winners are stored per GPU model like the Triton linear's (triton_ops/linear.py): a packaged table
+`tuned/megakernel_<gpu>.json` (committed from the GPU host) and a user cache
+(`~/.cache/mk_plugin/`, or the file MK_TUNING names); a winner is used only when it beat the default
+by more than TUNED_MIN_GAIN (replay noise).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..spec import LlamaSpec
+
+# Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
+SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
+SPLIT_MIN, SPLIT_MAX = 0.125, 8.0
+MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+TUNED_MIN_GAIN = 0.02   # a winner replaces the default only when > 2% faster (graph replay noise ~0.5%)
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ScheduleTuning:
+    """How one decode step is cut into tasks. Defaults reproduce the untuned program.
+
+    split: (op, factor) pairs; op `op` is cut into round(num_sms * factor) tasks (at most one per
+      unit). Ops not listed use factor 1.0 (about one task per SM).
+    attn_chunks: KV chunks per (request, kv head); 0 = tasks.attention_chunks (one wave of partials).
+    """
+    split: tuple[tuple[str, float], ...] = ()
+    attn_chunks: int = 0
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for item in self.split:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(f"split entry {item!r} is not an (op, factor) pair")
+            op, f = item
+            if op not in SPLIT_OPS:
+                raise ValueError(f"split op {op!r} is not tunable; tunable ops: {', '.join(SPLIT_OPS)}")
+            if op in seen:
+                raise ValueError(f"split op {op!r} is given twice")
+            seen.add(op)
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not SPLIT_MIN <= f <= SPLIT_MAX:
+                raise ValueError(f"split factor {f!r} for {op} must be a number in [{SPLIT_MIN}, {SPLIT_MAX}] "
+                                 "(tasks per SM)")
+        if isinstance(self.attn_chunks, bool) or not isinstance(self.attn_chunks, int) \
+                or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
+            raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
+                             "(0 = one wave of partial tasks)")
+
+    def factor(self, op: str) -> float:
+        return dict(self.split).get(op, 1.0)
+
+    def tasks_for(self, op: str, num_sms: int) -> int:
+        """Tasks op `op` is cut into on num_sms SMs (split_units caps it at the op's unit count)."""
+        return max(1, round(num_sms * self.factor(op)))
+
+    def with_split(self, op: str, factor: float) -> ScheduleTuning:
+        rest = tuple((o, f) for o, f in self.split if o != op)
+        new = rest if factor == 1.0 else rest + ((op, float(factor)),)
+        return ScheduleTuning(tuple(sorted(new)), self.attn_chunks)
+
+    def with_chunks(self, chunks: int) -> ScheduleTuning:
+        return ScheduleTuning(self.split, chunks)
+
+    @property
+    def is_default(self) -> bool:
+        return not self.split and self.attn_chunks == 0
+
+    def label(self) -> str:
+        parts = [f"{op}x{f:g}" for op, f in self.split]
+        if self.attn_chunks:
+            parts.append(f"chunks{self.attn_chunks}")
+        return ",".join(parts) or "default"
+
+    def to_json(self) -> dict:
+        return {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> ScheduleTuning:
+        unknown = set(d) - {"split", "attn_chunks"}
+        if unknown:
+            raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: split, attn_chunks")
+        split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
+        return cls(split, int(d.get("attn_chunks", 0)))
+
+
+DEFAULT_TUNING = ScheduleTuning()
+
+
+def gpu_slug(device_name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+
+
+def tuned_file(device_name: str) -> Path:
+    """The packaged table of one GPU model (written by bench/autotune.py --write-tuned)."""
+    return TUNED_DIR / f"megakernel_{gpu_slug(device_name)}.json"
+
+
+def user_cache_file(device_name: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "mk_plugin" / f"megakernel_{gpu_slug(device_name)}.json"
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """What a measured winner is valid for. The kernel source is recorded in the entry but not
+    keyed on: any tuning is correct for any source; an old winner is at worst a slower choice."""
+    spec_hash: int
+    batch: int
+    num_sms: int
+    lm_head: bool
+    fallback: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, spec_hash: int, batch: int, num_sms: int, lm_head: bool, fallback: Iterable[str] = ()) -> TuningKey:
+        return cls(int(spec_hash), int(batch), int(num_sms), bool(lm_head), tuple(sorted(fallback)))
+
+
+@dataclass
+class TuningEntry:
+    key: TuningKey
+    tuning: ScheduleTuning
+    best_us: float
+    default_us: float
+    meta: dict = field(default_factory=dict)   # spec name, date, commit, source hash, command
+
+    @property
+    def gain(self) -> float:
+        return self.default_us / self.best_us - 1.0 if self.best_us > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"key": asdict(self.key) | {"fallback": list(self.key.fallback)}, "tuning": self.tuning.to_json(),
+                "best_us": round(self.best_us, 2), "default_us": round(self.default_us, 2), "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> TuningEntry:
+        k = dict(d["key"])
+        return cls(TuningKey.of(k["spec_hash"], k["batch"], k["num_sms"], k["lm_head"], k.get("fallback", ())),
+                   ScheduleTuning.from_json(d["tuning"]), float(d["best_us"]), float(d["default_us"]),
+                   dict(d.get("meta", {})))
+
+
+class TuningTable:
+    """Winners of one GPU model, keyed by TuningKey; a JSON file on disk."""
+
+    def __init__(self, gpu: str, entries: Iterable[TuningEntry] = ()):
+        self.gpu = gpu
+        self.entries: dict[TuningKey, TuningEntry] = {e.key: e for e in entries}
+
+    @classmethod
+    def load(cls, path: Path, gpu: str) -> TuningTable:
+        """The table in `path` (empty if the file does not exist). A malformed file is an error that
+        names it: a silently ignored table would silently drop measured winners."""
+        if not path.exists():
+            return cls(gpu)
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, expected {FORMAT}")
+            return cls(str(d.get("gpu", gpu)), [TuningEntry.from_json(e) for e in d["entries"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"megakernel tuning table {path} is malformed ({e}); delete it or re-run "
+                             "bench/autotune.py") from None
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"format": FORMAT, "gpu": self.gpu,
+                "entries": [e.to_json() for e in sorted(self.entries.values(), key=lambda e: asdict(e.key).__repr__())]}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        tmp.replace(path)   # atomic: a concurrent reader sees the old or the new table
+        return path
+
+    def put(self, entry: TuningEntry) -> None:
+        self.entries[entry.key] = entry
+
+    def winner(self, key: TuningKey) -> TuningEntry | None:
+        """The entry for `key` if its tuning beat the default by more than TUNED_MIN_GAIN."""
+        e = self.entries.get(key)
+        if e is None or e.tuning.is_default or e.gain <= TUNED_MIN_GAIN:
+            return None
+        return e
+
+    def nearest(self, key: TuningKey) -> TuningEntry | None:
+        """The winner for `key`, else the winner of the nearest tuned batch size of the same model,
+        SM count, lm_head and fallback (ties: the larger batch), with its split but the default
+        attention chunks (chunks are chosen per batch: they scale with B * kv heads)."""
+        e = self.winner(key)
+        if e is not None:
+            return e
+        same = [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
+                == (key.spec_hash, key.num_sms, key.lm_head, key.fallback) and self.winner(k) is not None]
+        if not same:
+            return None
+        k = min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch))
+        e = self.entries[k]
+        t = ScheduleTuning(e.tuning.split, 0)
+        if t.is_default:
+            return None
+        return TuningEntry(key, t, e.best_us, e.default_us, e.meta | {"from_batch": k.batch})
+
+
+def resolve(setting: str, device_name: str, key: TuningKey) -> tuple[ScheduleTuning, str]:
+    """The tuning to build a program with, and where it came from (for status lines).
+
+    setting: MK_TUNING -- "off" (defaults), "auto" (the user cache, then the packaged table), or a
+    path to a table file (only that file)."""
+    if setting == "off":
+        return DEFAULT_TUNING, "default (MK_TUNING=off)"
+    paths = [user_cache_file(device_name), tuned_file(device_name)] if setting == "auto" else [Path(setting)]
+    for p in paths:
+        e = TuningTable.load(p, device_name).nearest(key)
+        if e is not None:
+            at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
+            return e.tuning, (f"{e.tuning.label()}: {at}winner in {p} ({e.best_us:.1f} vs {e.default_us:.1f} us "
+                              "default)")
+    return DEFAULT_TUNING, "default (no measured winner)"
+
+
+def spec_tuning_key(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool,
+                    fallback: Iterable[str] = ()) -> TuningKey:
+    from .encoding import spec_hash
+    return TuningKey.of(spec_hash(spec), batch, num_sms, lm_head, fallback)

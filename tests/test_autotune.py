@@ -1,0 +1,247 @@
+"""The megakernel's schedule tuning (persistent/tuning.py), its search (persistent/autotune.py) and
+bench/autotune.py's plumbing, on CPU: tuned programs are deadlock free, ordered and give the
+default program's output in the VM; tables round-trip and are looked up per key; the search keeps
+only checked, faster candidates."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mk_plugin import reference as ref
+from mk_plugin.config import ConfigError, MkConfig
+from mk_plugin.persistent import tuning as tn
+from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.errors import ProgramMismatch
+from mk_plugin.persistent.schedule import build_program, check_ordering
+from mk_plugin.persistent.tasks import attention_chunks, op_units
+from mk_plugin.persistent.tuning import ScheduleTuning, TuningEntry, TuningKey, TuningTable
+from mk_plugin.persistent.vm import check_deadlock_free
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import make_decode_batch
+from mk_plugin.weights import random_weights
+
+SPEC = LlamaSpec(name="odd", hidden_size=192, intermediate_size=400, num_layers=2, num_q_heads=6, num_kv_heads=2,
+                 head_dim=64, vocab_size=333)
+SMS = 7
+REPO = Path(__file__).resolve().parents[1]
+
+
+def op_task_counts(program) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in program.taskset.tasks:
+        if t.op.layer <= 0:
+            out[t.op.name] = out.get(t.op.name, 0) + 1
+    return out
+
+
+# ---- ScheduleTuning ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, msg", [
+    ({"split": (("attention", 2.0),)}, "'attention' is not tunable"),
+    ({"split": (("o_proj", 0.0),)}, "must be a number in"),
+    ({"split": (("o_proj", 9.0),)}, "must be a number in"),
+    ({"split": (("o_proj", True),)}, "must be a number in"),
+    ({"split": (("o_proj", 2.0), ("o_proj", 0.5))}, "given twice"),
+    ({"split": ("o_proj",)}, "not an (op, factor) pair"),
+    ({"attn_chunks": 33}, "0..32"),
+    ({"attn_chunks": -1}, "0..32"),
+])
+def test_tuning_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        ScheduleTuning(**kw)
+
+
+def test_tuning_json_label_and_helpers():
+    t = ScheduleTuning().with_split("gate_up", 2.0).with_split("o_proj", 0.5).with_chunks(4)
+    assert t.label() == "gate_upx2,o_projx0.5,chunks4" and not t.is_default
+    assert ScheduleTuning.from_json(json.loads(json.dumps(t.to_json()))) == t
+    assert t.with_split("gate_up", 1.0) == ScheduleTuning((("o_proj", 0.5),), 4)  # factor 1 = not listed
+    assert t.tasks_for("gate_up", 132) == 264 and t.tasks_for("down", 132) == 132 and t.tasks_for("o_proj", 3) == 2
+    assert ScheduleTuning().label() == "default" and ScheduleTuning().is_default
+    with pytest.raises(ValueError, match="unknown tuning field"):
+        ScheduleTuning.from_json({"splits": {}})
+
+
+def test_tuned_program_has_the_asked_task_counts():
+    t = ScheduleTuning((("gate_up", 2.0), ("o_proj", 0.5)), attn_chunks=3)
+    p = build_program(SPEC, 2, SMS, lm_head=True, tuning=t)
+    d = build_program(SPEC, 2, SMS, lm_head=True)
+    n, nd = op_task_counts(p), op_task_counts(d)
+    assert n["gate_up"] == min(14, op_units(SPEC, "gate_up")) and n["o_proj"] == 4
+    assert nd["gate_up"] == SMS and nd["o_proj"] == SMS
+    assert n["down"] == nd["down"] and n["qkv_rope"] == nd["qkv_rope"]
+    assert p.attn_chunks == 3 and d.attn_chunks == attention_chunks(2, SPEC.num_kv_heads, SMS)
+    assert n["attention"] == 2 * SPEC.num_kv_heads * 3 + 2 * SPEC.num_kv_heads   # partials + combines
+    assert p.tuning == t and p.predicted_ns > 0
+
+
+tunings = st.builds(
+    lambda fs, c: ScheduleTuning(tuple(sorted((op, f) for op, f in zip(tn.SPLIT_OPS, fs) if f != 1.0)), c),
+    st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 4.0]), min_size=5, max_size=5), st.integers(0, 6))
+
+
+@settings(max_examples=12, deadline=None)
+@given(t=tunings, batch=st.integers(1, 4))
+def test_any_tuning_is_deadlock_free_ordered_and_gives_the_default_output(t, batch):
+    w = random_weights(SPEC, seed=3)
+    seq = [23, 1, 40, 17][:batch]
+    outs = []
+    for tuning in (ScheduleTuning(), t):
+        p = build_program(SPEC, batch, SMS, lm_head=True, tuning=tuning)
+        check_deadlock_free(p)
+        check_ordering(p)
+        dec = MegakernelDecoder(SPEC, w, batch, "cpu", num_sms=SMS, lm_head=True, tuning={batch: tuning})
+        b = make_decode_batch(SPEC, seq, block_size=16, seed=5)
+        logits = torch.full((batch, SPEC.vocab_size), float("nan"))
+        dec(w.embed[b.input_ids], b.positions, b.kv_caches, b.block_table, b.seq_lens, b.slot_mapping,
+            ref.rope_cos_sin_cache(SPEC, 64).to(SPEC.torch_dtype), logits_out=logits)
+        assert dec.program(batch).tuning == tuning
+        outs.append(logits)
+    if t.attn_chunks in (0, attention_chunks(batch, SPEC.num_kv_heads, SMS)):
+        # only the split changed: every dot product keeps its order
+        assert torch.equal(outs[0], outs[1])
+    else:
+        torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
+
+
+def test_decoder_retune_grows_partial_buffers_and_checks_chunks():
+    w = random_weights(SPEC, seed=1)
+    dec = MegakernelDecoder(SPEC, w, 2, "cpu", num_sms=SMS, tuning="off")
+    before = dec.part_o.numel()
+    dec.retune(2, ScheduleTuning(attn_chunks=32))
+    assert dec.attn_chunks(2) == 32 and dec.part_o.numel() >= 2 * SPEC.num_kv_heads * 32 * SPEC.gqa_group * 64
+    assert dec.part_o.numel() > before and dec.program(2).attn_chunks == 32 and dec.tuning_source[2] == "retune"
+    with pytest.raises(ValueError, match="handles 1..2"):
+        dec.retune(3, ScheduleTuning())
+    with pytest.raises(ValueError, match=r"batch sizes \[5\]"):
+        MegakernelDecoder(SPEC, w, 2, "cpu", num_sms=SMS, tuning={5: ScheduleTuning()})
+    # a program with other chunks than the decoder's buffers: refused before launch
+    with pytest.raises(ProgramMismatch, match="attention chunks"):
+        dec.install_program(build_program(SPEC, 2, SMS, tuning=ScheduleTuning(attn_chunks=3)))
+
+
+# ---- tables and lookup -------------------------------------------------------------------------------
+def entry(batch: int, tuning: ScheduleTuning, best: float, default: float, lm_head: bool = False) -> TuningEntry:
+    return TuningEntry(tn.spec_tuning_key(SPEC, batch, SMS, lm_head), tuning, best, default, {"spec": SPEC.name})
+
+
+def test_table_round_trip_min_gain_and_nearest(tmp_path):
+    fast = ScheduleTuning((("o_proj", 0.5),), 2)
+    tab = TuningTable("NVIDIA H200", [entry(1, fast, 90.0, 100.0), entry(8, fast, 99.5, 100.0),
+                                      entry(4, ScheduleTuning(), 100.0, 100.0)])
+    p = tab.save(tmp_path / "t.json")
+    back = TuningTable.load(p, "x")
+    assert back.gpu == "NVIDIA H200" and back.entries.keys() == tab.entries.keys()
+    k = lambda b, lm=False: tn.spec_tuning_key(SPEC, b, SMS, lm)
+    assert back.winner(k(1)).tuning == fast
+    assert back.winner(k(8)) is None            # 0.5% faster: inside replay noise, not used
+    assert back.winner(k(4)) is None            # the default won
+    near = back.nearest(k(2))                   # batch 1's split, default chunks
+    assert near.tuning == ScheduleTuning((("o_proj", 0.5),), 0) and near.meta["from_batch"] == 1
+    assert back.nearest(k(2, lm=True)) is None  # other lm_head: nothing
+    assert TuningTable.load(tmp_path / "missing.json", "x").entries == {}
+    (tmp_path / "bad.json").write_text('{"format": 99, "entries": []}')
+    with pytest.raises(ValueError, match="bad.json is malformed"):
+        TuningTable.load(tmp_path / "bad.json", "x")
+
+
+def test_resolve_order_and_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "pkg")
+    key = tn.spec_tuning_key(SPEC, 1, SMS, False)
+    user, pkg = ScheduleTuning((("down", 0.5),)), ScheduleTuning((("gate_up", 2.0),))
+    assert tn.resolve("auto", "NVIDIA H200", key) == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
+    assert tn.resolve("auto", "NVIDIA H200", key)[0] == pkg
+    TuningTable("NVIDIA H200", [entry(1, user, 80, 100)]).save(tn.user_cache_file("NVIDIA H200"))
+    t, why = tn.resolve("auto", "NVIDIA H200", key)
+    assert t == user and "80.0 vs 100.0 us" in why                      # the user cache wins
+    assert tn.resolve("off", "NVIDIA H200", key)[0] == tn.DEFAULT_TUNING
+    assert tn.resolve(str(tn.tuned_file("NVIDIA H200")), "NVIDIA H200", key)[0] == pkg
+    assert tn.tuned_file("NVIDIA H200").name == "megakernel_nvidia_h200.json"
+    # MK_TUNING: auto (default), off, a file; anything else is refused with the value named
+    assert MkConfig.from_env({}).tuning == "auto" and MkConfig.from_env({"MK_TUNING": "OFF"}).tuning == "off"
+    f = str(tn.tuned_file("NVIDIA H200"))
+    assert MkConfig.from_env({"MK_TUNING": f}).tuning == f
+    with pytest.raises(ConfigError, match="MK_TUNING='fast' is neither auto, off nor an existing"):
+        MkConfig.from_env({"MK_TUNING": "fast"})
+
+
+# ---- the search --------------------------------------------------------------------------------------
+def test_neighbours_drop_equivalent_values():
+    base = ScheduleTuning()
+    cands = neighbours(SPEC, 2, SMS, base, lm_head=False)
+    assert all(k != "lm_head" for k, _ in cands)
+    for op in ("qkv_rope", "o_proj", "gate_up", "down"):
+        counts = [effective_tasks(SPEC, op, t.factor(op), SMS) for k, t in cands if k == op]
+        assert len(counts) == len(set(counts)) and effective_tasks(SPEC, op, 1.0, SMS) not in counts
+    c = [t.attn_chunks for k, t in cands if k == "attn_chunks"]
+    assert c and all(1 <= x <= 32 for x in c)
+
+
+def test_autotune_keeps_only_checked_faster_candidates():
+    """A fake GPU: o_proj x0.5 is fastest but computes garbage (rejected, never timed); gate_up x2 is
+    fast and right (chosen); down x0.5 is 1% faster (inside min_gain: not taken)."""
+    state = {"t": ScheduleTuning()}
+    truth = torch.linspace(-1, 1, 50, dtype=torch.bfloat16)
+    times = {"o_projx0.5": 50.0, "gate_upx2": 80.0, "downx0.5": 99.0}
+    measured: list[str] = []
+
+    def retune(t):
+        state["t"] = t
+
+    def run_step():
+        return truth + 1 if state["t"].factor("o_proj") == 0.5 else truth.clone()
+
+    def measure():
+        measured.append(state["t"].label())
+        return next((v for k, v in times.items() if k in state["t"].label()), 100.0)
+
+    best, trials = autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=retune, run_step=run_step,
+                            measure=measure, predict=lambda: 1.0, ops=("o_proj", "gate_up", "down"),
+                            factors=(0.5, 2.0), chunks=(), rounds=2, log=lambda s: None)
+    assert best == ScheduleTuning((("gate_up", 2.0),)) and state["t"] == best
+    bad = [t for t in trials if t.tuning.factor("o_proj") == 0.5]
+    assert bad and all(not t.ok and t.us is None for t in bad)
+    assert not any("o_projx0.5" in m for m in measured)
+    assert trials[0].tuning.is_default and trials[0].us == 100.0
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_autotune", REPO / "bench" / "autotune.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_autotune_cpu_plumbing_writes_a_table_the_decoder_uses(tmp_path, monkeypatch):
+    bench = _load_bench()
+    table = tmp_path / "table.json"
+    rc = bench.main(["--device", "cpu", "--models", "tiny", "--batch", "1", "3", "--lm-head", "on", "--num-sms", "6",
+                     "--rounds", "1", "--outdir", str(tmp_path), "--cache", str(table)])
+    assert rc == 0
+    report = next(tmp_path.glob("autotune_*_tiny_cpu.md")).read_text()
+    assert "## Winners" in report and "time model" in report and "| default |" in report
+    tab = TuningTable.load(table, "cpu")
+    assert {k.batch for k in tab.entries} == {1, 3}
+    spec = LlamaSpec.tiny()
+    e = tab.entries[tn.spec_tuning_key(spec, 1, 6, True)]
+    assert e.best_us <= e.default_us and e.meta["measured"].startswith("time model")
+    # the decoder picks the table's winners up through MK_TUNING=<file>
+    monkeypatch.setenv("MK_TUNING", str(table))
+    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6, lm_head=True)
+    for b in (1, 3):
+        w = tab.winner(tn.spec_tuning_key(spec, b, 6, True))
+        assert dec.tunings[b] == (w.tuning if w else tn.DEFAULT_TUNING)
+    with pytest.raises(SystemExit, match="a cpu run has none"):
+        bench.main(["--device", "cpu", "--models", "tiny", "--write-tuned"])
+
+
+def test_tuning_key_ignores_fallback_order():
+    assert TuningKey.of(1, 2, 3, True, ["o_proj", "down"]) == TuningKey.of(1, 2, 3, True, ("down", "o_proj"))
