@@ -155,11 +155,17 @@ constexpr int PRODUCER_WARPS = 1;
 constexpr int NUM_THREADS = 288;
 constexpr int SETMAXNREG_PRODUCER_WARPS = 4;
 constexpr int CONSUMER_THREADS = 256;
-constexpr int NUM_STAGES = 6;
+// Ring depth: -DMK_NUM_STAGES (encoding.layout_of / KernelLayout.with_stages); the scratch
+// (UNION) takes what the ring gives up, so the shared memory per CTA does not change.
+#ifndef MK_NUM_STAGES
+#define MK_NUM_STAGES 6
+#endif
+constexpr int NUM_STAGES = MK_NUM_STAGES;
+static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;
 constexpr int SLOT_BYTES = 33024;
-constexpr int UNION_BYTES = 32768;
+constexpr int UNION_BYTES = 32768 + (6 - NUM_STAGES) * SLOT_BYTES;
 constexpr int ACC_TILES = 8;
 constexpr int MISC_BYTES = 512;
 constexpr int SMEM_BYTES = 231424;

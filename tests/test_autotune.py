@@ -51,6 +51,8 @@ def op_task_counts(program) -> dict[str, int]:
     ({"split": ("o_proj",)}, "not an (op, factor) pair"),
     ({"attn_chunks": 33}, "0..32"),
     ({"attn_chunks": -1}, "0..32"),
+    ({"num_stages": 3}, "num_stages=3: choose 0"),
+    ({"num_stages": True}, "num_stages=True"),
 ])
 def test_tuning_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -58,10 +60,12 @@ def test_tuning_rejects_bad_values(kw, msg):
 
 
 def test_tuning_json_label_and_helpers():
-    t = ScheduleTuning().with_split("gate_up", 2.0).with_split("o_proj", 0.5).with_chunks(4)
-    assert t.label() == "gate_upx2,o_projx0.5,chunks4" and not t.is_default
+    t = ScheduleTuning().with_split("gate_up", 2.0).with_split("o_proj", 0.5).with_chunks(4).with_stages(5)
+    assert t.label() == "gate_upx2,o_projx0.5,chunks4,stages5" and not t.is_default
     assert ScheduleTuning.from_json(json.loads(json.dumps(t.to_json()))) == t
-    assert t.with_split("gate_up", 1.0) == ScheduleTuning((("o_proj", 0.5),), 4)  # factor 1 = not listed
+    assert t.defines() == ("-DMK_NUM_STAGES=5",) and ScheduleTuning().defines() == ()
+    assert ScheduleTuning.from_json({"split": {}, "attn_chunks": 2}) == ScheduleTuning(attn_chunks=2)  # older tables
+    assert t.with_split("gate_up", 1.0) == ScheduleTuning((("o_proj", 0.5),), 4, 5)  # factor 1 = not listed
     assert t.tasks_for("gate_up", 132) == 264 and t.tasks_for("down", 132) == 132 and t.tasks_for("o_proj", 3) == 2
     assert ScheduleTuning().label() == "default" and ScheduleTuning().is_default
     with pytest.raises(ValueError, match="unknown tuning field"):
@@ -174,9 +178,43 @@ def test_resolve_order_and_config(tmp_path, monkeypatch):
 
 
 # ---- the search --------------------------------------------------------------------------------------
+def test_ring_depth_variants_share_the_shared_memory():
+    from mk_plugin.persistent import encoding as enc
+    six = enc.layout_of(())
+    assert six == enc.LAYOUT and six.num_stages == 6
+    for n in enc.STAGE_CHOICES:
+        lay = enc.layout_of((f"-DMK_NUM_STAGES={n}", "-DMK_ROUNDING=1"))
+        assert lay.num_stages == n and lay.smem_bytes == six.smem_bytes
+        assert lay.union_bytes == six.union_bytes + (6 - n) * six.slot_bytes
+    # 5 stages stage batch-8 activations of K = 2048 norm-fused ops ((8 + 1) rows of 2 K + 16 bytes,
+    # csrc/matvec.cuh staged_fits, with its 512 bytes of per-warp sums); 6 do not
+    need = 9 * (2 * 2048 + 16) + 4 * 8 * 16
+    assert enc.layout_of(("-DMK_NUM_STAGES=5",)).union_bytes >= need > six.union_bytes
+    with pytest.raises(ValueError, match="MK_NUM_STAGES=3: choose one of 4, 5, 6"):
+        enc.layout_of(("-DMK_NUM_STAGES=3",))
+    h = enc.generate_header()
+    assert "#ifndef MK_NUM_STAGES" in h and "constexpr int NUM_STAGES = MK_NUM_STAGES;" in h
+    assert f"UNION_BYTES = {six.union_bytes} + (6 - NUM_STAGES) * SLOT_BYTES" in h
+
+
+def test_decoder_keeps_one_kernel_per_ring_depth(monkeypatch):
+    """CUDA decoders launch each batch size's program on the kernel of its tuning's ring depth; the
+    modules are built lazily and shared between batch sizes (checked here without a GPU)."""
+    from mk_plugin.persistent import runtime
+    w = random_weights(SPEC, seed=1)
+    dec = MegakernelDecoder(SPEC, w, 4, "cpu", num_sms=SMS, tuning={2: ScheduleTuning(num_stages=5),
+                                                                    3: ScheduleTuning(num_stages=5)},
+                            defines=("-DMK_ROUNDING=1",))
+    m1, m2, m3 = dec.module(1), dec.module(2), dec.module(3)
+    assert isinstance(m1, runtime.MegakernelModule) and m2 is m3 and m1 is not m2
+    assert m1.defines == ("-DMK_ROUNDING=1",) and m2.defines == ("-DMK_ROUNDING=1", "-DMK_NUM_STAGES=5")
+    assert m2.layout.num_stages == 5 and m1.layout.num_stages == 6 and m1.key != m2.key
+
+
 def test_neighbours_drop_equivalent_values():
     base = ScheduleTuning()
     cands = neighbours(SPEC, 2, SMS, base, lm_head=False)
+    assert sorted(t.num_stages for k, t in cands if k == "num_stages") == [4, 5]
     assert all(k != "lm_head" for k, _ in cands)
     for op in ("qkv_rope", "o_proj", "gate_up", "down"):
         counts = [effective_tasks(SPEC, op, t.factor(op), SMS) for k, t in cands if k == op]
@@ -187,10 +225,11 @@ def test_neighbours_drop_equivalent_values():
 
 def test_autotune_keeps_only_checked_faster_candidates():
     """A fake GPU: o_proj x0.5 is fastest but computes garbage (rejected, never timed); gate_up x2 is
-    fast and right (chosen); down x0.5 is 1% faster (inside min_gain: not taken)."""
+    fast and right, and faster with 5 ring stages (chosen); down x0.5 is 1% faster (inside min_gain:
+    not taken)."""
     state = {"t": ScheduleTuning()}
     truth = torch.linspace(-1, 1, 50, dtype=torch.bfloat16)
-    times = {"o_projx0.5": 50.0, "gate_upx2": 80.0, "downx0.5": 99.0}
+    times = {"o_projx0.5": 50.0, "gate_upx2,stages5": 70.0, "gate_upx2": 80.0, "downx0.5": 99.0}
     measured: list[str] = []
 
     def retune(t):
@@ -205,8 +244,8 @@ def test_autotune_keeps_only_checked_faster_candidates():
 
     best, trials = autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=retune, run_step=run_step,
                             measure=measure, predict=lambda: 1.0, ops=("o_proj", "gate_up", "down"),
-                            factors=(0.5, 2.0), chunks=(), rounds=2, log=lambda s: None)
-    assert best == ScheduleTuning((("gate_up", 2.0),)) and state["t"] == best
+                            factors=(0.5, 2.0), chunks=(), stages=(6, 5), rounds=2, log=lambda s: None)
+    assert best == ScheduleTuning((("gate_up", 2.0),), num_stages=5) and state["t"] == best
     bad = [t for t in trials if t.tuning.factor("o_proj") == 0.5]
     assert bad and all(not t.ok and t.us is None for t in bad)
     assert not any("o_projx0.5" in m for m in measured)

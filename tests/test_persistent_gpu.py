@@ -302,22 +302,25 @@ def test_watchdog_stops_a_hung_program(models, mk_defines):
     assert not dec.pending_error()
 
 
-@pytest.mark.parametrize("bsz", [1, 8])
+@pytest.mark.parametrize("bsz", [1, 8, 16])
 def test_tuned_programs_match_the_default(models, mk_defines, bsz):
-    """Every ScheduleTuning runs on the same kernel (bench/autotune.py also checks each candidate);
-    extreme splits and chunk counts here: the output, logits and KV appends equal the default's
-    within the step tolerance (a pass's chunk width depends on its rows, so not always bitwise)."""
+    """Tunings (bench/autotune.py also checks each candidate it times): extreme splits and chunk
+    counts, and the 5- and 4-stage ring variants, whose larger scratch stages activations the default
+    kernel reads from L2 (batch 8: qkv_rope/o_proj/gate_up with 5 stages; batch 16, two batch
+    n-tiles: with 4 stages, a staged path no default program takes). The output, logits and KV
+    appends equal the default kernel's within the step tolerance."""
     from mk_plugin.persistent.tuning import ScheduleTuning
     spec, w = models("llama-3.2-1b", 4)
-    seq_lens = [1, 0, 4095, 260, 3, 90, 1025, 31][:bsz] if bsz > 1 else [1337]
+    seq_lens = ([1, 0, 4095, 260, 3, 90, 1025, 31] * 2)[:bsz] if bsz > 1 else [1337]
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines, tuning="off"),
                    spec, w, batch, cs)
     for t in (ScheduleTuning((("down", 0.25), ("gate_up", 3.0), ("lm_head", 0.5), ("o_proj", 0.5),
-                              ("qkv_rope", 2.0)), attn_chunks=3),
+                              ("qkv_rope", 2.0)), attn_chunks=3, num_stages=5),
               ScheduleTuning((("down", 4.0), ("gate_up", 0.25), ("lm_head", 2.0), ("o_proj", 8.0),
-                              ("qkv_rope", 0.125)), attn_chunks=32)):
+                              ("qkv_rope", 0.125)), attn_chunks=32, num_stages=4),
+              ScheduleTuning(num_stages=5)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines, tuning={bsz: t})
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t

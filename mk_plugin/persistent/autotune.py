@@ -1,5 +1,6 @@
-"""Search over ScheduleTuning for one (decoder, batch): coordinate descent with a measurement and a
-correctness check per candidate. The GPU driver is bench/autotune.py; CPU tests drive it with the
+"""Search over ScheduleTuning for one (decoder, batch): coordinate descent over the task split of
+each op, the attention KV chunks and the ring depth, with a measurement and a correctness check per
+candidate. The GPU driver is bench/autotune.py; CPU tests drive it with the
 VM and the time model as the "measurement".
 
 Every candidate is run once and its output compared with the default program's output (the
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import compare
+from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
 
@@ -45,10 +47,14 @@ def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
 
 def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Iterable[str] = SPLIT_OPS,
                factors: Iterable[float] = SPLIT_FACTORS, chunks: Iterable[int] | None = None,
-               lm_head: bool = True) -> list[tuple[str, ScheduleTuning]]:
+               stages: Iterable[int] = STAGE_CHOICES, lm_head: bool = True) -> list[tuple[str, ScheduleTuning]]:
     """Candidates differing from `base` in one knob, each with the knob's name; values that give the
     same program as another value of that knob (same task count) are dropped."""
     out: list[tuple[str, ScheduleTuning]] = []
+    cur_s = base.num_stages or LAYOUT.num_stages
+    for n in stages:
+        if n != cur_s:
+            out.append(("num_stages", base.with_stages(0 if n == LAYOUT.num_stages else n)))
     default_c = attention_chunks(batch, spec.num_kv_heads, num_sms)
     if chunks is None:
         chunks = sorted({max(1, default_c // 4), max(1, default_c // 2), default_c, min(MAX_ATTN_CHUNKS, 2 * default_c)})
@@ -75,7 +81,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              predict: Callable[[], float],
              rounds: int = 2, min_gain: float = TUNED_MIN_GAIN,
              ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
-             chunks: Iterable[int] | None = None,
+             chunks: Iterable[int] | None = None, stages: Iterable[int] = STAGE_CHOICES,
              log: Callable[[str], None] = print) -> tuple[ScheduleTuning, list[Trial]]:
     """Coordinate descent from the default tuning.
 
@@ -84,7 +90,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     measure(): microseconds of one step (GPU: CUDA-graph replays, median). predict(): the time
     model's microseconds for the current program. Returns (best tuning, every trial in order)."""
     dtype = spec.torch_dtype
-    ops, factors = tuple(ops), tuple(factors)
+    ops, factors, stages = tuple(ops), tuple(factors), tuple(stages)
     trials: list[Trial] = []
 
     def trial(t: ScheduleTuning, ref: torch.Tensor | None) -> Trial:
@@ -112,10 +118,12 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     tried = {DEFAULT_TUNING}
     for r in range(rounds):
         moved = False
-        knobs = ["attn_chunks", *[o for o in ops if lm_head or o != "lm_head"]]
+        # the ring depth last: it is the one knob that compiles a kernel variant
+        knobs = ["attn_chunks", *[o for o in ops if lm_head or o != "lm_head"], "num_stages"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
-                                              chunks=chunks, lm_head=lm_head) if k == knob and t not in tried]
+                                              chunks=chunks, stages=stages, lm_head=lm_head)
+                     if k == knob and t not in tried]
             for t in cands:
                 tried.add(t)
                 tr = trial(t, ref)

@@ -230,10 +230,10 @@ class MegakernelDecoder:
         self._entries: dict[int, _Entry] = {}
         self._kv_key: tuple[int, ...] | None = None
         self._kvptr: torch.Tensor | None = None
-        self._module = None
+        self._module = None       # the kernel of the decoder's own defines
+        self._modules: dict[tuple[str, ...], object] = {}   # + a tuning's defines (ring depth)
         if self.executor == "cuda":
-            from .runtime import MegakernelModule
-            self._module = MegakernelModule(spec, defines=self.defines)
+            self._module = self._module_with(())
 
     # ---- set-up --------------------------------------------------------------------------------
     def _resolve_tunings(self, tuning: str | dict[int, ScheduleTuning]) -> None:
@@ -253,6 +253,18 @@ class MegakernelDecoder:
         for b in range(1, self.max_tokens + 1):
             key = spec_tuning_key(self.spec, b, self.num_sms, self.lm_head, self.fallback)
             self.tunings[b], self.tuning_source[b] = resolve(tuning, gpu, key)
+
+    def _module_with(self, extra: tuple[str, ...]):
+        """The MegakernelModule of the decoder's defines plus `extra` (a tuning's), one per set."""
+        from .runtime import MegakernelModule
+        key = tuple(self.defines) + tuple(extra)
+        if key not in self._modules:
+            self._modules[key] = MegakernelModule(self.spec, defines=key)
+        return self._modules[key]
+
+    def module(self, batch: int):
+        """The kernel that runs the program of `batch` tokens (CUDA executor)."""
+        return self._module_with(self.tunings[batch].defines())
 
     def attn_chunks(self, batch: int) -> int:
         """KV chunks per (request, kv head) of the program for `batch` tokens."""
@@ -327,11 +339,13 @@ class MegakernelDecoder:
     def prepare(self, batch_sizes: list[int] | None = None) -> None:
         """Build (and for CUDA, compile and upload) the programs of these padded batch sizes now,
         outside any CUDA-graph capture. Default: 1..max_tokens."""
-        for b in batch_sizes or range(1, self.max_tokens + 1):
+        sizes = batch_sizes or range(1, self.max_tokens + 1)
+        for b in sizes:
             self._entry(b)
         if self._module is not None:
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self._module.kernel(idx)
+            for b in sizes:
+                self.module(b).kernel(idx)
 
     def _entry(self, batch: int) -> _Entry:
         e = self._entries.get(batch)
@@ -660,13 +674,14 @@ class MegakernelDecoder:
         args = self.launch_args(e, io, bufs)
         e.counters.zero_()
         assert self._module is not None
+        module = self.module(e.program.batch)
         for i, (step, prog) in enumerate(zip(e.program.steps, e.seg_progs)):
             if isinstance(step, FallbackStep):
                 self._fallback(step.op, bufs, io)
             else:
                 args["prog"] = prog
                 args["trace"] = e.traces[i] if e.traces is not None else None
-                self._module.launch(self.device, self.num_sms, args)
+                module.launch(self.device, self.num_sms, args)
 
     def trace_records(self, batch: int) -> list[dict[str, int | str]]:
         """The per-task trace of the last step of `batch` tokens (decoder built with trace=True):

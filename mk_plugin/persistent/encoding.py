@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -263,8 +263,31 @@ class KernelLayout:
         return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
 
 
+    def with_stages(self, num_stages: int) -> KernelLayout:
+        """The same shared memory with a ring of num_stages slots: the per-task scratch takes what the
+        ring gives up (a deeper scratch stages larger activations: matvec.cuh staged_fits)."""
+        return replace(self, num_stages=num_stages,
+                       union_bytes=self.union_bytes + (self.num_stages - num_stages) * self.slot_bytes)
+
+
 LAYOUT = KernelLayout()
 SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
+# Ring depths a kernel can be compiled with (-DMK_NUM_STAGES; the autotuner's tuning.num_stages).
+# 6 is the GPU-measured default; 5 gives the scratch 64.25 KiB, which stages batch-8 activations of
+# qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
+STAGE_CHOICES = (4, 5, 6)
+
+
+def layout_of(defines: tuple[str, ...] | list[str] = ()) -> KernelLayout:
+    """The KernelLayout a kernel compiled with `defines` has (MK_NUM_STAGES, default LAYOUT's)."""
+    raw = define_values(defines).get("MK_NUM_STAGES", str(LAYOUT.num_stages))
+    try:
+        n = int(raw, 0)
+    except ValueError:
+        n = -1
+    if n not in STAGE_CHOICES:
+        raise ValueError(f"-DMK_NUM_STAGES={raw}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
+    return LAYOUT.with_stages(n)
 
 
 def launch_threads(defines: tuple[str, ...] = ()) -> int:
@@ -276,6 +299,9 @@ def launch_threads(defines: tuple[str, ...] = ()) -> int:
 
 
 def _check_layout() -> None:
+    for n in STAGE_CHOICES:
+        lay = LAYOUT.with_stages(n)
+        assert lay.smem_bytes == LAYOUT.smem_bytes and lay.union_bytes % 128 == 0, n
     lay = LAYOUT
     assert lay.smem_bytes <= SMEM_LIMIT, lay.smem_bytes
     assert lay.chunk_cols % (16 * lay.consumer_warps) == 0
@@ -465,11 +491,18 @@ def generate_header() -> str:
         f"constexpr int NUM_THREADS = {lay.num_threads};",
         f"constexpr int SETMAXNREG_PRODUCER_WARPS = {lay.setmaxnreg_producer_warps};",
         f"constexpr int CONSUMER_THREADS = {32 * lay.consumer_warps};",
-        f"constexpr int NUM_STAGES = {lay.num_stages};",
+        "// Ring depth: -DMK_NUM_STAGES (encoding.layout_of / KernelLayout.with_stages); the scratch",
+        "// (UNION) takes what the ring gives up, so the shared memory per CTA does not change.",
+        "#ifndef MK_NUM_STAGES",
+        f"#define MK_NUM_STAGES {lay.num_stages}",
+        "#endif",
+        "constexpr int NUM_STAGES = MK_NUM_STAGES;",
+        "static_assert(" + " || ".join(f"NUM_STAGES == {n}" for n in STAGE_CHOICES) + ", \"MK_NUM_STAGES: "
+        + ", ".join(map(str, STAGE_CHOICES)) + "\");",
         f"constexpr int CHUNK_COLS = {lay.chunk_cols};",
         f"constexpr int ROW_BYTES = {lay.row_bytes};",
         f"constexpr int SLOT_BYTES = {lay.slot_bytes};",
-        f"constexpr int UNION_BYTES = {lay.union_bytes};",
+        f"constexpr int UNION_BYTES = {lay.union_bytes} + ({lay.num_stages} - NUM_STAGES) * SLOT_BYTES;",
         f"constexpr int ACC_TILES = {lay.acc_tiles};",
         f"constexpr int MISC_BYTES = {lay.misc_bytes};",
         f"constexpr int SMEM_BYTES = {lay.smem_bytes};",

@@ -21,7 +21,7 @@ import torch
 
 from ..config import get_config
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, LAYOUT, generate_header, kernel_defines, launch_threads
+from .encoding import KERNEL_PARAMS, generate_header, kernel_defines, launch_threads, layout_of
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ENTRY = "megakernel.cu"
@@ -96,6 +96,7 @@ class MegakernelModule:
         self.source = build_source()
         self.options = compile_options(self.spec, self.arch) + self.defines
         self.num_threads = launch_threads(self.defines)
+        self.layout = layout_of(self.defines)   # ring depth (MK_NUM_STAGES); the same smem for every depth
         self.key = cache_key(self.source, self.options)
 
     def kernel(self, device_index: int):
@@ -110,18 +111,19 @@ class MegakernelModule:
         with cp.cuda.Device(device_index):
             mod = cp.RawModule(code=self.source, options=self.options, name_expressions=None)
             fn = mod.get_function(KERNEL_NAME)
-            fn.max_dynamic_shared_size_bytes = LAYOUT.smem_bytes
+            fn.max_dynamic_shared_size_bytes = self.layout.smem_bytes
         if verbose:
             print(f"[mk_plugin] megakernel {self.spec.name} key={self.key} arch={self.arch} built in "
                   f"{time.perf_counter() - t0:.2f}s: {fn.num_regs} registers, "
-                  f"{fn.local_size_bytes} B local (stack), {LAYOUT.smem_bytes} B dynamic smem")
+                  f"{fn.local_size_bytes} B local (stack), {self.layout.smem_bytes} B dynamic smem, "
+                  f"{self.layout.num_stages} ring stages")
         _MODULES[k] = fn
         return fn
 
     def launch(self, device: torch.device, num_queues: int, args: dict[str, object]) -> None:
         """Launch one segment program on torch's current stream: grid = num_queues (one CTA per
         SM; the kernel refuses a program whose header disagrees), self.num_threads threads,
-        LAYOUT.smem_bytes dynamic shared memory. `args` maps every name of encoding.KERNEL_PARAMS
+        self.layout.smem_bytes dynamic shared memory. `args` maps every name of encoding.KERNEL_PARAMS
         to a tensor / _Ptr / None (pointer parameters) or an int ("int" parameters).
         No host synchronisation."""
         import cupy as cp
@@ -130,7 +132,7 @@ class MegakernelModule:
         fn = self.kernel(idx)
         stream = _external_stream(cp, torch.cuda.current_stream(device))
         with cp.cuda.Device(idx), stream:
-            fn((num_queues,), (self.num_threads,), pack_args(cp, args), shared_mem=LAYOUT.smem_bytes)
+            fn((num_queues,), (self.num_threads,), pack_args(cp, args), shared_mem=self.layout.smem_bytes)
 
 
 def pack_args(cp, args: dict[str, object]) -> tuple:

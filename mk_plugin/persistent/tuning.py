@@ -1,18 +1,22 @@
-"""Program-level choices of the megakernel that the autotuner measures, and where its winners live.
+"""Choices of the megakernel that the autotuner measures, and where its winners live.
 
-A `ScheduleTuning` changes only how the decode step is cut into tasks -- units (16 output columns)
-per task of each weight-streaming op, and the attention's KV chunks -- never the kernel's code, so
-every tuning runs on the same compiled module, and a tuned program is as correct as the default one
-(the VM and the deadlock/ordering checks run on any of them; the autotuner also compares each
-candidate's output with the default program's before timing it).
+A `ScheduleTuning` sets how the decode step is cut into tasks -- units (16 output columns) per task
+of each weight-streaming op, and the attention's KV chunks -- and the ring depth the kernel is
+compiled with (`num_stages`, -DMK_NUM_STAGES: the one compile-time knob; the per-task scratch takes
+the shared memory the ring gives up, so fewer stages stage larger activations). The task split
+changes only the program, so a tuned program is as correct as the default one (the VM and the
+deadlock/ordering checks run on any of them); the autotuner also compares each candidate's output
+with the default program's before timing it.
 
 Why these knobs: the H200 traces (bench/results/trace_*) show the small per-layer ops (qkv_rope,
 o_proj: 12.6 and 8.4 MB at 1B) at ~1.5 TB/s, dominated by per-task fixed cost and counter waits,
 while gate_up/down/lm_head stream at 2.6-4.3 TB/s. Fewer, larger tasks amortise the fixed cost;
 more, smaller tasks balance the tail. Which wins depends on the GPU, the shape and the batch, which
-is what a measurement per (GPU, shape, batch) settles. The ring depth and chunk width are layout
-constants (encoding.KernelLayout, generated into csrc/tasks.h): 6 x 32 KiB in flight per SM is
-already ~6x what Little's law asks for at the copy rate, so they are not searched.
+is what a measurement per (GPU, shape, batch) settles. The ring depth trades bytes in flight for
+scratch: 6 x 32 KiB in flight per SM is ~6x what Little's law asks for at the copy rate, while at
+batch 8 the 32 KiB scratch cannot stage qkv_rope's, o_proj's or gate_up's activations (their tasks
+then take 2x their batch-1 time in the H200 trace); 5 stages leave 64 KiB. The chunk width is not
+searched.
 
 Winners are stored per GPU model like the Triton linear's (triton_ops/linear.py): a packaged table
 `tuned/megakernel_<gpu>.json` (committed from the GPU host) and a user cache
@@ -25,10 +29,11 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..spec import LlamaSpec
+from .encoding import STAGE_CHOICES
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -46,9 +51,11 @@ class ScheduleTuning:
     split: (op, factor) pairs; op `op` is cut into round(num_sms * factor) tasks (at most one per
       unit). Ops not listed use factor 1.0 (about one task per SM).
     attn_chunks: KV chunks per (request, kv head); 0 = tasks.attention_chunks (one wave of partials).
+    num_stages: weight ring depth (encoding.STAGE_CHOICES); 0 = the layout's default (6).
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
+    num_stages: int = 0
 
     def __post_init__(self) -> None:
         seen = set()
@@ -68,6 +75,9 @@ class ScheduleTuning:
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
+        if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
+            raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
+                             f"{', '.join(map(str, STAGE_CHOICES))}")
 
     def factor(self, op: str) -> float:
         return dict(self.split).get(op, 1.0)
@@ -79,31 +89,41 @@ class ScheduleTuning:
     def with_split(self, op: str, factor: float) -> ScheduleTuning:
         rest = tuple((o, f) for o, f in self.split if o != op)
         new = rest if factor == 1.0 else rest + ((op, float(factor)),)
-        return ScheduleTuning(tuple(sorted(new)), self.attn_chunks)
+        return replace(self, split=tuple(sorted(new)))
 
     def with_chunks(self, chunks: int) -> ScheduleTuning:
-        return ScheduleTuning(self.split, chunks)
+        return replace(self, attn_chunks=chunks)
+
+    def with_stages(self, num_stages: int) -> ScheduleTuning:
+        return replace(self, num_stages=num_stages)
+
+    def defines(self) -> tuple[str, ...]:
+        """The -D options of the kernel this tuning runs on (added to the decoder's own)."""
+        return (f"-DMK_NUM_STAGES={self.num_stages}",) if self.num_stages else ()
 
     @property
     def is_default(self) -> bool:
-        return not self.split and self.attn_chunks == 0
+        return not self.split and self.attn_chunks == 0 and self.num_stages == 0
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
         if self.attn_chunks:
             parts.append(f"chunks{self.attn_chunks}")
+        if self.num_stages:
+            parts.append(f"stages{self.num_stages}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
-        return {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks}
+        return {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks,
+                "num_stages": self.num_stages}
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        unknown = set(d) - {"split", "attn_chunks"}
+        unknown = set(d) - {"split", "attn_chunks", "num_stages"}
         if unknown:
-            raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: split, attn_chunks")
+            raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: split, attn_chunks, num_stages")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
-        return cls(split, int(d.get("attn_chunks", 0)))
+        return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -205,8 +225,8 @@ class TuningTable:
 
     def nearest(self, key: TuningKey) -> TuningEntry | None:
         """The winner for `key`, else the winner of the nearest tuned batch size of the same model,
-        SM count, lm_head and fallback (ties: the larger batch), with its split but the default
-        attention chunks (chunks are chosen per batch: they scale with B * kv heads)."""
+        SM count, lm_head and fallback (ties: the larger batch), with its split and ring depth but the
+        default attention chunks (chunks are chosen per batch: they scale with B * kv heads)."""
         e = self.winner(key)
         if e is not None:
             return e
@@ -216,7 +236,7 @@ class TuningTable:
             return None
         k = min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch))
         e = self.entries[k]
-        t = ScheduleTuning(e.tuning.split, 0)
+        t = e.tuning.with_chunks(0)
         if t.is_default:
             return None
         return TuningEntry(key, t, e.best_us, e.default_us, e.meta | {"from_batch": k.batch})
