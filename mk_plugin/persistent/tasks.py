@@ -184,6 +184,24 @@ def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
     return TASK_FIXED_NS + units * unit_weight_bytes(spec, name) / (HBM_BYTES_PER_NS / num_sms)
 
 
+# Ops over output units whose task reads a whole input row (in_buf) and maybe the residual columns
+# it adds to (res_buf): input width, and (in, res, out, the counter its tasks wait on) per layer.
+_ROW_OP_IN_WIDTH = {"o_proj": lambda s: s.q_size, "gate_up": lambda s: s.hidden_size,
+                    "down": lambda s: s.intermediate_size, "final_norm": lambda s: s.hidden_size,
+                    "lm_head": lambda s: s.hidden_size}
+
+
+def _row_op(spec: LlamaSpec, op: FusedOp) -> tuple[Buf, Buf, Buf, str]:
+    L = op.layer
+    return {
+        "o_proj": (Buf.ATTN_O, residual_source(L), Buf.RESID, f"L{L}.attn"),
+        "gate_up": (Buf.RESID, Buf.NONE, Buf.ACT, f"L{L}.o_proj"),
+        "down": (Buf.ACT, Buf.RESID, Buf.RESID, f"L{L}.gate_up"),
+        "final_norm": (Buf.RESID, Buf.NONE, Buf.OUT, f"L{spec.num_layers - 1}.down"),
+        "lm_head": (Buf.OUT, Buf.NONE, Buf.LOGITS, "final_norm"),
+    }[op.name]
+
+
 class _Builder:
     def __init__(self, spec: LlamaSpec, batch: int, num_sms: int):
         self.spec, self.batch, self.num_sms = spec, batch, num_sms
@@ -276,39 +294,19 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                                          writes=[("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]))
                         pending.append((t, [f"L{L}.part.b{b}.g{g}"]))
         else:
+            in_buf, res_buf, out_buf, dep = _row_op(spec, op)
             units = op_units(spec, name)
             ctr = bld.counter(op.key, op.key)
             parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
             for u0, n in split_units(0, units, parts):
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
-                if name == "o_proj":
-                    src = residual_source(L)
-                    t = Task(0, Opcode.O_PROJ, op, (u0, n, 0), in_buf=Buf.ATTN_O, res_buf=src, out_buf=Buf.RESID,
-                             reads=[("ATTN_O", *all_rows, 0, spec.q_size), (src.name, *all_rows, c0, c1)],
-                             writes=[("RESID", *all_rows, c0, c1)])
-                    deps = [f"L{L}.attn"]
-                elif name == "gate_up":
-                    t = Task(0, Opcode.GATE_UP, op, (u0, n, 0), in_buf=Buf.RESID, out_buf=Buf.ACT,
-                             reads=[("RESID", *all_rows, 0, spec.hidden_size)], writes=[("ACT", *all_rows, c0, c1)])
-                    deps = [f"L{L}.o_proj"]
-                elif name == "down":
-                    t = Task(0, Opcode.DOWN, op, (u0, n, 0), in_buf=Buf.ACT, res_buf=Buf.RESID, out_buf=Buf.RESID,
-                             reads=[("ACT", *all_rows, 0, spec.intermediate_size), ("RESID", *all_rows, c0, c1)],
-                             writes=[("RESID", *all_rows, c0, c1)])
-                    deps = [f"L{L}.gate_up"]
-                elif name == "final_norm":
-                    t = Task(0, Opcode.FINAL_NORM, op, (u0, n, 0), in_buf=Buf.RESID, out_buf=Buf.OUT,
-                             reads=[("RESID", *all_rows, 0, spec.hidden_size)], writes=[("OUT", *all_rows, c0, c1)])
-                    deps = [f"L{spec.num_layers - 1}.down"]
-                elif name == "lm_head":
-                    t = Task(0, Opcode.LM_HEAD, op, (u0, n, 0), in_buf=Buf.OUT, out_buf=Buf.LOGITS,
-                             reads=[("OUT", *all_rows, 0, spec.hidden_size)], writes=[("LOGITS", *all_rows, c0, c1)])
-                    deps = ["final_norm"]
-                else:  # pragma: no cover - decode_graph only emits known ops
-                    raise AssertionError(name)
-                t.signal = (ctr, n)
-                t.cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
-                pending.append((bld.add(t), deps))
+                reads = [(in_buf.name, *all_rows, 0, _ROW_OP_IN_WIDTH[name](spec))]
+                if res_buf is not Buf.NONE:
+                    reads.append((res_buf.name, *all_rows, c0, c1))
+                t = Task(0, OP_OPCODE[name], op, (u0, n, 0), in_buf=in_buf, res_buf=res_buf, out_buf=out_buf,
+                         signal=(ctr, n), reads=reads, writes=[(out_buf.name, *all_rows, c0, c1)],
+                         cost=FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms))
+                pending.append((bld.add(t), [dep]))
         op_ranges[op.key] = (first, len(bld.tasks))
 
     for t, deps in pending:
