@@ -323,6 +323,22 @@ def bind_kv(model, caches) -> None:
         layer.self_attn.attn.kv_cache = c
 
 
+def reference_out(w, b, caches: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 reference's final hidden state for decode batch b over `caches` (a copy of b's)."""
+    exp, _ = ref.decode_step(SPEC, w, b.input_ids, b.positions, caches, b.block_table, b.seq_lens,
+                             b.slot_mapping, ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype))
+    return exp
+
+
+def decode_once(model, w, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of batch b through the model (its KV caches bound), and the reference's."""
+    caches_ref = b.clone_caches()
+    bind_kv(model, b.kv_caches)
+    with fwd_ctx(fa_md(b)):
+        out = model(b.input_ids, b.positions)
+    return out, reference_out(w, b, caches_ref)
+
+
 def profile_run(model) -> torch.Tensor:
     """vLLM's profile run: a forward call with no forward context (or no metadata): stock."""
     return model(torch.zeros(16, dtype=torch.int64), torch.arange(16))
@@ -352,8 +368,7 @@ def test_decode_path_matches_reference(monkeypatch, mk_log, triton_ops):
         out = model(ids, pos)
     assert out.shape == (4, SPEC.hidden_size) and model.stock_calls == 1
     assert out.data_ptr() == st.out_buf.data_ptr() and st.workspace.h.data_ptr() == ws_ptr  # no reallocation
-    exp, _ = ref.decode_step(SPEC, w, b.input_ids, b.positions, caches_ref, b.block_table, b.seq_lens,
-                             b.slot_mapping, ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype))
+    exp = reference_out(w, b, caches_ref)
     assert_matches(out[:2], exp[:2], SPEC.torch_dtype, "step")
     for got, want in zip(b.kv_caches, caches_ref):  # this step's K/V written where stock would
         for slot in b.slot_mapping[:2].tolist():
@@ -449,13 +464,7 @@ def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
     dec = model._mk_state.decoder
     assert isinstance(dec, MegakernelDecoder) and dec.rounding == Rounding[rounding.upper()]
     assert model.mk_status()["rounding"] == rounding
-    b = make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1)
-    caches_ref = b.clone_caches()
-    bind_kv(model, b.kv_caches)
-    with fwd_ctx(fa_md(b)):
-        out = model(b.input_ids, b.positions)
-    exp, _ = ref.decode_step(SPEC, w, b.input_ids, b.positions, caches_ref, b.block_table, b.seq_lens,
-                             b.slot_mapping, ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype))
+    out, exp = decode_once(model, w, make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1))
     assert_matches(out[:2], exp[:2], SPEC.torch_dtype, "step")
     assert mk_log.warnings() == [] and model.mk_status()["counts"].get("decode:3") == 1
 
@@ -473,13 +482,7 @@ def test_megakernel_uses_the_tuning_table_mk_tuning_names(monkeypatch, mk_log, t
     src = model.mk_status()["tuning"]
     assert dec.tunings[3] == t and str(table) in src[3] and "80.0 vs 100.0 us" in src[3]
     assert dec.tunings[2] == tn.ScheduleTuning((("gate_up", 2.0), ("o_proj", 0.5))) and "batch 3's" in src[2]
-    b = make_decode_batch(SPEC, [37, 5, 19], block_size=16, seed=4)
-    caches_ref = b.clone_caches()
-    bind_kv(model, b.kv_caches)
-    with fwd_ctx(fa_md(b)):
-        out = model(b.input_ids, b.positions)
-    exp, _ = ref.decode_step(SPEC, w, b.input_ids, b.positions, caches_ref, b.block_table, b.seq_lens,
-                             b.slot_mapping, ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype))
+    out, exp = decode_once(model, w, make_decode_batch(SPEC, [37, 5, 19], block_size=16, seed=4))
     assert dec.program(3).tuning == t and dec.program(3).attn_chunks == 3
     assert_matches(out, exp, SPEC.torch_dtype, "step")
     assert mk_log.warnings() == []
