@@ -89,12 +89,11 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
     t0 = time.time()
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, log=log)
-    best_us = min(t.us for t in trials if t.ok and t.tuning == best)
     meta = {"spec": spec.name, "ctx": args.ctx, "date": common.today(), "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
             "measured": "cuda-graph median" if cuda else "time model (cpu plumbing run)"}
     key = spec_tuning_key(spec, bsz, dec.num_sms, lm_head)
-    return TuningEntry(key, best, best_us, trials[0].us, meta), trials
+    return TuningEntry(key, best.tuning, best.us, trials[0].us, meta), trials
 
 
 def tune_model(spec: LlamaSpec, args, device: str, log) -> list[tuple[TuningEntry, list]]:

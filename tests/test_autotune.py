@@ -160,14 +160,14 @@ def test_resolve_order_and_config(tmp_path, monkeypatch):
     monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "pkg")
     key = tn.spec_tuning_key(SPEC, 1, SMS, False)
     user, pkg = ScheduleTuning((("down", 0.5),)), ScheduleTuning((("gate_up", 2.0),))
-    assert tn.resolve("auto", "NVIDIA H200", key) == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    assert tn.resolve("auto", "NVIDIA H200", [key])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
     TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
-    assert tn.resolve("auto", "NVIDIA H200", key)[0] == pkg
+    assert tn.resolve("auto", "NVIDIA H200", [key])[0][0] == pkg
     TuningTable("NVIDIA H200", [entry(1, user, 80, 100)]).save(tn.user_cache_file("NVIDIA H200"))
-    t, why = tn.resolve("auto", "NVIDIA H200", key)
+    t, why = tn.resolve("auto", "NVIDIA H200", [key])[0]
     assert t == user and "80.0 vs 100.0 us" in why                      # the user cache wins
-    assert tn.resolve("off", "NVIDIA H200", key)[0] == tn.DEFAULT_TUNING
-    assert tn.resolve(str(tn.tuned_file("NVIDIA H200")), "NVIDIA H200", key)[0] == pkg
+    assert tn.resolve("off", "NVIDIA H200", [key])[0][0] == tn.DEFAULT_TUNING
+    assert tn.resolve(str(tn.tuned_file("NVIDIA H200")), "NVIDIA H200", [key])[0][0] == pkg
     assert tn.tuned_file("NVIDIA H200").name == "megakernel_nvidia_h200.json"
     # MK_TUNING: auto (default), off, a file; anything else is refused with the value named
     assert MkConfig.from_env({}).tuning == "auto" and MkConfig.from_env({"MK_TUNING": "OFF"}).tuning == "off"
@@ -245,7 +245,8 @@ def test_autotune_keeps_only_checked_faster_candidates():
     best, trials = autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=retune, run_step=run_step,
                             measure=measure, predict=lambda: 1.0, ops=("o_proj", "gate_up", "down"),
                             factors=(0.5, 2.0), chunks=(), stages=(6, 5), rounds=2, log=lambda s: None)
-    assert best == ScheduleTuning((("gate_up", 2.0),), num_stages=5) and state["t"] == best
+    assert best.tuning == ScheduleTuning((("gate_up", 2.0),), num_stages=5) and state["t"] == best.tuning
+    assert best.us == 70.0
     bad = [t for t in trials if t.tuning.factor("o_proj") == 0.5]
     assert bad and all(not t.ok and t.us is None for t in bad)
     assert not any("o_projx0.5" in m for m in measured)

@@ -82,18 +82,19 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              rounds: int = 2, min_gain: float = TUNED_MIN_GAIN,
              ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
              chunks: Iterable[int] | None = None, stages: Iterable[int] = STAGE_CHOICES,
-             log: Callable[[str], None] = print) -> tuple[ScheduleTuning, list[Trial]]:
+             log: Callable[[str], None] = print) -> tuple[Trial, list[Trial]]:
     """Coordinate descent from the default tuning.
 
     retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
     run_step(): one decode step; returns its output (copied), compared with the default's.
     measure(): microseconds of one step (GPU: CUDA-graph replays, median). predict(): the time
-    model's microseconds for the current program. Returns (best tuning, every trial in order)."""
+    model's microseconds for the current program. Returns (the best trial, every trial in order);
+    the decoder is left on the best trial's tuning."""
     dtype = spec.torch_dtype
     ops, factors, stages = tuple(ops), tuple(factors), tuple(stages)
     trials: list[Trial] = []
 
-    def trial(t: ScheduleTuning, ref: torch.Tensor | None) -> Trial:
+    def trial(t: ScheduleTuning, ref: torch.Tensor | None) -> tuple[Trial, torch.Tensor]:
         prog = retune(t)
         out = run_step()
         if ref is None:
@@ -107,11 +108,9 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         status = f"{us:9.1f} us" if ok else "REJECTED (output differs from the default program's)"
         log(f"  {t.label():<40} predicted {tr.predicted_us:8.1f} us  measured {status}  "
             f"rel {rf:.1e}{' bitwise' if bitwise else ''}")
-        return tr
+        return tr, out
 
-    retune(DEFAULT_TUNING)
-    ref = run_step().clone()
-    base = trial(DEFAULT_TUNING, None)
+    base, ref = trial(DEFAULT_TUNING, None)   # the default program's output is every candidate's reference
     if not base.ok:
         raise RuntimeError("the default program's output is not finite: fix the kernel before tuning it")
     best = base
@@ -126,7 +125,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
                      if k == knob and t not in tried]
             for t in cands:
                 tried.add(t)
-                tr = trial(t, ref)
+                tr, _ = trial(t, ref)
                 if tr.ok and tr.us < best.us / (1 + min_gain):
                     best, moved = tr, True
                     log(f"  -> best so far: {best.tuning.label()} {best.us:.1f} us")
@@ -134,4 +133,4 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
             break
         log(f"round {r + 1} done: {best.tuning.label()} {best.us:.1f} us (default {base.us:.1f} us)")
     retune(best.tuning)
-    return best.tuning, trials
+    return best, trials

@@ -35,6 +35,7 @@ import torch
 from ..config import get_config
 from ..spec import LlamaSpec
 from ..triton_ops._checks import check_shape, check_tensor, check_tokens
+from ..triton_ops._device import device_name
 from ..weights import ModelWeights
 from . import vm as _vm
 from .encoding import (
@@ -249,10 +250,10 @@ class MegakernelDecoder:
                 self.tunings[b] = tuning.get(b, DEFAULT_TUNING)
                 self.tuning_source[b] = "given" if b in tuning else "default"
             return
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        for b in range(1, self.max_tokens + 1):
-            key = spec_tuning_key(self.spec, b, self.num_sms, self.lm_head, self.fallback)
-            self.tunings[b], self.tuning_source[b] = resolve(tuning, gpu, key)
+        sizes = range(1, self.max_tokens + 1)
+        keys = [spec_tuning_key(self.spec, b, self.num_sms, self.lm_head, self.fallback) for b in sizes]
+        for b, (t, src) in zip(sizes, resolve(tuning, device_name(self.device) or "cpu", keys)):
+            self.tunings[b], self.tuning_source[b] = t, src
 
     def _module_with(self, extra: tuple[str, ...]):
         """The MegakernelModule of the decoder's defines plus `extra` (a tuning's), one per set."""

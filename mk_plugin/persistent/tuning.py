@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..spec import LlamaSpec
-from .encoding import STAGE_CHOICES
+from ..triton_ops._device import gpu_slug
+from .encoding import STAGE_CHOICES, spec_hash
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -129,10 +129,6 @@ class ScheduleTuning:
 DEFAULT_TUNING = ScheduleTuning()
 
 
-def gpu_slug(device_name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
-
-
 def tuned_file(device_name: str) -> Path:
     """The packaged table of one GPU model (written by bench/autotune.py --write-tuned)."""
     return TUNED_DIR / f"megakernel_{gpu_slug(device_name)}.json"
@@ -143,7 +139,7 @@ def user_cache_file(device_name: str) -> Path:
     return base / "mk_plugin" / f"megakernel_{gpu_slug(device_name)}.json"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class TuningKey:
     """What a measured winner is valid for. The kernel source is recorded in the entry but not
     keyed on: any tuning is correct for any source; an old winner is at worst a slower choice."""
@@ -207,7 +203,7 @@ class TuningTable:
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {"format": FORMAT, "gpu": self.gpu,
-                "entries": [e.to_json() for e in sorted(self.entries.values(), key=lambda e: asdict(e.key).__repr__())]}
+                "entries": [e.to_json() for e in sorted(self.entries.values(), key=lambda e: e.key)]}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1) + "\n")
         tmp.replace(path)   # atomic: a concurrent reader sees the old or the new table
@@ -242,24 +238,30 @@ class TuningTable:
         return TuningEntry(key, t, e.best_us, e.default_us, e.meta | {"from_batch": k.batch})
 
 
-def resolve(setting: str, device_name: str, key: TuningKey) -> tuple[ScheduleTuning, str]:
-    """The tuning to build a program with, and where it came from (for status lines).
+def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[tuple[ScheduleTuning, str]]:
+    """For each key, the tuning to build a program with and where it came from (for status lines);
+    each table file is read once.
 
     setting: MK_TUNING -- "off" (defaults), "auto" (the user cache, then the packaged table), or a
     path to a table file (only that file)."""
+    keys = list(keys)
     if setting == "off":
-        return DEFAULT_TUNING, "default (MK_TUNING=off)"
+        return [(DEFAULT_TUNING, "default (MK_TUNING=off)")] * len(keys)
     paths = [user_cache_file(device_name), tuned_file(device_name)] if setting == "auto" else [Path(setting)]
-    for p in paths:
-        e = TuningTable.load(p, device_name).nearest(key)
-        if e is not None:
-            at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
-            return e.tuning, (f"{e.tuning.label()}: {at}winner in {p} ({e.best_us:.1f} vs {e.default_us:.1f} us "
-                              "default)")
-    return DEFAULT_TUNING, "default (no measured winner)"
+    tables = [(p, TuningTable.load(p, device_name)) for p in paths]
+    out = []
+    for key in keys:
+        found = next(((p, e) for p, tab in tables if (e := tab.nearest(key)) is not None), None)
+        if found is None:
+            out.append((DEFAULT_TUNING, "default (no measured winner)"))
+            continue
+        p, e = found
+        at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
+        why = f"{e.tuning.label()}: {at}winner in {p} ({e.best_us:.1f} vs {e.default_us:.1f} us default)"
+        out.append((e.tuning, why))
+    return out
 
 
 def spec_tuning_key(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool,
                     fallback: Iterable[str] = ()) -> TuningKey:
-    from .encoding import spec_hash
     return TuningKey.of(spec_hash(spec), batch, num_sms, lm_head, fallback)

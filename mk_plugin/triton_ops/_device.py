@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -37,3 +38,9 @@ def device_sms(device: torch.device) -> int:
 def device_name(device: torch.device) -> str | None:
     """The CUDA device's model name (keys measured configs), None off-GPU."""
     return _name_of(_index(device)) if device.type == "cuda" else None
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU model name as a file-name part ("NVIDIA H200" -> "nvidia_h200"): how tables of measured
+    configs are named per GPU model."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_device, check_shape, check_tensor, check_tokens
-from ._device import H200_SMS, device_name, device_sms, interpreting
+from ._device import H200_SMS, device_name, device_sms, gpu_slug, interpreting
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 ACTIVATIONS = (None, "silu_and_mul")
@@ -298,7 +297,7 @@ TUNED_MIN_GAIN = 0.03
 
 def tuned_file(device_name: str) -> Path:
     """Where bench/sweep_linear.py --write-tuned stores the measured winners of one GPU model."""
-    return TUNED_DIR / ("linear_" + re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
+    return TUNED_DIR / f"linear_{gpu_slug(device_name)}.json"
 
 
 @functools.cache
