@@ -8,7 +8,7 @@ of its queue, so some SM can always progress. vm.check_deadlock_free re-proves t
 simulation.
 
 Assignment is earliest-finish-time list scheduling over a time model of every task (tasks.py):
-each task goes to the SM predicted to finish it first (schedule_queues).
+each task goes to the SM predicted to finish it first (list_schedule).
 """
 from __future__ import annotations
 
@@ -24,15 +24,10 @@ from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
 
 
-def schedule_queues(tasks: list[Task], num_sms: int,
-                    waits: list[list[tuple[int, int]]] | None = None) -> list[list[int]]:
-    """Queues of list_schedule (below), without its predicted span."""
-    return list_schedule(tasks, num_sms, waits)[0]
-
-
 def list_schedule(tasks: list[Task], num_sms: int,
                   waits: list[list[tuple[int, int]]] | None = None) -> tuple[list[list[int]], float]:
-    """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs.
+    """Queues (indices into `tasks`, which must be in tid order) for num_sms SMs, and the time
+    model's predicted span of the launch (ns).
 
     Earliest-finish-time list scheduling over the time model of tasks.py: tasks in tid order each
     go to the SM that would finish them first, given when every SM becomes free and when the task's

@@ -43,7 +43,7 @@ from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
 # staging, cross-warp reduction, epilogue: a few L2 round trips) plus its weight bytes at its SM's
 # share of the measured copy rate; attention tasks are latency-bound (dependent L2/HBM round trips);
 # a counter release reaches a waiting SM after SIGNAL_NS. Only relative values matter: the
-# scheduler (schedule.schedule_queues) uses them to predict when each SM becomes free.
+# scheduler (schedule.list_schedule) uses them to predict when each SM becomes free.
 HBM_BYTES_PER_NS = 4260.0
 TASK_FIXED_NS = 2500.0
 ATTN_PARTIAL_NS = 3300.0
@@ -184,21 +184,16 @@ def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
     return TASK_FIXED_NS + units * unit_weight_bytes(spec, name) / (HBM_BYTES_PER_NS / num_sms)
 
 
-# Ops over output units whose task reads a whole input row (in_buf) and maybe the residual columns
-# it adds to (res_buf): input width, and (in, res, out, the counter its tasks wait on) per layer.
-_ROW_OP_IN_WIDTH = {"o_proj": lambda s: s.q_size, "gate_up": lambda s: s.hidden_size,
-                    "down": lambda s: s.intermediate_size, "final_norm": lambda s: s.hidden_size,
-                    "lm_head": lambda s: s.hidden_size}
-
-
-def _row_op(spec: LlamaSpec, op: FusedOp) -> tuple[Buf, Buf, Buf, str]:
-    L = op.layer
+def _row_op(spec: LlamaSpec, op: FusedOp) -> tuple[Buf, int, Buf, Buf, str]:
+    """An op over output units whose tasks read a whole input row and maybe the residual columns
+    they add to: (input buffer, its width, residual buffer, output buffer, the counter it waits on)."""
+    L, h = op.layer, spec.hidden_size
     return {
-        "o_proj": (Buf.ATTN_O, residual_source(L), Buf.RESID, f"L{L}.attn"),
-        "gate_up": (Buf.RESID, Buf.NONE, Buf.ACT, f"L{L}.o_proj"),
-        "down": (Buf.ACT, Buf.RESID, Buf.RESID, f"L{L}.gate_up"),
-        "final_norm": (Buf.RESID, Buf.NONE, Buf.OUT, f"L{spec.num_layers - 1}.down"),
-        "lm_head": (Buf.OUT, Buf.NONE, Buf.LOGITS, "final_norm"),
+        "o_proj": (Buf.ATTN_O, spec.q_size, residual_source(L), Buf.RESID, f"L{L}.attn"),
+        "gate_up": (Buf.RESID, h, Buf.NONE, Buf.ACT, f"L{L}.o_proj"),
+        "down": (Buf.ACT, spec.intermediate_size, Buf.RESID, Buf.RESID, f"L{L}.gate_up"),
+        "final_norm": (Buf.RESID, h, Buf.NONE, Buf.OUT, f"L{spec.num_layers - 1}.down"),
+        "lm_head": (Buf.OUT, h, Buf.NONE, Buf.LOGITS, "final_norm"),
     }[op.name]
 
 
@@ -294,13 +289,13 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                                          writes=[("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]))
                         pending.append((t, [f"L{L}.part.b{b}.g{g}"]))
         else:
-            in_buf, res_buf, out_buf, dep = _row_op(spec, op)
+            in_buf, in_width, res_buf, out_buf, dep = _row_op(spec, op)
             units = op_units(spec, name)
             ctr = bld.counter(op.key, op.key)
             parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
             for u0, n in split_units(0, units, parts):
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
-                reads = [(in_buf.name, *all_rows, 0, _ROW_OP_IN_WIDTH[name](spec))]
+                reads = [(in_buf.name, *all_rows, 0, in_width)]
                 if res_buf is not Buf.NONE:
                     reads.append((res_buf.name, *all_rows, c0, c1))
                 t = Task(0, OP_OPCODE[name], op, (u0, n, 0), in_buf=in_buf, res_buf=res_buf, out_buf=out_buf,
