@@ -147,14 +147,25 @@ def define_values(defines: tuple[str, ...] | list[str]) -> dict[str, str]:
     return dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
 
 
+def define_choice(defines: tuple[str, ...] | list[str], name: str, default: int, choices: dict[int, str]) -> int:
+    """The integer value of -D<name> in `defines` (default if absent), which must be a key of
+    `choices` (value -> how the error message names it); anything else is a ValueError."""
+    raw = define_values(defines).get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw, 0)
+    except ValueError:
+        v = None
+    if v not in choices:
+        raise ValueError(f"-D{name}={raw}: choose one of {', '.join(choices.values())}")
+    return v
+
+
 def rounding_of(defines: tuple[str, ...] | list[str] = ()) -> Rounding:
     """The Rounding a kernel compiled with `defines` uses (default FUSED); a bad value is an error."""
-    raw = define_values(defines).get("MK_ROUNDING", str(int(Rounding.FUSED)))
-    try:
-        return Rounding(int(raw, 0))
-    except ValueError:
-        raise ValueError(f"-DMK_ROUNDING={raw}: choose one of "
-                         f"{', '.join(f'{r.value} ({r.name.lower()})' for r in Rounding)}") from None
+    return Rounding(define_choice(defines, "MK_ROUNDING", Rounding.FUSED,
+                                  {r.value: f"{r.value} ({r.name.lower()})" for r in Rounding}))
 
 
 def rounding_define(r: Rounding) -> str:
@@ -280,14 +291,8 @@ STAGE_CHOICES = (4, 5, 6)
 
 def layout_of(defines: tuple[str, ...] | list[str] = ()) -> KernelLayout:
     """The KernelLayout a kernel compiled with `defines` has (MK_NUM_STAGES, default LAYOUT's)."""
-    raw = define_values(defines).get("MK_NUM_STAGES", str(LAYOUT.num_stages))
-    try:
-        n = int(raw, 0)
-    except ValueError:
-        n = -1
-    if n not in STAGE_CHOICES:
-        raise ValueError(f"-DMK_NUM_STAGES={raw}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
-    return LAYOUT.with_stages(n)
+    return LAYOUT.with_stages(define_choice(defines, "MK_NUM_STAGES", LAYOUT.num_stages,
+                                            {n: str(n) for n in STAGE_CHOICES}))
 
 
 def launch_threads(defines: tuple[str, ...] = ()) -> int:
