@@ -5,6 +5,8 @@ achieved bandwidth (weight bytes + KV bytes read) / time against the H200's 4.8 
     python bench/mk_step.py [--model bench/models/llama-3.2-1b] [--batch 1 8] [--ctx 512] [--reps 200]
 
 The megakernel runs without the LM head (like triton_ops.decode_step) unless --lm-head is given.
+Every measured row is appended to --csv (default bench/results/mk_step.csv, header MK_STEP_HEADER) unless
+the kernel was compiled with --define variants (those are A/B experiments: the printed table is their record).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
 PEAK_BPS = 4.8e12
+MK_STEP_HEADER = ("date", "gpu", "commit", "shape", "batch", "ctx", "path", "lm_head", "step_us", "gbps")
 
 
 def time_graph(fn, reps: int) -> float:
@@ -48,6 +51,8 @@ def main() -> None:
     ap.add_argument("--records-dir", type=Path, default=None,
                     help="with --trace: save each traced step's records (mk_plugin.persistent.trace format, with the "
                          "defines and commit in meta) for `python -m mk_plugin.trace convert` and bench/roofline.py")
+    ap.add_argument("--csv", type=Path, default=common.RESULTS / "mk_step.csv",
+                    help="append the measured rows here (skipped with --define)")
     args = ap.parse_args()
 
     from mk_plugin.persistent import trace as mktrace
@@ -107,6 +112,12 @@ def main() -> None:
     print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
     for name, bsz, t, bps in rows:
         print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%")
+    if not defines:
+        gpu, commit = torch.cuda.get_device_name(), common.git_commit()
+        common.append_csv(args.csv, MK_STEP_HEADER, [
+            (common.today(), gpu, commit, spec.name, bsz, args.ctx, name, int(args.lm_head and name == "megakernel"),
+             f"{t:.1f}", f"{bps / 1e9:.0f}") for name, bsz, t, bps in rows])
+        print(f"rows appended to {args.csv}")
 
 
 if __name__ == "__main__":

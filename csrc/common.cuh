@@ -8,31 +8,6 @@
 #error "compile with the -D options of mk_plugin.persistent.encoding.kernel_defines(spec)"
 #endif
 
-// Ring slots are freed by every consumer thread after its own reads (empty-barrier count =
-// consumer threads): the mbarrier then orders each reader's ldmatrix before the producer's next bulk
-// copy into the slot, which compute-sanitizer's racecheck can follow. 0: one arrive per warp after
-// __syncwarp (also ordered by the PTX memory model, but racecheck reports a WAR hazard on every slot).
-#ifndef MK_RING_RELEASE_ALL
-#define MK_RING_RELEASE_ALL 1
-#endif
-
-// Register budget. 9 warps (8 consumers + the producer) put 3 warps on one of the SM's 4
-// sub-partitions (16384 registers each), so ptxas caps every thread at 168 registers. With
-// MK_SETMAXNREG=1 (experiment, default 0 = the GPU-measured kernel) the CTA has 12 warps: the
-// producer gets a whole warpgroup (warps 8..11; 9..11 leave at once) that gives registers back with
-// setmaxnreg.dec, and the two consumer warpgroups take them with setmaxnreg.inc:
-// 256 x MK_CONSUMER_REGS + 128 x MK_PRODUCER_REGS <= 65536. The host launches
-// encoding.launch_threads(defines) threads.
-#ifndef MK_SETMAXNREG
-#define MK_SETMAXNREG 0
-#endif
-#ifndef MK_CONSUMER_REGS
-#define MK_CONSUMER_REGS 224
-#endif
-#ifndef MK_PRODUCER_REGS
-#define MK_PRODUCER_REGS 56
-#endif
-
 // Rounding points (encoding.Rounding, mirrored by vm.py): 0 = FUSED (the GPU-measured kernel,
 // one rounding per fused op), 1 = STOCK (also round where vLLM's unfused ops store).
 #ifndef MK_ROUNDING
@@ -40,13 +15,6 @@
 #endif
 
 namespace mk {
-
-constexpr int LAUNCH_THREADS = MK_SETMAXNREG ? 32 * (CONSUMER_WARPS + SETMAXNREG_PRODUCER_WARPS) : NUM_THREADS;
-static_assert(!MK_SETMAXNREG || SETMAXNREG_PRODUCER_WARPS == 4, "setmaxnreg acts on whole warpgroups");
-static_assert(!MK_SETMAXNREG || 2 * 128 * MK_CONSUMER_REGS + 128 * MK_PRODUCER_REGS <= 65536,
-              "setmaxnreg budgets exceed the register file");
-static_assert(MK_CONSUMER_REGS % 8 == 0 && MK_PRODUCER_REGS % 8 == 0 && MK_PRODUCER_REGS >= 24 &&
-              MK_CONSUMER_REGS <= 256, "setmaxnreg counts: multiples of 8 in 24..256");
 
 constexpr int H = MK_HIDDEN;
 constexpr int I = MK_INTER;

@@ -16,12 +16,6 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
       ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
 }
 
-// Ask L2 to fetch `bytes` (multiple of 16, 16-byte aligned) from global memory; nothing is
-// written to shared memory and nothing completes on a barrier (a hint: a later copy may hit L2).
-__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
 // batch independent loads (several in flight), yet never moves them across consumer_sync() or the
 // counter acquire (asm volatile with a "memory" clobber).

@@ -69,7 +69,7 @@ __device__ __forceinline__ int weight_row(int op, int p0, int r) {
 }
 
 // Rows of M-tile m of the pass at p0 that exist (16, fewer for the LM head's last tile), and where
-// row `lane` of its chunk at column k0 starts: what the producer copies (or prefetches) per chunk.
+// row `lane` of its chunk at column k0 starts: what the producer copies per chunk.
 __device__ __forceinline__ int tile_rows(int op, int p0, int m) {
   return op == OP_LM_HEAD ? min(16, V - (p0 + m) * UNIT) : 16;
 }
@@ -86,75 +86,6 @@ __host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / n
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
-// Unstaged activations (batch too large for the scratch): with MK_X_PIPELINE=1 each warp issues the
-// next column group's fragment loads before computing the current group, so one L2 round trip per
-// group overlaps the MMAs and ring waits instead of preceding them. Experiment, default 0 (the
-// GPU-measured kernel); unmeasured: bench/NOTES.md "Next megakernel changes" (5).
-#ifndef MK_X_PIPELINE
-#define MK_X_PIPELINE 0
-#endif
-static_assert(!MK_X_PIPELINE || MK_SETMAXNREG, "MK_X_PIPELINE needs MK_SETMAXNREG=1 (it spills at 168 registers)");
-
-// ---- L2 prefetch beyond the ring (experiment: -DMK_L2_PREFETCH=<chunks>, default 0 = off) ------
-// The ring holds NUM_STAGES chunks; while it is full (consumers waiting on counters or computing)
-// HBM would idle. With MK_L2_PREFETCH = N > 0 the producer also walks its queue N chunks past the
-// ring and asks L2 for them (cp.async.bulk.prefetch.L2), so the later bulk copies hit L2.
-// Unmeasured: see bench/NOTES.md "Next megakernel changes" (1) for the prediction.
-#ifndef MK_L2_PREFETCH
-#define MK_L2_PREFETCH 0
-#endif
-#if MK_L2_PREFETCH > 0
-// A resumable walk over the weight chunks of one queue, in the producer's order (task, pass p0,
-// column k0, M-tile m).
-struct ChunkWalk {
-  int ti, qend, op, K, mtpu, upp, uend, p0, k0, m, mt;
-  const elem_t* w;
-  bool done;
-};
-
-// Position c at the first chunk of the first weight-streaming task at or after c.ti.
-__device__ __forceinline__ void walk_task(const Params& P, ChunkWalk& c, int nt) {
-  for (; c.ti < c.qend; ++c.ti) {
-    const Task t = load_task(P, c.ti);
-    WeightPlan wp;
-    if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
-    c.op = t.opcode;
-    c.w = wp.w;
-    c.K = wp.K;
-    c.mtpu = wp.mtpu;
-    c.upp = (ACC_TILES / nt) / wp.mtpu;
-    c.uend = t.arg0 + t.arg1;
-    c.p0 = t.arg0;
-    c.mt = min(c.upp, c.uend - c.p0) * c.mtpu;
-    c.k0 = c.m = 0;
-    return;
-  }
-  c.done = true;
-}
-
-__device__ __forceinline__ void walk_next(const Params& P, ChunkWalk& c, int nt, int KC) {
-  if (++c.m < c.mt) return;
-  c.m = 0;
-  c.k0 += KC;
-  if (c.k0 < c.K) return;
-  c.k0 = 0;
-  c.p0 += c.upp;
-  if (c.p0 < c.uend) {
-    c.mt = min(c.upp, c.uend - c.p0) * c.mtpu;
-    return;
-  }
-  ++c.ti;
-  walk_task(P, c, nt);
-}
-
-// Prefetch the chunk under the walk: its 16 weight rows x [k0, k0 + kc), one request per row.
-__device__ __forceinline__ void walk_prefetch(const ChunkWalk& c, int KC, int lane) {
-  const int kc = min(KC, c.K - c.k0);
-  if (lane < tile_rows(c.op, c.p0, c.m))
-    prefetch_l2(chunk_row(c.w, c.K, c.op, c.p0, c.m, lane, c.k0), (unsigned)(kc * 2));
-}
-#endif
-
 // ---- producer: stream the weights of every task of this SM's queue ----------------------------
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
@@ -167,13 +98,6 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
   unsigned it = 0;
   int ti = qbeg;
-#if MK_L2_PREFETCH > 0
-  ChunkWalk pf{};
-  pf.ti = qbeg;
-  pf.qend = qend;
-  walk_task(P, pf, nt);
-  unsigned pf_it = 0;  // chunk number under the walk (same numbering as `it`)
-#endif
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
     WeightPlan wp;
@@ -188,21 +112,16 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
-#if MK_L2_PREFETCH > 0
-          // Keep the walk MK_L2_PREFETCH chunks past the ring (chunks inside it are copied anyway).
-          for (; !pf.done && pf_it < it + NUM_STAGES + MK_L2_PREFETCH; ++pf_it) {
-            if (pf_it >= it + NUM_STAGES) walk_prefetch(pf, KC, lane);
-            walk_next(P, pf, nt, KC);
-          }
-#endif
           // Lane 0's outcome decides for the warp (lane 0 arms the barrier below).
           const int ws = __shfl_sync(0xffffffffu,
                                      ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
                                                MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
           if (ws != WAIT_OK) goto drain;
-          if (lane == 0) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
+          if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
           __syncwarp();
-          if (lane < valid)
+          if (MK_DIAG & 2) {
+            if (lane == 0) mbar_arrive(S.full_bar(slot));
+          } else if (lane < valid)
             bulk_g2s(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
                      S.full_bar(slot));
           ++it;
@@ -254,8 +173,7 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
 // the chunk columns starting at k0 (nsteps 16-column steps in the chunk), for batch n-tiles < NT,
 // straight from global memory (L2), in two halves: x_frags_issue starts the loads (x and, for a
 // norm-fused op, the norm weight), x_frags_finish normalises once they are needed. load_x_frags
-// does both at once; with MK_X_PIPELINE the next column group's loads are issued before the
-// current group computes (matvec_task).
+// does both at once.
 template <int NT, int JMAX>
 __device__ __forceinline__ void x_frags_issue(unsigned (&xr)[JMAX][NT][2], unsigned (&wv)[JMAX][2], const elem_t* x,
                                               const elem_t* nw, int K, int k0, int nsteps, int B, int warp,
@@ -434,30 +352,13 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
     // waiting for the group's first chunk (one round trip per group; two groups in flight did not
     // fit 168 registers), with rstd from rows_rstd (matvec_dispatch).
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
-#if MK_X_PIPELINE
-    // Norm-fused ops keep the one-shot loads (their norm weights in flight too would cost 16 more
-    // registers); down (8 column groups at K = 8192) is the op that gains most.
-    const bool pipe = !staged && nw == nullptr;
-    unsigned xr[JMAX][NT][2], wvr[JMAX][2];  // the next column group's loads, in flight
-    if (pipe) x_frags_issue<NT, JMAX>(xr, wvr, x, nullptr, wp.K, 0, min(KC, wp.K) >> 4, B, warp, lane);
-#endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
       unsigned xb[JMAX][NT][2];
       if (staged) {
         smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
       } else {
-#if MK_X_PIPELINE
-        if (pipe) {
-          x_frags_finish<NT, JMAX>(xb, xr, wvr, false, rstd, B, lane);
-          if (k0 + KC < wp.K)
-            x_frags_issue<NT, JMAX>(xr, wvr, x, nullptr, wp.K, k0 + KC, min(KC, wp.K - k0 - KC) >> 4, B, warp, lane);
-        } else {
-          load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
-        }
-#else
         load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
-#endif
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -474,19 +375,14 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
-            if (j < nsteps) {
+            if (j < nsteps && !(MK_DIAG & 4)) {
               unsigned a[4];
               ldmatrix_x4(a, sb + j * 32);
 #pragma unroll
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
-#if MK_RING_RELEASE_ALL
           if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
-#else
-          __syncwarp();
-          if (lane == 0 && ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));
-#endif
           ++it;
         }
       }

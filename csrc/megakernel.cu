@@ -1,10 +1,10 @@
 // The persistent decode megakernel: one launch runs a whole encoded task program (one decode step,
 // or one segment of it between fallback ops). Grid = one CTA per SM, all co-resident
-// (__launch_bounds__(LAUNCH_THREADS, 1), SMEM_BYTES of dynamic shared memory: one CTA per SM).
+// (__launch_bounds__(NUM_THREADS, 1), SMEM_BYTES of dynamic shared memory: one CTA per SM).
 //
 // CTA i runs queue i of the program (encoding.py: header | queue offsets | 64-byte task records):
 //   warps 0..7  consumers: for each task, wait for its counters (thread 0, acquire), run it,
-//               each thread freeing a ring slot once it has read it (MK_RING_RELEASE_ALL, below),
+//               each thread freeing a ring slot once it has read it,
 //               consumer_sync, then thread 0 release-adds its signal counter;
 //   warp 8      producer: streams the weights of the same tasks, in the same order, into the
 //               NUM_STAGES-slot shared-memory ring with cp.async.bulk; it never waits on counters,
@@ -20,6 +20,10 @@
 // step's KV slots), with unspecified values. A launch that finds a record already set exits at once.
 #pragma nv_diag_suppress 177  // generated constants that this translation unit does not use
 #include "common.cuh"
+// MK_DIAG (timing diagnostics only, wrong results): 1 no counter waits, 2 no weight copies, 4 no MMAs
+#ifndef MK_DIAG
+#define MK_DIAG 0
+#endif
 #include "matvec.cuh"
 #include "qkv_rope.cuh"
 #include "attention.cuh"
@@ -75,7 +79,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       for (int w = 0; w < NUM_WAITS; ++w) {
         const int c = t.wait_ctr[w];
         const unsigned target = (unsigned)t.wait_target[w];
-        if (stop || c < 0 || (c == known_ctr && target <= known_val)) continue;
+        if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1)) continue;
         unsigned v;
         if (task_counter_wait(P, ti, c, target, v) != WAIT_OK) {
           stop = 1;
@@ -117,7 +121,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 }  // namespace mk
 
 // Parameters: MK_DECODE_PARAMS, generated from encoding.KERNEL_PARAMS (runtime.py packs by name).
-extern "C" __global__ void __launch_bounds__(mk::LAUNCH_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
   using namespace mk;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const Smem S{smem_raw};
@@ -163,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(mk::LAUNCH_THREADS, 1) mk_decode(MK
     if (prog[HDR_SPEC_HASH] != MK_SPEC_HASH) bad |= HDRCHK_SPEC_HASH;
     if (prog[HDR_NUM_QUEUES] != (int)gridDim.x) bad |= HDRCHK_NUM_QUEUES;
     if (P.batch < 1 || P.batch > MAX_BATCH) bad |= HDRCHK_BATCH;
-    if (blockDim.x != LAUNCH_THREADS) bad |= HDRCHK_BLOCK;
+    if (blockDim.x != NUM_THREADS) bad |= HDRCHK_BLOCK;
     int stop = 0;
     if (ld_relaxed_gpu_s32(err) != 0) {
       stop = 1;  // an earlier failure is still recorded: refuse to run until the host clears it
@@ -176,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(mk::LAUNCH_THREADS, 1) mk_decode(MK
     if (!stop) {
       for (int s = 0; s < NUM_STAGES; ++s) {
         mbar_init(S.full_bar(s), 1);
-        mbar_init(S.empty_bar(s), MK_RING_RELEASE_ALL ? CONSUMER_THREADS : CONSUMER_WARPS);
+        mbar_init(S.empty_bar(s), CONSUMER_THREADS);  // every consumer thread frees its own reads
       }
       fence_mbar_init();
     }
@@ -189,14 +193,8 @@ extern "C" __global__ void __launch_bounds__(mk::LAUNCH_THREADS, 1) mk_decode(MK
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qbeg = __ldg(prog + HEADER_WORDS + blockIdx.x), qend = __ldg(prog + HEADER_WORDS + blockIdx.x + 1);
   if (warp >= CONSUMER_WARPS) {
-#if MK_SETMAXNREG
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MK_PRODUCER_REGS));
-#endif
     if (warp == CONSUMER_WARPS) producer_loop(S, P, qbeg, qend, lane);
     return;
   }
-#if MK_SETMAXNREG
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MK_CONSUMER_REGS));
-#endif
   consumer_loop(S, P, qbeg, qend, warp, lane);
 }

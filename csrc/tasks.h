@@ -153,7 +153,6 @@ static_assert(HDR_SPEC_HASH == HEADER_WORDS - 1, "header size");
 constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_WARPS = 1;
 constexpr int NUM_THREADS = 288;
-constexpr int SETMAXNREG_PRODUCER_WARPS = 4;
 constexpr int CONSUMER_THREADS = 256;
 // Ring depth: -DMK_NUM_STAGES (encoding.layout_of / KernelLayout.with_stages); the scratch
 // (UNION) takes what the ring gives up, so the shared memory per CTA does not change.

@@ -111,25 +111,15 @@ def test_kernel_params_generate_the_signature_and_pack_in_order():
         pack_args(fake_cp, {k: v for k, v in args.items() if k != "q"})
 
 
-def test_launch_threads_follow_the_defines():
-    """The host launches the thread count the kernel was compiled for (csrc/common.cuh LAUNCH_THREADS)."""
-    from mk_plugin.persistent.encoding import LAYOUT, launch_threads
-
-    assert launch_threads() == LAYOUT.num_threads == 288
-    assert launch_threads(("-DMK_L2_PREFETCH=8",)) == 288
-    assert launch_threads(("-DMK_SETMAXNREG=1", "-DMK_X_PIPELINE=1")) == 384
-    assert launch_threads(("-DMK_SETMAXNREG=0",)) == 288
-
-
 def test_kernel_variant_defines_are_validated():
     from mk_plugin.persistent.runtime import MegakernelModule
     from mk_plugin.spec import LlamaSpec
 
-    m = MegakernelModule(LlamaSpec.tiny(), defines=("-DMK_SETMAXNREG=1",))
-    assert m.num_threads == 384 and m.options[-1] == "-DMK_SETMAXNREG=1"
+    m = MegakernelModule(LlamaSpec.tiny(), defines=("-DMK_NUM_STAGES=5",))
+    assert m.num_threads == 288 and m.options[-1] == "-DMK_NUM_STAGES=5" and m.layout.num_stages == 5
     assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
     with pytest.raises(ValueError, match="-DNAME=VALUE"):
-        MegakernelModule(LlamaSpec.tiny(), defines=("MK_SETMAXNREG=1",))
+        MegakernelModule(LlamaSpec.tiny(), defines=("MK_NUM_STAGES=5",))
 
 
 def test_rounding_define_round_trips_and_rejects_bad_values():
@@ -137,7 +127,7 @@ def test_rounding_define_round_trips_and_rejects_bad_values():
 
     assert rounding_of(()) == Rounding.FUSED
     for r in Rounding:
-        assert rounding_of(("-DMK_SETMAXNREG=1", rounding_define(r))) == r
+        assert rounding_of(("-DMK_NUM_STAGES=5", rounding_define(r))) == r
     with pytest.raises(ValueError, match=r"-DMK_ROUNDING=7: choose one of 0 \(fused\), 1 \(stock\)"):
         rounding_of(("-DMK_ROUNDING=7",))
     assert "ROUNDING_STOCK = 1" in (ROOT / "csrc" / "tasks.h").read_text()

@@ -252,9 +252,6 @@ class KernelLayout:
     union_bytes: int = 32768        # per-task scratch: matvec reduction / attention merge
     acc_tiles: int = 8              # m16n8 accumulator tiles per warp (M-tiles * N-tiles of a pass)
     misc_bytes: int = 512           # mbarriers, rstd[16], kernel parameters
-    # Producer warps with -DMK_SETMAXNREG=1: a whole warpgroup, as setmaxnreg acts per warpgroup
-    # (csrc/common.cuh LAUNCH_THREADS; launch_threads below).
-    setmaxnreg_producer_warps: int = 4
 
     @property
     def row_bytes(self) -> int:
@@ -293,14 +290,6 @@ def layout_of(defines: tuple[str, ...] | list[str] = ()) -> KernelLayout:
     """The KernelLayout a kernel compiled with `defines` has (MK_NUM_STAGES, default LAYOUT's)."""
     return LAYOUT.with_stages(define_choice(defines, "MK_NUM_STAGES", LAYOUT.num_stages,
                                             {n: str(n) for n in STAGE_CHOICES}))
-
-
-def launch_threads(defines: tuple[str, ...] = ()) -> int:
-    """Threads per CTA for a kernel compiled with `defines` ("-DNAME=VALUE"): the layout's, or a
-    whole producer warpgroup when MK_SETMAXNREG is non-zero (csrc/common.cuh LAUNCH_THREADS)."""
-    if int(define_values(defines).get("MK_SETMAXNREG", "0"), 0):
-        return 32 * (LAYOUT.consumer_warps + LAYOUT.setmaxnreg_producer_warps)
-    return LAYOUT.num_threads
 
 
 def _check_layout() -> None:
@@ -494,7 +483,6 @@ def generate_header() -> str:
         f"constexpr int CONSUMER_WARPS = {lay.consumer_warps};",
         f"constexpr int PRODUCER_WARPS = {lay.producer_warps};",
         f"constexpr int NUM_THREADS = {lay.num_threads};",
-        f"constexpr int SETMAXNREG_PRODUCER_WARPS = {lay.setmaxnreg_producer_warps};",
         f"constexpr int CONSUMER_THREADS = {32 * lay.consumer_warps};",
         "// Ring depth: -DMK_NUM_STAGES (encoding.layout_of / KernelLayout.with_stages); the scratch",
         "// (UNION) takes what the ring gives up, so the shared memory per CTA does not change.",

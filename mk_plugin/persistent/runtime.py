@@ -21,7 +21,7 @@ import torch
 
 from ..config import get_config
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, generate_header, kernel_defines, launch_threads, layout_of
+from .encoding import KERNEL_PARAMS, generate_header, kernel_defines, layout_of
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ENTRY = "megakernel.cu"
@@ -95,8 +95,8 @@ class MegakernelModule:
             raise ValueError(f"defines {bad} must look like -DNAME=VALUE")
         self.source = build_source()
         self.options = compile_options(self.spec, self.arch) + self.defines
-        self.num_threads = launch_threads(self.defines)
         self.layout = layout_of(self.defines)   # ring depth (MK_NUM_STAGES); the same smem for every depth
+        self.num_threads = self.layout.num_threads
         self.key = cache_key(self.source, self.options)
 
     def kernel(self, device_index: int):
