@@ -40,7 +40,7 @@ __device__ __forceinline__ void merge_weights(float m, float mo, float& a, float
 __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
-  const int L = ld_nc_s32(P.seq_lens + b);
+  const int L = S.seq_len()[b];
   int lo = 0, hi = 0;
   if (L > 0) {
     const int cs = (L + C - 1) / C;

@@ -126,7 +126,8 @@ constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 
 constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
 constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
 constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task index
-constexpr int PARAMS_OFF = (FLAGS_OFF + 8 + 15) / 16 * 16;
+constexpr int STEP_OFF = (FLAGS_OFF + 8 + 15) / 16 * 16;       // positions, slots, seq_lens (step_inputs)
+constexpr int PARAMS_OFF = STEP_OFF + (8 + 8 + 4) * MAX_BATCH;
 static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc shared memory overflow");
 
 struct Smem {
@@ -143,7 +144,23 @@ struct Smem {
   __device__ __forceinline__ volatile int* abort_flag() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF); }
   // Index (in this launch's task array) of the task the consumers are running, for the record.
   __device__ __forceinline__ volatile int* cur_task() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 4); }
+  // This step's per-request inputs, copied once per launch (step_inputs): the qkv epilogue and the
+  // attention read them from shared memory instead of paying a global round trip per task.
+  __device__ __forceinline__ long long* pos() const { return reinterpret_cast<long long*>(base + STEP_OFF); }
+  __device__ __forceinline__ long long* slot() const { return pos() + MAX_BATCH; }
+  __device__ __forceinline__ int* seq_len() const { return reinterpret_cast<int*>(slot() + MAX_BATCH); }
 };
+
+// Consumer threads b < batch copy request b's position, KV slot and length into shared memory; the
+// consumer loop's first barrier orders the copies before any use.
+__device__ __forceinline__ void step_inputs(const Smem& S, const Params& P) {
+  const int b = threadIdx.x;
+  if (b < P.batch) {
+    S.pos()[b] = ld_nc_s64(P.positions + b);
+    S.slot()[b] = ld_nc_s64(P.slots + b);
+    S.seq_len()[b] = ld_nc_s32(P.seq_lens + b);
+  }
+}
 
 // The first failed wait of a launch fills the error record (encoding.ERROR_FIELDS): atomicCAS on
 // the code word picks one writer; later failures (usually consequences of the first) are dropped.

@@ -16,6 +16,16 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
       ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
 }
 
+// 16-byte asynchronous copy global -> shared through L2 (cp.async.cg: generic proxy, so ordinary
+// acquire/barrier ordering covers data written during the launch), completed by cp_async_wait_all.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
 // batch independent loads (several in flight), yet never moves them across consumer_sync() or the
 // counter acquire (asm volatile with a "memory" clobber).

@@ -169,68 +169,53 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
                                                 int nt, int lane, const float (&v)[4], const float (&vu)[4]);
 
-// B fragments (activations x', see the header comment) of this warp's k-steps j = warp + 8*jj of
-// the chunk columns starting at k0 (nsteps 16-column steps in the chunk), for batch n-tiles < NT,
-// straight from global memory (L2), in two halves: x_frags_issue starts the loads (x and, for a
-// norm-fused op, the norm weight), x_frags_finish normalises once they are needed. load_x_frags
-// does both at once.
+// ---- Column-group staging: activations that do not fit the scratch whole ---------------------
+// x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
+// scratch through cp.async (16-byte copies, L2: the data was written during this launch), group
+// g + 1 in flight while group g computes, so the L2 round trip overlaps the ring waits and MMAs
+// instead of preceding them (the per-warp fragment loads this replaces cost one exposed round trip per
+// group: ~0.7 ms of a batch-8 1B step, bench/NOTES.md session 5). Rows are KC * 2 bytes with their
+// 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
+constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x KC=1024 (NT=1) or 16 rows x KC=512 (NT=2)
+static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
+
+__device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
+  const int upr = KC / 8;                      // 16-byte units per row
+  const int valid = (min(KC, K - k0)) / 8;     // K is a multiple of 16
+  for (int idx = threadIdx.x; idx < B * upr; idx += CONSUMER_THREADS) {
+    const int b = idx / upr, c = idx - b * upr;
+    if (c < valid) cp_async16(smem_addr(gb + b * KC * 2 + ((c ^ (b & 7)) << 4)), x + (size_t)b * K + k0 + c * 8);
+  }
+  cp_async_commit();
+}
+
+// B fragments of this warp's k-steps j = warp + 8*jj (nsteps 16-column steps in the group) from a
+// staged group; wv: the norm weights of the same columns (norm-fused ops), loaded by the caller.
 template <int NT, int JMAX>
-__device__ __forceinline__ void x_frags_issue(unsigned (&xr)[JMAX][NT][2], unsigned (&wv)[JMAX][2], const elem_t* x,
-                                              const elem_t* nw, int K, int k0, int nsteps, int B, int warp,
-                                              int lane) {
+__device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* gb,
+                                            const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int KC,
+                                            int nsteps, int B, int warp, int lane) {
 #pragma unroll
   for (int jj = 0; jj < JMAX; ++jj) {
     const int j = warp + jj * CONSUMER_WARPS;
-    const int k = k0 + j * 16 + (lane & 3) * 2;
-    wv[jj][0] = wv[jj][1] = 0;
-    if (nw != nullptr && j < nsteps) {
-      wv[jj][0] = ld_nc_u32(nw + k);
-      wv[jj][1] = ld_nc_u32(nw + k + 8);
-    }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int bi = n * 8 + (lane >> 2);
       unsigned v0 = 0, v1 = 0;
       if (j < nsteps && bi < B) {
-        const elem_t* xp = x + (size_t)bi * K + k;
-        v0 = ld_cg_u32(xp);
-        v1 = ld_cg_u32(xp + 8);
+        const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
+        v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
+        v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
+        if (norm) {
+          const float r = rstd[bi];
+          v0 = pack2(norm_elem(lo_f(v0), r, lo_f(wv[jj][0])), norm_elem(hi_f(v0), r, hi_f(wv[jj][0])));
+          v1 = pack2(norm_elem(lo_f(v1), r, lo_f(wv[jj][1])), norm_elem(hi_f(v1), r, hi_f(wv[jj][1])));
+        }
       }
-      xr[jj][n][0] = v0;
-      xr[jj][n][1] = v1;
+      xb[jj][n][0] = v0;
+      xb[jj][n][1] = v1;
     }
   }
-}
-
-template <int NT, int JMAX>
-__device__ __forceinline__ void x_frags_finish(unsigned (&xb)[JMAX][NT][2], const unsigned (&xr)[JMAX][NT][2],
-                                               const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int B,
-                                               int lane) {
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj)
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const unsigned v0 = xr[jj][n][0], v1 = xr[jj][n][1];
-      if (norm) {
-        const int bi = n * 8 + (lane >> 2);
-        const float r = bi < B ? rstd[bi] : 0.f;
-        const unsigned w0 = wv[jj][0], w1 = wv[jj][1];
-        xb[jj][n][0] = pack2(norm_elem(lo_f(v0), r, lo_f(w0)), norm_elem(hi_f(v0), r, hi_f(w0)));
-        xb[jj][n][1] = pack2(norm_elem(lo_f(v1), r, lo_f(w1)), norm_elem(hi_f(v1), r, hi_f(w1)));
-      } else {
-        xb[jj][n][0] = v0;
-        xb[jj][n][1] = v1;
-      }
-    }
-}
-
-template <int NT, int JMAX>
-__device__ __forceinline__ void load_x_frags(unsigned (&xb)[JMAX][NT][2], const elem_t* x, const elem_t* nw,
-                                             const float* rstd, int K, int k0, int nsteps, int B, int warp,
-                                             int lane) {
-  unsigned xr[JMAX][NT][2], wv[JMAX][2];
-  x_frags_issue<NT, JMAX>(xr, wv, x, nw, K, k0, nsteps, B, warp, lane);
-  x_frags_finish<NT, JMAX>(xb, xr, wv, nw != nullptr, rstd, B, lane);
 }
 
 // Whole-task activation staging: x[B, K] as stored into shared memory, rows padded to K*2 + 16
@@ -322,8 +307,10 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
+// Out of line: inlined into the consumer loop it spilled at the 168-register cap (9 warps); as its own
+// function it needs none, for the price of one call per task.
 template <int NT>
-__device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
+__device__ __noinline__ void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
                                             const elem_t* x, const elem_t* nw, bool staged, unsigned& it, int warp,
                                             int lane, unsigned long long& wait_cycles) {
   constexpr int MT = ACC_TILES / NT;
@@ -337,8 +324,16 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
   const int uend = t.arg0 + t.arg1;
   const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
   unsigned char* xs = reinterpret_cast<unsigned char*>(red);   // staging shares the scratch
+  // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
+  // group's copies go out before the norm statistics' round trip, so the two overlap.
+  int gi = 0;
+  if (!staged) group_issue(xs, x, wp.K, 0, B, KC);
+  if (!staged && nw != nullptr)
+    rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
+    // A later pass restages group 0 once the previous pass's reduction has left the scratch.
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
     float acc[MT][NT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -347,10 +342,9 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 
-    // Activations: staged once per pass in shared memory when they fit (one L2 round trip per pass,
-    // norm statistics included); else each warp loads its fragments of a column group from L2 before
-    // waiting for the group's first chunk (one round trip per group; two groups in flight did not
-    // fit 168 registers), with rstd from rows_rstd (matvec_dispatch).
+    // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
+    // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
+    // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
@@ -358,7 +352,19 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
       if (staged) {
         smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
       } else {
-        load_x_frags<NT, JMAX>(xb, x, nw, rstd, wp.K, k0, nsteps, B, warp, lane);
+        unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
+#pragma unroll
+        for (int jj = 0; jj < JMAX; ++jj) {
+          const int k = k0 + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
+          const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
+          wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
+          wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
+        }
+        cp_async_wait_all();  // this thread's copies of the group have landed ...
+        consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
+        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
+        if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
+        ++gi;
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
@@ -387,7 +393,7 @@ __device__ __forceinline__ void matvec_task(const Smem& S, const Params& P, cons
         }
       }
     }
-    if (staged) consumer_sync();  // every warp is done with the staged x before `red` overwrites it
+    consumer_sync();  // every warp is done with the staged x before `red` overwrites it
 
     // Cross-warp reduction: red[warp][m][n][lane] (float4), then warp w owns tile w = m*NT + n.
 #pragma unroll

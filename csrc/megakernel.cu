@@ -38,7 +38,7 @@ namespace mk {
 __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
                                                 int nt, int lane, const float (&v)[4], const float (&vu)[4]) {
   switch (t.opcode) {
-    case OP_QKV_ROPE: qkv_rope_epilogue(P, t, p0, m, nt, lane, v); break;
+    case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v); break;
     case OP_O_PROJ:
     case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v); break;
     case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
@@ -56,7 +56,6 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   if (t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP)  // norm-fused (their K is H)
     nw = weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
-  if (nw != nullptr && !staged) rows_rstd(x, P.batch, S.rstd(), S.scratch(), warp, lane);  // staged: stage_x
   if (batch_ntiles(P.batch) == 1)
     matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, wait_cycles);
   else
@@ -196,5 +195,6 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (warp == CONSUMER_WARPS) producer_loop(S, P, qbeg, qend, lane);
     return;
   }
+  step_inputs(S, P);
   consumer_loop(S, P, qbeg, qend, warp, lane);
 }

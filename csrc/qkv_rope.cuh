@@ -22,7 +22,7 @@ __device__ __forceinline__ void rope_cos_sin(const Params& P, long long pos, int
   }
 }
 
-__device__ __forceinline__ void qkv_rope_epilogue(const Params& P, const Task& t, int p0, int m, int nt, int lane,
+__device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   const float (&v)[4]) {
   int g, hl, s;
   qkv_unit(p0 + m, g, hl, s);
@@ -34,7 +34,7 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Params& P, const Task& t
     float y1 = stock_rnd(v[e]), y2 = stock_rnd(v[e + 2]);  // STOCK: vLLM's qkv GEMM stores before RoPE
     if (hl <= G) {  // q or k: rotate the pair (j, j + D/2)
       float c, sn;
-      rope_cos_sin(P, ld_nc_s64(P.positions + b), j, c, sn);
+      rope_cos_sin(P, S.pos()[b], j, c, sn);
       const float x1 = y1, x2 = y2;
       y1 = x1 * c - x2 * sn;
       y2 = x2 * c + x1 * sn;
@@ -44,7 +44,7 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Params& P, const Task& t
       q[j] = from_f(y1);
       q[D / 2 + j] = from_f(y2);
     } else {
-      const long long slot = ld_nc_s64(P.slots + b);
+      const long long slot = S.slot()[b];
       if (slot >= 0) {
         const long long bs = P.block_size;
         const long long blk = slot / bs, off = slot - blk * bs;

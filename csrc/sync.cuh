@@ -46,23 +46,37 @@ __device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Slow path of a counter wait (the caller has read *p once and found it < target): spin until
-// *p >= target, backing off with __nanosleep (32 ns doubling to 256 ns). WAIT_ABORTED as soon as
-// *err != 0 (a wait somewhere in this launch has failed: nothing here can finish), WAIT_TIMEOUT
-// after budget_ns. v: the last value read; waited_ns: time spent here.
+__device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Slow path of a counter wait (the caller has read *p once and found it < target): poll until
+// *p >= target. The first SPIN_POLLS polls are back to back, relaxed loads (an acquire invalidates
+// L1 on every poll); then __nanosleep(256) between polls. The acquire is done once, on success. A
+// hand-off on the critical path is usually seen within a few polls; the sleeping tail only spares
+// L2 from SMs that wait long (a whole op). WAIT_ABORTED as soon as *err != 0 (a wait somewhere in
+// this launch has failed: nothing here can finish), WAIT_TIMEOUT after budget_ns (both checked every
+// 16 polls). v: the last value read; waited_ns: time spent here.
+constexpr unsigned SPIN_POLLS = 4096;
+
 __device__ __forceinline__ int counter_wait_slow(const unsigned* p, unsigned target, const int* err,
                                                  unsigned long long budget_ns, unsigned& v,
                                                  unsigned long long& waited_ns) {
-  unsigned ns = 32;
   const unsigned long long t0 = global_ns();
-  while (true) {
-    __nanosleep(ns);
-    ns = ns < 256 ? ns * 2 : 256;
-    v = ld_acquire_gpu(p);
-    if (v >= target) return WAIT_OK;
-    waited_ns = global_ns() - t0;
-    if (ld_relaxed_gpu_s32(err) != 0) return WAIT_ABORTED;
-    if (waited_ns > budget_ns) return WAIT_TIMEOUT;
+  for (unsigned polls = 1;; ++polls) {
+    if (polls > SPIN_POLLS) __nanosleep(256);
+    v = ld_relaxed_gpu_u32(p);
+    if (v >= target) {
+      v = ld_acquire_gpu(p);  // orders this CTA's later reads after the signallers' releases
+      return WAIT_OK;
+    }
+    if ((polls & 15) == 0) {
+      waited_ns = global_ns() - t0;
+      if (ld_relaxed_gpu_s32(err) != 0) return WAIT_ABORTED;
+      if (waited_ns > budget_ns) return WAIT_TIMEOUT;
+    }
   }
 }
 

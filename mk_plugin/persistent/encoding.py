@@ -251,7 +251,7 @@ class KernelLayout:
     chunk_cols: int = 1024          # columns of a chunk (16-bit elements)
     union_bytes: int = 32768        # per-task scratch: matvec reduction / attention merge
     acc_tiles: int = 8              # m16n8 accumulator tiles per warp (M-tiles * N-tiles of a pass)
-    misc_bytes: int = 512           # mbarriers, rstd[16], kernel parameters
+    misc_bytes: int = 768           # mbarriers, rstd[16], the step's per-request inputs, kernel parameters
 
     @property
     def row_bytes(self) -> int:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 5's GPU calls (bench/NOTES.md "Session 5"), no vLLM needed. Run from the project root on the
+# GPU host with .commit carried; output under $2.
+#   call 2: the gpu tests on the new kernel, then mk_step at 1B batch 1/4/8/16 (Triton alongside)
+#   call 3: mk_step at 8B batch 1/8 and 1B at ctx 4096, the DIAG decomposition again, a 1B batch-8 trace
+set -uo pipefail
+n=${1:?call number}; out=${2:?outdir}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+commit=$(python3 bench/common.py)
+echo "date $(date -u +%FT%TZ) call $n commit $commit"
+step() { timeout "${T:-240}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
+case $n in
+  2) timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       tests/test_decode_step.py 2>&1 | tail -6
+     step --batch 1 4 8 16 ;;
+  3) T=300 step --model bench/models/llama-3.1-8b --batch 1 8
+     step --batch 1 8 16 --ctx 4096
+     for m in 1 4 6; do echo "== MK_DIAG=$m"; step --batch 1 8 16 --no-triton --define MK_DIAG=$m; done
+     timeout 120 python3 bench/mk_step.py --batch 8 --no-triton --trace --records-dir "$out" --csv /dev/null 2>&1 \
+       | tail -14 ;;
+esac
