@@ -13,9 +13,13 @@ case $n in
   2) timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
        tests/test_decode_step.py 2>&1 | tail -6
      step --batch 1 4 8 16 ;;
-  3) T=300 step --model bench/models/llama-3.1-8b --batch 1 8
-     step --batch 1 8 16 --ctx 4096
-     for m in 1 4 6; do echo "== MK_DIAG=$m"; step --batch 1 8 16 --no-triton --define MK_DIAG=$m; done
-     timeout 120 python3 bench/mk_step.py --batch 8 --no-triton --trace --records-dir "$out" --csv /dev/null 2>&1 \
-       | tail -14 ;;
+  3) # attention change (block table staged, 4 load steps in flight): the kernel tests again
+     timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or graph" 2>&1 | tail -4
+     # why batch 1 got slower at d3a556f: back-to-back polls vs sleeping ones, matvec out of line vs inlined
+     for v in "" "--define MK_SPIN_POLLS=0" "--define MK_MATVEC_INLINE=1" "--define MK_SPIN_POLLS=0 --define MK_MATVEC_INLINE=1"; do
+       echo "== variant: ${v:-default}"; step --batch 1 8 --no-triton $v; done
+     step --batch 1 8 16
+     T=300 step --model bench/models/llama-3.1-8b --batch 1 8
+     step --batch 1 8 --ctx 4096 ;;
 esac

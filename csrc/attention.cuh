@@ -20,10 +20,13 @@ namespace mk {
 constexpr int ATT_LPT = D / 8;                   // lanes per token
 constexpr int ATT_TPW = 32 / ATT_LPT;            // tokens per warp per load step
 constexpr int ATT_HG = (G % 4 == 0) ? 4 : (G % 3 == 0) ? 3 : (G % 2 == 0) ? 2 : 1;  // heads per pass
-constexpr int ATT_AU = 2;                        // load steps in flight per warp
+constexpr int ATT_AU = 4;                        // load steps in flight per warp
 static_assert(G % ATT_HG == 0, "head passes must tile the group");
-static_assert((2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D + ATT_HG * D) * 4 <= UNION_BYTES,
-              "attention scratch");
+constexpr int ATT_SCRATCH_FLOATS = 2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D + ATT_HG * D;
+// Block-table entries of the task's token range, staged in shared memory after the merge scratch: the
+// KV loads then depend on one round trip instead of two (a range with more blocks reads them from L2).
+constexpr int ATT_BT_CAP = (UNION_BYTES / 4 - ATT_SCRATCH_FLOATS);
+static_assert(ATT_BT_CAP >= 256, "attention scratch");
 
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
@@ -58,6 +61,14 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   float* qs = wo + CONSUMER_WARPS * ATT_HG * D;          // [HG][D] scaled q (registers are short)
   const bool direct = t.out_buf == BUF_ATTN_O;
   const elem_t* qbuf = buf_ptr(P, BUF_Q) + (size_t)b * QS;
+  // Block-table entries of [lo, hi) (immutable inputs): loaded with the first head pass's q, in the
+  // same round trip; entry i is block (lo / bs) + i.
+  int* bts = reinterpret_cast<int*>(qs + ATT_HG * D);
+  const int blk0 = lo / bs;
+  const int nblk = hi > lo ? (hi - 1) / bs - blk0 + 1 : 0;
+  const bool bt_staged = nblk <= ATT_BT_CAP;
+  if (bt_staged)
+    for (int i = threadIdx.x; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
     for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
@@ -85,7 +96,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
         if (valid[u]) {
           const int bi = tok / bs;
-          const long long blk = ld_nc_s32(bt + bi);
+          const long long blk = bt_staged ? bts[bi - blk0] : ld_nc_s32(bt + bi);
           const int off = tok - bi * bs;
           const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + g * D + e * 8;
           kr[u] = ld_cg_v4(kp);

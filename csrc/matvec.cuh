@@ -309,8 +309,16 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
 
 // Out of line: inlined into the consumer loop it spilled at the 168-register cap (9 warps); as its own
 // function it needs none, for the price of one call per task.
+#ifndef MK_MATVEC_INLINE
+#define MK_MATVEC_INLINE 0
+#endif
+#if MK_MATVEC_INLINE
+#define MK_MATVEC_LINKAGE __forceinline__
+#else
+#define MK_MATVEC_LINKAGE __noinline__
+#endif
 template <int NT>
-__device__ __noinline__ void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
+__device__ MK_MATVEC_LINKAGE void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
                                             const elem_t* x, const elem_t* nw, bool staged, unsigned& it, int warp,
                                             int lane, unsigned long long& wait_cycles) {
   constexpr int MT = ACC_TILES / NT;
