@@ -22,4 +22,13 @@ case $n in
      step --batch 1 8 16
      T=300 step --model bench/models/llama-3.1-8b --batch 1 8
      step --batch 1 8 --ctx 4096 ;;
+  4) # by-value matvec_task (no local-memory reloads in the chunk loop): tests, then the measured table
+     timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or graph or watchdog" 2>&1 | tail -4
+     for v in "" "--define MK_MATVEC_INLINE=1"; do
+       echo "== variant: ${v:-default}"; step --batch 1 8 --no-triton $v; done
+     step --batch 1 4 8 16
+     T=300 step --model bench/models/llama-3.1-8b --batch 1 8
+     for b in 1 8; do timeout 120 python3 bench/mk_step.py --batch $b --no-triton --trace --records-dir "$out" \
+       --csv /dev/null 2>&1 | grep -E "^\| (qkv|attn|o_proj|gate|down|total)|traced step"; done ;;
 esac

@@ -318,9 +318,12 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
 #define MK_MATVEC_LINKAGE __noinline__
 #endif
 template <int NT>
-__device__ MK_MATVEC_LINKAGE void matvec_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
-                                            const elem_t* x, const elem_t* nw, bool staged, unsigned& it, int warp,
-                                            int lane, unsigned long long& wait_cycles) {
+// Arguments by value and the chunk count returned: out of line, references to the caller's locals
+// made every use in the chunk loop a local-memory reload after each asm memory clobber (SASS, 51f822c).
+__device__ MK_MATVEC_LINKAGE unsigned matvec_task(const Smem S, const Params& P, const Task t, const WeightPlan wp,
+                                                  const elem_t* x, const elem_t* nw, bool staged, unsigned it,
+                                                  int warp, int lane, unsigned long long* wait_out) {
+  unsigned long long wait_cycles = 0;
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
   constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
@@ -429,6 +432,8 @@ __device__ MK_MATVEC_LINKAGE void matvec_task(const Smem& S, const Params& P, co
     }
     consumer_sync();
   }
+  *wait_out += wait_cycles;
+  return it;
 }
 
 }  // namespace mk

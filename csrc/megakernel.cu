@@ -57,9 +57,9 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     nw = weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
   if (batch_ntiles(P.batch) == 1)
-    matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, wait_cycles);
+    it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else
-    matvec_task<2>(S, P, t, wp, x, nw, staged, it, warp, lane, wait_cycles);
+    it = matvec_task<2>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
 }
 
 __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, int qbeg, int qend, int warp, int lane) {
