@@ -31,4 +31,12 @@ case $n in
      T=300 step --model bench/models/llama-3.1-8b --batch 1 8
      for b in 1 8; do timeout 120 python3 bench/mk_step.py --batch $b --no-triton --trace --records-dir "$out" \
        --csv /dev/null 2>&1 | grep -E "^\| (qkv|attn|o_proj|gate|down|total)|traced step"; done ;;
+  5) # the autotuner on the new kernel (1B, no LM head: the vLLM path), one batch per run (each merges
+     # into the tables), then the sanitizers and the step with the tuned tables vs MK_TUNING=off
+     for b in 1 8 16; do timeout 170 python3 bench/autotune.py --models 1b --batch $b --lm-head off --rounds 1 \
+       --reps 100 --write-tuned --outdir "$out/b$b" 2>&1 | grep -E "best|winner|tuning table|Error" | tail -3; done
+     cp mk_plugin/persistent/tuned/megakernel_*.json "$out/" 2>/dev/null
+     MK_SAN_TIMEOUT=120 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -12
+     step --batch 1 4 8 16
+     MK_TUNING=off step --batch 1 4 8 16 --no-triton ;;
 esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) on one megakernel step, Llama-3.2-1B shape,
-# batch 1 and 8 (bench/sanitize.py checks the step's result afterwards). Only the megakernel is
+# batch 1, 8 and 16 (MK_SAN_BATCHES; bench/sanitize.py checks the step's result afterwards). Only the megakernel is
 # instrumented (--kernel-name kns=mk_decode). Usage: bash bench/sanitize.sh [outdir] [layers]
 # Writes $outdir/sanitize_<date>.md with date, GPU, commit, each command and its summary lines.
 set -uo pipefail
@@ -11,7 +11,7 @@ echo "# compute-sanitizer $(date -u +%FT%TZ), $(python3 -c 'import torch;print(t
 echo "$(compute-sanitizer --version | tail -1)" >> "$rec"
 status=0
 for tool in memcheck racecheck synccheck; do
-  for b in 1 8; do
+  for b in ${MK_SAN_BATCHES:-1 8 16}; do
     extra=""; [ "$tool" = racecheck ] && extra="--racecheck-report all"
     cmd="compute-sanitizer --tool $tool $extra --kernel-name kns=mk_decode --error-exitcode 3 python3 bench/sanitize.py --batch $b --layers $layers"
     echo "## \`$cmd\`" >> "$rec"; echo '```' >> "$rec"
