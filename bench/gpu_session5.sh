@@ -39,4 +39,8 @@ case $n in
      MK_SAN_TIMEOUT=120 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -12
      step --batch 1 4 8 16
      MK_TUNING=off step --batch 1 4 8 16 --no-triton ;;
+  6) # racecheck at batch 16 (cut at 120 s in call 5) and a batch-16 trace for the next session's analysis
+     MK_SAN_BATCHES=16 MK_SAN_TIMEOUT=240 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -8
+     timeout 120 python3 bench/mk_step.py --batch 16 --no-triton --trace --records-dir "$out" --csv /dev/null 2>&1 \
+       | grep -E "^\| (qkv|attn|o_proj|gate|down|total)|traced step" ;;
 esac
