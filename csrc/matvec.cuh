@@ -11,6 +11,10 @@
 // reduced through shared memory, then each consumer warp owns one accumulator tile for the
 // op-specific epilogue (matvec_epilogue, defined in megakernel.cu).
 //
+// Activations reach shared memory before their fragments are read: whole per pass when x[B, K] fits
+// the scratch (stage_x, rows padded), else one column group at a time, double-buffered through
+// cp.async (group_issue / group_frags, rows swizzled).
+//
 // The producer warp walks the same queue with the same pass/chunk plan (weight_plan, weight_row)
 // and issues one cp.async.bulk per weight row and chunk; chunk number `it` (counted over the whole
 // queue by both sides) uses slot it % NUM_STAGES with mbarrier parity (it / NUM_STAGES) & 1.
@@ -307,20 +311,12 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
-// Out of line: inlined into the consumer loop it spilled at the 168-register cap (9 warps); as its own
-// function it needs none, for the price of one call per task.
-#ifndef MK_MATVEC_INLINE
-#define MK_MATVEC_INLINE 0
-#endif
-#if MK_MATVEC_INLINE
-#define MK_MATVEC_LINKAGE __forceinline__
-#else
-#define MK_MATVEC_LINKAGE __noinline__
-#endif
+// Out of line: inlined into the consumer loop it spills at the 168-register cap (9 warps) and measured
+// 62 us slower at 1B batch 1 (NOTES session 5); as its own function it needs no spills.
 template <int NT>
 // Arguments by value and the chunk count returned: out of line, references to the caller's locals
 // made every use in the chunk loop a local-memory reload after each asm memory clobber (SASS, 51f822c).
-__device__ MK_MATVEC_LINKAGE unsigned matvec_task(const Smem S, const Params& P, const Task t, const WeightPlan wp,
+__device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, const Task t, const WeightPlan wp,
                                                   const elem_t* x, const elem_t* nw, bool staged, unsigned it,
                                                   int warp, int lane, unsigned long long* wait_out) {
   unsigned long long wait_cycles = 0;
