@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,3 +51,42 @@ def device() -> str:
 def mk_defines(pytestconfig) -> tuple[str, ...]:
     """-D options for MegakernelDecoder(defines=...) from --mk-define."""
     return tuple(f"-D{d}" for d in pytestconfig.getoption("--mk-define"))
+
+
+# ---- a deliberately corrupted program (the watchdog tests), as a fixture: test modules never import
+# each other, and the package carries no code that only tests use.
+def with_unsatisfiable_wait(program, tid: int | None = None):
+    """A deliberately corrupted copy of `program` (tests of the watchdog): task `tid` (default: the
+    first task of the middle op that has a wait) waits for its counter to reach one more than the
+    counter's total, which never happens. vm.check_deadlock_free rejects the result; on the GPU the
+    watchdog fires on the SM that runs that task."""
+    from mk_plugin.persistent.encoding import TASK_WORDS, F, H  # after TRITON_INTERPRET is set
+    from mk_plugin.persistent.schedule import Segment
+
+    segs = [s for s in program.steps if isinstance(s, Segment)]
+    cands = [(si, i) for si, s in enumerate(segs) for i, w in enumerate(s.waits) if w]
+    if tid is not None:
+        cands = [(si, i) for si, i in cands if segs[si].tasks[i].tid == tid]
+        if not cands:
+            raise ValueError(f"task {tid} is not a megakernel task with a dependency wait")
+    elif not cands:
+        raise ValueError("the program has no megakernel task with a dependency wait")
+    si, i = cands[len(cands) // 2] if tid is None else cands[0]
+    seg = segs[si]
+    (c, _), *rest = seg.waits[i]
+    waits = [list(w) for w in seg.waits]
+    waits[i] = [(c, program.counters[c].total + 1), *rest]
+    words = seg.encoded.copy()
+    at = int(words[H["tasks_at"]])
+    pos = [t for q in seg.queues for t in q].index(i)   # the record's slot in the encoded task array
+    rec = at + pos * TASK_WORDS
+    assert words[rec + F["tid"]] == seg.tasks[i].tid and words[rec + F["wait0_ctr"]] == c
+    words[rec + F["wait0_target"]] = program.counters[c].total + 1
+    bad = replace(seg, waits=waits, encoded=words)
+    return replace(program, steps=[bad if s is seg else s for s in program.steps])
+
+
+@pytest.fixture(scope="session")
+def unsatisfiable_wait():
+    """with_unsatisfiable_wait(program, tid=None) -> the corrupted copy (see its docstring)."""
+    return with_unsatisfiable_wait

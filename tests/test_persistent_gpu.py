@@ -218,13 +218,12 @@ def test_megakernel_with_triton_fallback(models, mk_defines, fallback):
         assert_matches(a, b, spec.torch_dtype, "step")
 
 
-def test_watchdog_stops_a_hung_program(models, mk_defines):
+def test_watchdog_stops_a_hung_program(models, mk_defines, unsatisfiable_wait):
     """A deliberately corrupted program (one wait that can never be satisfied) on the GPU: the launch
     ends on its own (watchdog, no trap), the host raises MegakernelHang with the record, the CUDA
     context stays usable, check=True recomputes the step with Triton, a captured graph of the bad
     program replays without waiting again (sticky record), a program whose header fails the kernel's
     check is refused in-kernel, and afterwards the good program gives bit-identical results."""
-    from mk_plugin.persistent.backend import with_unsatisfiable_wait
     from mk_plugin.persistent.encoding import ErrorCode, H, HeaderCheck
     from mk_plugin.persistent.errors import MegakernelHang
 
@@ -236,7 +235,7 @@ def test_watchdog_stops_a_hung_program(models, mk_defines):
     good_out, good_logits, good_caches = _run_mk(dec, spec, w, batch, cs)
     assert not dec.pending_error()
     good = dec.program(len(seq_lens))
-    dec.install_program(with_unsatisfiable_wait(good))
+    dec.install_program(unsatisfiable_wait(good))
 
     # 1. unchecked: the launch ends by itself; the kernel wrote the pinned host mirror
     _run_mk(dec, spec, w, batch, cs)  # synchronises: returns only because every CTA exited

@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 from test_persistent_schedule import small_specs  # the schedule tests' random valid specs
 
 from mk_plugin.persistent import vm
-from mk_plugin.persistent.backend import with_unsatisfiable_wait
 from mk_plugin.persistent.encoding import decode
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
@@ -265,10 +264,10 @@ def _random_order_run(program, seed: int) -> int:
 
 @settings(max_examples=40, deadline=None)
 @given(small_specs(), st.integers(1, 16), st.integers(1, 24), st.booleans(), st.integers(0, 2 ** 16))
-def test_programs_are_deadlock_free_under_random_interleavings(spec, batch, sms, lm_head, seed):
+def test_programs_are_deadlock_free_under_random_interleavings(unsatisfiable_wait, spec, batch, sms, lm_head, seed):
     p = build_program(spec, batch, sms, lm_head=lm_head)
     vm.check_deadlock_free(p)
     assert _random_order_run(p, seed) == p.num_tids
     # the watchdog test's corruption is always caught on the CPU, before any launch
     with pytest.raises(vm.DeadlockError):
-        vm.check_deadlock_free(with_unsatisfiable_wait(p))
+        vm.check_deadlock_free(unsatisfiable_wait(p))

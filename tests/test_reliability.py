@@ -23,7 +23,6 @@ from mk_plugin.persistent.backend import (
     ProgramMeta,
     meta_mismatches,
     program_meta,
-    with_unsatisfiable_wait,
 )
 from mk_plugin.persistent.errors import MegakernelHang, ProgramMismatch
 from mk_plugin.persistent.schedule import build_program
@@ -69,21 +68,21 @@ def test_kernel_has_no_trap_no_float_atomics_and_bounded_waits():
 
 
 # ---- the deliberate corruption ---------------------------------------------------------------------------
-def test_unsatisfiable_wait_is_rejected_by_the_checker():
+def test_unsatisfiable_wait_is_rejected_by_the_checker(unsatisfiable_wait):
     p = build_program(LlamaSpec.tiny(), 3, 6, lm_head=True)
     vm.check_deadlock_free(p)
-    bad = with_unsatisfiable_wait(p)
+    bad = unsatisfiable_wait(p)
     with pytest.raises(vm.DeadlockError, match="signals add up to"):
         vm.check_deadlock_free(bad)
     vm.check_deadlock_free(p)  # the original is untouched
     tid = p.op_ranges["L1.gate_up"][0]
-    bad2 = with_unsatisfiable_wait(p, tid)
+    bad2 = unsatisfiable_wait(p, tid)
     seg = bad2.segments[0]
     i = [t.tid for t in seg.tasks].index(tid)
     c, target = seg.waits[i][0]
     assert target == p.counters[c].total + 1
     with pytest.raises(ValueError, match="not a megakernel task"):
-        with_unsatisfiable_wait(p, p.op_ranges["L0.qkv_rope"][0])  # layer 0's qkv waits on nothing
+        unsatisfiable_wait(p, p.op_ranges["L0.qkv_rope"][0])  # layer 0's qkv waits on nothing
 
 
 # ---- the VM executor's watchdog model --------------------------------------------------------------------
@@ -101,13 +100,13 @@ def _call(dec, b, cs, hidden, caches, **kw):
     return out, lo
 
 
-def test_vm_watchdog_record_sticky_abort_and_check_errors():
+def test_vm_watchdog_record_sticky_abort_and_check_errors(unsatisfiable_wait):
     spec = LlamaSpec.tiny()
     w, b, cs, hidden = _setup(spec, [21, 0, 40])
     dec = MegakernelDecoder(spec, w, 4, "cpu", num_sms=6, lm_head=True, watchdog_ms=150)
     good = dec.program(3)
     tid = good.op_ranges["L1.o_proj"][0]
-    dec.install_program(with_unsatisfiable_wait(good, tid))
+    dec.install_program(unsatisfiable_wait(good, tid))
     out, _ = _call(dec, b, cs, hidden, b.clone_caches())          # no check: returns, nothing raised
     assert dec.pending_error() and not torch.isfinite(out).all()   # final_norm never ran
     rec = dec.error_record()
@@ -154,12 +153,12 @@ def test_vm_watchdog_record_sticky_abort_and_check_errors():
     assert all(torch.equal(x, y) for x, y in zip(caches, caches_f))
 
 
-def test_check_true_recomputes_the_step_with_triton():
+def test_check_true_recomputes_the_step_with_triton(unsatisfiable_wait):
     w, b, cs, hidden = _setup(SMALL, [13, 0, 30])
     hn, logits = ref.decode_step(SMALL, w, b.input_ids, b.positions, rcaches := b.clone_caches(), b.block_table,
                                  b.seq_lens, b.slot_mapping, cs)
     dec = MegakernelDecoder(SMALL, w, 4, "cpu", num_sms=5, lm_head=True)
-    bad = with_unsatisfiable_wait(dec.program(3))
+    bad = unsatisfiable_wait(dec.program(3))
     dec.install_program(bad)
     caches = b.clone_caches()
     with pytest.raises(MegakernelHang) as e:
@@ -246,7 +245,7 @@ def test_vllm_v2_runner_computes_logits_outside_the_full_graph():
     assert "model(**model_inputs)" in fwd and "compute_logits" not in fwd
 
 
-def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch):
+def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch, unsatisfiable_wait):
     pytest.importorskip("mk_plugin.triton_ops")
     from test_vllm_adapter import SPEC, bind_kv, fa_md, fwd_ctx, make_model, profile_run
 
@@ -259,7 +258,7 @@ def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch):
     st = model._mk_state
     mk = st.decoder
     assert st.backend == "megakernel" and isinstance(mk, MegakernelDecoder)
-    mk.install_program(with_unsatisfiable_wait(mk.program(3)))
+    mk.install_program(unsatisfiable_wait(mk.program(3)))
     cs = ref.rope_cos_sin_cache(SPEC, 4096).to(SPEC.torch_dtype)
 
     # an eager step hangs; compute_logits sees the record, switches, recomputes the step

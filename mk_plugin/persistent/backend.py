@@ -28,7 +28,7 @@ Reliability (see errors.py and the README's failure-mode table):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -37,149 +37,35 @@ from ..spec import LlamaSpec
 from ..triton_ops._checks import check_shape, check_tensor, check_tokens
 from ..triton_ops._device import device_name
 from ..weights import ModelWeights
-from . import vm as _vm
 from .encoding import (
     COUNTER_STRIDE,
-    ERROR_FIELDS,
     ERROR_WORDS,
-    HEADER_WORDS,
     LAYOUT,
     LP_COUNT,
-    MAGIC,
-    TASK_FIELDS,
-    TASK_WORDS,
-    TRACE_FIELDS,
     TRACE_WORDS,
     VERSION,
     WATCHDOG_MS_MAX,
     Buf,
-    ErrorCode,
-    F,
-    H,
     LayerPtr,
     ModelPtr,
-    decode,
     rounding_of,
     spec_hash,
 )
 from .errors import MegakernelHang, ProgramMismatch
+from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
 from .graph import FusedOp, residual_source
-from .schedule import FallbackStep, Program, Segment, build_program
+from .program_meta import ProgramMeta, meta_mismatches, program_meta
+from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks
 from .tuning import DEFAULT_TUNING, ScheduleTuning, resolve, spec_tuning_key
+from .watchdog import WatchdogMixin
 
 EXECUTORS = ("cuda", "vm")
 ON_HANG = ("raise", "fallback")
 logger = logging.getLogger("mk_plugin.persistent")
 
 
-# ---- guard rails: program metadata ----------------------------------------------------------------
-@dataclass(frozen=True)
-class ProgramMeta:
-    """What a compiled program was built for; checked before it is handed to a launch."""
-    spec_hash: int          # encoding.spec_hash(spec): the model constants compiled into the kernel
-    spec_name: str
-    batch: int
-    num_sms: int            # queues per segment = grid size (one CTA per SM, all co-resident)
-    smem_bytes: int         # dynamic shared memory per CTA the kernel layout needs
-    encoding_version: int   # encoding.VERSION of the program words
-    source_hash: str        # runtime.source_hash(): the kernel text the layout belongs to
-    lm_head: bool
-    fallback: frozenset[str]
-    attn_chunks: int = 0    # KV chunks per (request, kv head): sizes the partial-attention buffers
-
-
-def program_meta(program: Program, source: str | None = None) -> ProgramMeta:
-    """ProgramMeta of `program`. Header-backed fields (version, spec hash, batch, queues) are read
-    from the encoded words of its segments, so a program whose words disagree with its Python
-    attributes is caught; ProgramMismatch if the segments disagree among themselves."""
-    from .runtime import source_hash
-
-    p = program
-    hdrs = [{k: int(seg.encoded[i]) for k, i in H.items()} for seg in p.segments]  # raw words: no decode checks
-    vals: dict[str, set[int]] = {k: {h[k] for h in hdrs}
-                                 for k in ("version", "spec_hash", "batch", "num_queues", "attn_chunks")}
-    bad = [f"segments disagree on {k}: {sorted(v)}" for k, v in vals.items() if len(v) > 1]
-    bad += [f"segment {i} is not a megakernel program (magic {h['magic']:#x})" for i, h in enumerate(hdrs)
-            if h["magic"] != MAGIC]
-    if bad:
-        raise ProgramMismatch(bad)
-
-    def one(k: str, default: int) -> int:
-        return next(iter(vals[k])) if vals[k] else default
-
-    return ProgramMeta(spec_hash=one("spec_hash", spec_hash(p.spec)), spec_name=p.spec.name, batch=one("batch", p.batch),
-                       num_sms=one("num_queues", p.num_sms), smem_bytes=LAYOUT.smem_bytes,
-                       encoding_version=one("version", VERSION), source_hash=source or source_hash(),
-                       lm_head=p.lm_head, fallback=frozenset(p.fallback),
-                       attn_chunks=one("attn_chunks", p.attn_chunks))
-
-
-def meta_mismatches(meta: ProgramMeta, want: ProgramMeta, *, device_sms: int | None = None,
-                    device_smem: int | None = None) -> list[str]:
-    """Every field of `meta` (the program) that differs from `want` (what the decoder will launch),
-    plus the live device's limits: the grid must fit the SMs (all CTAs co-resident, else the
-    program deadlocks) and the shared memory must fit one block."""
-    out = []
-    if meta.spec_hash != want.spec_hash:
-        out.append(f"model spec: program built for {meta.spec_name!r} (hash {meta.spec_hash:#x}), the decoder "
-                   f"runs {want.spec_name!r} (hash {want.spec_hash:#x})")
-    for f, label in (("batch", "batch size"), ("num_sms", "SM count (grid)"), ("smem_bytes", "shared memory bytes"),
-                     ("encoding_version", "encoding version"), ("source_hash", "kernel source hash"),
-                     ("lm_head", "lm_head"), ("fallback", "fallback ops"),
-                     ("attn_chunks", "attention chunks (partial buffers are sized for the decoder's)")):
-        a, b = getattr(meta, f), getattr(want, f)
-        if a != b:
-            if isinstance(a, frozenset):
-                a, b = sorted(a), sorted(b)
-            out.append(f"{label}: program {a!r}, decoder {b!r}")
-    if device_sms is not None and meta.num_sms > device_sms:
-        out.append(f"SM count: the program's grid of {meta.num_sms} CTAs exceeds the device's {device_sms} SMs "
-                   "(the CTAs would not all be co-resident: the launch would deadlock)")
-    if device_smem is not None and meta.smem_bytes > device_smem:
-        out.append(f"shared memory: the kernel needs {meta.smem_bytes} bytes per block, the device allows "
-                   f"{device_smem}")
-    return out
-
-
-def with_unsatisfiable_wait(program: Program, tid: int | None = None) -> Program:
-    """A deliberately corrupted copy of `program` (tests of the watchdog): task `tid` (default: the
-    first task of the middle op that has a wait) waits for its counter to reach one more than the
-    counter's total, which never happens. vm.check_deadlock_free rejects the result; on the GPU the
-    watchdog fires on the SM that runs that task."""
-    segs = [s for s in program.steps if isinstance(s, Segment)]
-    cands = [(si, i) for si, s in enumerate(segs) for i, w in enumerate(s.waits) if w]
-    if tid is not None:
-        cands = [(si, i) for si, i in cands if segs[si].tasks[i].tid == tid]
-        if not cands:
-            raise ValueError(f"task {tid} is not a megakernel task with a dependency wait")
-    elif not cands:
-        raise ValueError("the program has no megakernel task with a dependency wait")
-    si, i = cands[len(cands) // 2] if tid is None else cands[0]
-    seg = segs[si]
-    (c, _), *rest = seg.waits[i]
-    waits = [list(w) for w in seg.waits]
-    waits[i] = [(c, program.counters[c].total + 1), *rest]
-    words = seg.encoded.copy()
-    at = int(words[H["tasks_at"]])
-    pos = [t for q in seg.queues for t in q].index(i)   # the record's slot in the encoded task array
-    rec = at + pos * TASK_WORDS
-    assert words[rec + F["tid"]] == seg.tasks[i].tid and words[rec + F["wait0_ctr"]] == c
-    words[rec + F["wait0_target"]] = program.counters[c].total + 1
-    bad = replace(seg, waits=waits, encoded=words)
-    return replace(program, steps=[bad if s is seg else s for s in program.steps])
-
-
-@dataclass
-class _Entry:
-    program: Program
-    seg_progs: list[torch.Tensor | None]   # device int32 program per step (None: fallback step)
-    counters: torch.Tensor                 # int32 [num_counters * COUNTER_STRIDE]
-    traces: list[torch.Tensor | None] | None = None  # int64 [num_tasks * TRACE_WORDS] per segment
-    meta: ProgramMeta | None = field(default=None)
-
-
-class MegakernelDecoder:
+class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
     """Decode steps of up to max_tokens (<= 16) tokens of one model on one device."""
 
     def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
@@ -424,81 +310,6 @@ class MegakernelDecoder:
                       if isinstance(s, Segment) else None for s in prog.steps]
         return _Entry(prog, segs, counters, traces, meta)
 
-    # ---- watchdog: the error record ----------------------------------------------------------------
-    def pending_error(self) -> bool:
-        """True if a launch has recorded a watchdog failure that nobody has cleared yet. No host
-        synchronisation: reads the pinned host mirror (CUDA) or the record itself (VM), so a failure
-        of work still queued on the GPU is only seen once the GPU has got there."""
-        if self._err_host_np is not None:
-            return int(self._err_host_np[0]) != 0
-        if self.device.type == "cuda":  # pragma: no cover - the mirror always exists on CUDA
-            return False
-        return int(self.err[0]) != 0
-
-    def error_record(self) -> dict[str, int] | None:
-        """The device error record as a dict (None if clear). Synchronises with the device."""
-        if self.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("error_record() synchronises: not during CUDA-graph capture")
-            torch.cuda.synchronize(self.device)
-        words = self.err.cpu().tolist()
-        if words[0] == 0:
-            return None
-        return {k: words[i] for i, k in enumerate(ERROR_FIELDS)}
-
-    def clear_errors(self) -> None:
-        """Reset the record (device and host mirror): later launches run again."""
-        self.err.zero_()
-        if self._err_host is not None:
-            self._err_host.zero_()
-
-    def check_errors(self, *, clear: bool = True) -> None:
-        """Raise MegakernelHang if a launch recorded a watchdog failure (synchronises with the
-        device); with clear=True (default) the record is reset first, so later launches run."""
-        rec = self.error_record()
-        if rec is None:
-            return
-        if clear:
-            self.clear_errors()
-        hang = self._hang(rec)
-        self.hangs.append(hang)
-        raise hang
-
-    def _hang(self, rec: dict[str, int], *, recovered: bool = False) -> MegakernelHang:
-        return MegakernelHang(rec, op=self._op_of(rec), recovered=recovered, diagnosis=self._diagnose(rec))
-
-    def _diagnose(self, rec: dict[str, int]) -> str | None:
-        """Post-mortem of a hang (host side, after the launch ended): does the CPU deadlock checker
-        reject the program of the record's batch, and which counters (CUDA: read back from the
-        device) stayed short of their totals."""
-        e = self._entries.get(rec["batch"])
-        if e is None or rec["code"] == ErrorCode.BAD_PROGRAM:
-            return None
-        try:
-            _vm.check_deadlock_free(e.program)
-            parts = [("the CPU deadlock checker accepts this program, so the hang came from the launch itself "
-                      "(CTAs not all co-resident -- SMs held by another kernel, MPS or green contexts -- or a "
-                      "kernel bug)")]
-        except _vm.DeadlockError as x:
-            parts = [f"the CPU deadlock checker rejects this program: {str(x).splitlines()[0]}"]
-        if self.executor == "cuda":
-            vals = e.counters.view(-1, COUNTER_STRIDE)[:, 0].cpu().tolist()
-            short = [f"{c.name}={v}/{c.total}" for v, c in zip(vals, e.program.counters) if v < c.total]
-            if short:
-                parts.append(f"{len(short)} counter(s) short of their totals at the end of the step, first "
-                             f"{', '.join(short[:4])}")
-        return "; ".join(parts)
-
-    def _op_of(self, rec: dict[str, int]) -> str | None:
-        """The op key of the record's task (from the program of the record's batch)."""
-        e = self._entries.get(rec["batch"])
-        if e is None or rec["tid"] < 0:
-            return None
-        for key, (lo, hi) in e.program.op_ranges.items():
-            if lo <= rec["tid"] < hi:
-                return key
-        return None
-
     def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
@@ -654,109 +465,6 @@ class MegakernelDecoder:
             bufs[Buf.LOGITS] = io.logits
         return bufs
 
-    def launch_args(self, e: _Entry, io: _StepIO, bufs: dict[Buf, torch.Tensor]) -> dict[str, object]:
-        """Arguments of mk_decode by name (encoding.KERNEL_PARAMS), except `prog`."""
-        cs = io.cos_sin
-        return {
-            "wptr": self._wptr, "kvptr": self._kv_table(io.kv_caches), "counters": e.counters,
-            "positions": io.positions, "slots": io.slot_mapping, "seq_lens": io.seq_lens,
-            "block_table": io.block_table, "bt_stride": io.block_table.stride(0),
-            "block_size": io.kv_caches[0].shape[2], "cos_sin": cs, "cs_rows": cs.shape[0],
-            "cs_stride": cs.stride(0), "cs_f32": 1 if cs.dtype == torch.float32 else 0,
-            "hidden_in": bufs[Buf.HIDDEN_IN], "resid": bufs[Buf.RESID], "q": bufs[Buf.Q],
-            "attn_o": bufs[Buf.ATTN_O], "act": bufs[Buf.ACT], "out": bufs[Buf.OUT],
-            "logits": bufs.get(Buf.LOGITS), "part_o": bufs[Buf.PART_O], "part_ml": bufs[Buf.PART_ML],
-            "trace": None, "err": self.err, "err_host": self._err_host, "watchdog_ms": self.watchdog_ms,
-        }
-
-    def _run_cuda(self, e: _Entry, io: _StepIO) -> None:
-        b = io.hidden.shape[0]
-        bufs = self._bufs(b, io)
-        args = self.launch_args(e, io, bufs)
-        e.counters.zero_()
-        assert self._module is not None
-        module = self.module(e.program.batch)
-        for i, (step, prog) in enumerate(zip(e.program.steps, e.seg_progs)):
-            if isinstance(step, FallbackStep):
-                self._fallback(step.op, bufs, io)
-            else:
-                args["prog"] = prog
-                args["trace"] = e.traces[i] if e.traces is not None else None
-                module.launch(self.device, self.num_sms, args)
-
-    def trace_records(self, batch: int) -> list[dict[str, int | str]]:
-        """The per-task trace of the last step of `batch` tokens (decoder built with trace=True):
-        one dict per task with its tid, op key, opcode and the encoding.TRACE_FIELDS values
-        (%globaltimer ns; wait_cycles in SM clocks). Synchronises with the device."""
-        e = self._entry(batch)
-        if e.traces is None:
-            raise RuntimeError("tracing is off: build the decoder with trace=True (or MK_TRACE=1)")
-        rows = []
-        for step, tr in zip(e.program.steps, e.traces):
-            if tr is None:
-                continue
-            words = tr.view(-1, TRACE_WORDS).cpu().numpy()
-            enc_ = step.encoded
-            at = int(enc_[H["tasks_at"]])
-            tids = enc_[at:].reshape(-1, TASK_WORDS)[:, TASK_FIELDS.index("tid")]
-            by_tid = {t.tid: t for t in step.tasks}
-            for i, tid in enumerate(tids.tolist()):
-                row: dict[str, int | str] = {"tid": tid, "op": by_tid[tid].op.key}
-                row.update({f: int(words[i, j]) for j, f in enumerate(TRACE_FIELDS)})
-                rows.append(row)
-        return rows
-
-    def _run_vm(self, e: _Entry, io: _StepIO) -> None:
-        b = io.hidden.shape[0]
-        st = _vm.VMState(self.spec, b, e.program.attn_chunks, self.weights, self._bufs(b, io), io.kv_caches,
-                         io.positions, io.slot_mapping, io.seq_lens, io.block_table, io.cos_sin,
-                         [0] * e.program.num_counters, rounding=self.rounding)
-        if Buf.LOGITS not in st.bufs:
-            st.bufs[Buf.LOGITS] = torch.empty(b, self.spec.vocab_size, dtype=torch.float32)
-        for step in e.program.steps:
-            if isinstance(step, FallbackStep):
-                self._fallback(step.op, st.bufs, io)
-            elif int(self.err[0]) != 0:
-                continue  # like the kernel: a launch that finds a record set exits at once
-            else:
-                try:
-                    _vm.run_segment(step, st)
-                except _vm.DeadlockError:
-                    self._vm_watchdog(step, st)
-
-    def _vm_watchdog(self, seg: Segment, st: _vm.VMState) -> None:
-        """What the kernel's watchdog records when a segment cannot finish: the VM ran every task
-        that could run (as the GPU's unblocked CTAs do); the first queue (lowest SM) whose head
-        waits on an unreached counter reports it, as if its wait had timed out."""
-        dp = decode(seg.encoded)
-        done = set(st.executed)
-        offs = [int(x) for x in seg.encoded[HEADER_WORDS: HEADER_WORDS + len(dp.queues) + 1]]
-        for qi, q in enumerate(dp.queues):
-            for pos, t in enumerate(q):
-                if t["tid"] in done:
-                    continue
-                for k in ("wait0", "wait1"):
-                    c, target = t[f"{k}_ctr"], t[f"{k}_target"]
-                    if c >= 0 and st.counters[c] < target:
-                        rec = dict.fromkeys(ERROR_FIELDS, 0)
-                        rec.update(code=int(ErrorCode.COUNTER_TIMEOUT), sm=qi, thread=0, batch=dp.header["batch"],
-                                   task_index=offs[qi] + pos, tid=t["tid"], opcode=t["opcode"], layer=t["layer"],
-                                   counter=c, expected=target, seen=st.counters[c],
-                                   elapsed_us=self.watchdog_ms * 1000, budget_ms=self.watchdog_ms)
-                        self._write_record(rec)
-                        return
-                break  # this queue's head can run: look at the next queue
-        raise AssertionError("DeadlockError without a blocked queue head")  # pragma: no cover
-
-    def _write_record(self, rec: dict[str, int]) -> None:
-        if int(self.err[0]) != 0:
-            return  # the first failure wins, as with the kernel's atomicCAS
-        words = torch.tensor([rec[k] for k in ERROR_FIELDS] + [0] * (ERROR_WORDS - len(ERROR_FIELDS)),
-                             dtype=torch.int32)
-        self.err.copy_(words)
-        if self._err_host is not None:
-            self._err_host.copy_(words)
-
     # ---- Triton fallback of one op, on the megakernel's buffers ---------------------------------
     def _fallback(self, op: FusedOp, bufs: dict[Buf, torch.Tensor], io: _StepIO) -> None:
         from .. import triton_ops as T
@@ -787,16 +495,3 @@ class MegakernelDecoder:
             T.lm_head(bufs[Buf.OUT], w.lm_head, out=bufs[Buf.LOGITS])
         else:  # pragma: no cover
             raise AssertionError(op.name)
-
-
-@dataclass
-class _StepIO:
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    kv_caches: list[torch.Tensor]
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin: torch.Tensor
-    out: torch.Tensor
-    logits: torch.Tensor | None
