@@ -9,30 +9,16 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import small_specs  # tests/strategies.py
 
 from mk_plugin.ops import STEP_OPS
 from mk_plugin.persistent import encoding as enc
 from mk_plugin.persistent.schedule import Program, Segment, _encode_segment, build_program, check_ordering
 from mk_plugin.persistent.tasks import op_units
 from mk_plugin.persistent.vm import DeadlockError, check_deadlock_free
-from mk_plugin.spec import LlamaSpec, UnsupportedModel
+from mk_plugin.spec import LlamaSpec
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
-
-
-@st.composite
-def small_specs(draw):
-    while True:
-        d = draw(st.sampled_from([64, 128]))
-        nkv = draw(st.integers(1, 3))
-        g = draw(st.sampled_from([1, 2, 3, 4, 6]))
-        try:
-            return LlamaSpec(hidden_size=16 * draw(st.integers(2, 24)), num_layers=draw(st.integers(1, 2)),
-                             num_q_heads=nkv * g, num_kv_heads=nkv, head_dim=d,
-                             intermediate_size=16 * draw(st.integers(1, 30)),
-                             vocab_size=draw(st.integers(16, 300)), name="rand")
-        except UnsupportedModel:
-            continue
 
 
 @settings(max_examples=25, deadline=None)

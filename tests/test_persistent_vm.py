@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_persistent_schedule import small_specs
+from strategies import small_specs  # tests/strategies.py
 
 from mk_plugin import reference as ref
 from mk_plugin.persistent import vm

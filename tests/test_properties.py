@@ -27,7 +27,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_persistent_schedule import small_specs  # the schedule tests' random valid specs
+from strategies import small_specs  # tests/strategies.py
 
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.encoding import decode

@@ -247,7 +247,7 @@ def test_vllm_v2_runner_computes_logits_outside_the_full_graph():
 
 def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch, unsatisfiable_wait):
     pytest.importorskip("mk_plugin.triton_ops")
-    from test_vllm_adapter import SPEC, bind_kv, fa_md, fwd_ctx, make_model, profile_run
+    from vllm_fakes import SPEC, bind_kv, fa_md, fwd_ctx, make_model, profile_run
 
     from mk_plugin import vllm_adapter as va
 
