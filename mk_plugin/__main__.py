@@ -1,5 +1,6 @@
-"""`python -m mk_plugin check [--config path/to/config.json]`: every op and a whole decode step
-through the Triton path against the fp32 reference, as a table. On CPU it uses the Triton
+"""`python -m mk_plugin check [--config path/to/config.json] [--mode both|triton|megakernel] [--fallback ops]`:
+every Triton op and a whole decode step through the Triton path and the megakernel against the fp32
+reference, as one table. On CPU it uses the Triton
 interpreter; on a GPU it also prints each op's time and achieved GB/s."""
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--layers", type=int, default=None, help="layers in the whole-step check (default: all on GPU, 2 on CPU)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no-timing", action="store_true", help="skip per-op timing on the GPU")
+    c.add_argument("--mode", choices=("both", "triton", "megakernel"), default="both",
+                   help="which whole-step decode paths to check (default both; the megakernel runs on the "
+                        "GPU, or on its CPU interpreter (VM) without one)")
+    c.add_argument("--fallback", default="",
+                   help="comma list of ops the megakernel step leaves to the Triton kernels (MK_FALLBACK names)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_ops is imported

@@ -80,7 +80,19 @@ def _truncate(spec: LlamaSpec, w: ModelWeights, layers: int) -> tuple[LlamaSpec,
             ModelWeights(w.embed, w.layers[:layers], w.final_norm, w.lm_head))
 
 
+def _fallback_ops(text: str) -> frozenset[str]:
+    """--fallback's comma list as op names (mk_plugin.ops.STEP_OPS); SystemExit naming any unknown one."""
+    from .ops import STEP_OPS
+
+    ops = frozenset(o.strip() for o in text.split(",") if o.strip())
+    bad = sorted(ops - set(STEP_OPS))
+    if bad:
+        raise SystemExit(f"--fallback names unknown op(s) {bad}; known ops: {', '.join(STEP_OPS)}")
+    return ops
+
+
 def run_check(args: argparse.Namespace) -> int:
+    _fallback_ops(args.fallback)  # a bad op name fails before any work
     from . import triton_ops as T
     from .triton_ops.linear import linear_bytes
     from .triton_ops.paged_attention import paged_attention_bytes, paged_attention_num_splits
@@ -194,8 +206,6 @@ def run_check(args: argparse.Namespace) -> int:
     kind = "step" if layers <= 4 else "drift"
     tab.add("rounded ref vs pure fp32 ref (noise floor)", f"{b} tok, {layers} layers",
             compare(logits_r[live], logits_f[live], dt, "drift"))
-    tab.add(f"decode_step logits vs rounded ref ({kind})", f"{b} tok, {layers} layers",
-            compare(logits[live], logits_r[live], dt, kind))
     res = compare(logits[live], logits_f[live], dt, "drift")
     step_bytes = spec_l.weight_bytes_per_step() + spec_l.kv_bytes_per_step(lens)
     caches_bench = batch.clone_caches()
@@ -205,7 +215,13 @@ def run_check(args: argparse.Namespace) -> int:
                           batch.slot_mapping, cos_sin, workspace=ws)
         T.lm_head(o, w.lm_head, out=lo)
 
-    tab.add("decode_step logits vs pure fp32 ref (drift)", f"{b} tok, {layers} layers", res, whole_step, step_bytes)
+    if args.mode in ("both", "triton"):
+        tab.add(f"decode_step logits vs rounded ref ({kind})", f"{b} tok, {layers} layers",
+                compare(logits[live], logits_r[live], dt, kind))
+        tab.add("decode_step logits vs pure fp32 ref (drift)", f"{b} tok, {layers} layers", res, whole_step,
+                step_bytes)
+    if args.mode in ("both", "megakernel"):
+        _megakernel_rows(tab, args, spec_l, w, batch, cos_sin, logits_r, logits_f, caches_r, kind, step_bytes)
     tab.print()
     if tab.timing:
         print("time = median of CUDA-graph replays (no launch gaps; linear/lm_head rotate weight copies past L2); "
@@ -213,3 +229,43 @@ def run_check(args: argparse.Namespace) -> int:
               "H200 datasheet 4800 GB/s, measured copy ~4260 GB/s")
     print("ALL PASS" if tab.ok else "SOME CHECKS FAILED")
     return 0 if tab.ok else 1
+
+
+def _megakernel_rows(tab: Table, args: argparse.Namespace, spec: LlamaSpec, w: ModelWeights, batch, cos_sin,
+                     logits_r: torch.Tensor, logits_f: torch.Tensor, caches_r: list[torch.Tensor], kind: str,
+                     step_bytes: int) -> None:
+    """The whole step through the megakernel (the CUDA kernel on a GPU, its CPU interpreter otherwise),
+    LM head fused, against the same references as the Triton step; its KV appends against the rounded
+    reference's. A megakernel that cannot be built is a FAIL row, never a silent skip."""
+    from .persistent.backend import MegakernelDecoder
+
+    fallback = _fallback_ops(args.fallback)
+    cuda = torch.cuda.is_available()
+    executor = "cuda" if cuda else "vm"
+    b, dt = batch.input_ids.shape[0], spec.torch_dtype
+    live = batch.seq_lens > 0
+    label = f"megakernel ({executor}{', fallback ' + ','.join(sorted(fallback)) if fallback else ''})"
+    shape = f"{b} tok, {spec.num_layers} layers"
+    try:
+        dec = MegakernelDecoder(spec, w, b, batch.positions.device, lm_head=True, executor=executor,
+                                fallback=fallback)
+        hidden = w.embed[batch.input_ids]
+        caches = batch.clone_caches()
+        out = poison_(torch.empty_like(hidden))
+        lo = poison_(torch.empty(b, spec.vocab_size, device=hidden.device, dtype=torch.float32))
+        dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cos_sin,
+            out=out, logits_out=lo)
+    except Exception as e:  # noqa: BLE001 - reported as a failed row with the reason
+        tab.add(f"{label}: could not run: {type(e).__name__}: {str(e).splitlines()[0][:90]}", shape,
+                {"max_abs": float("nan"), "rel_fro": float("nan"), "pass": False})
+        return
+    tab.add(f"{label} logits vs rounded ref ({kind})", shape, compare(lo[live], logits_r[live], dt, kind))
+    tab.add(f"{label} KV appends vs rounded ref", shape,
+            _worst(*[compare(c, r, dt, kind) for c, r in zip(caches, caches_r)]))
+    bench_caches = batch.clone_caches()
+
+    def step() -> None:
+        dec(hidden, batch.positions, bench_caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cos_sin,
+            out=out, logits_out=lo)
+    tab.add(f"{label} logits vs pure fp32 ref (drift)", shape, compare(lo[live], logits_f[live], dt, "drift"),
+            step if cuda else None, step_bytes)
