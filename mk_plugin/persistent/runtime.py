@@ -23,16 +23,32 @@ from ..config import get_config
 from ..spec import LlamaSpec
 from .encoding import KERNEL_PARAMS, generate_header, kernel_defines, layout_of
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
 ENTRY = "megakernel.cu"
 KERNEL_NAME = "mk_decode"
 DEFAULT_ARCH = "sm_90a"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
+_PKG = Path(__file__).resolve().parents[1]
+CSRC_CANDIDATES = (_PKG / "csrc", _PKG.parent / "csrc")
+
+
+def _find_csrc() -> Path:
+    """The kernel sources: mk_plugin/csrc of an installed wheel, else csrc/ of the checkout (an
+    editable install maps the package there without a folder of that name in mk_plugin/). When
+    neither holds them, the package's path (build_source then names both places)."""
+    return next((d for d in CSRC_CANDIDATES if (d / ENTRY).is_file()), CSRC_CANDIDATES[0])
+
+
+CSRC = _find_csrc()
+
+
 def build_source(csrc: Path = CSRC) -> str:
     """megakernel.cu with local includes inlined once each (pragma-once semantics) and tasks.h
     taken from the generator. System includes (<cuda_bf16.h>) are left to the compiler."""
+    if not (csrc / ENTRY).is_file():
+        raise FileNotFoundError(f"megakernel sources ({ENTRY}) not found in {' or '.join(map(str, CSRC_CANDIDATES))}"
+                                " (installed package, checkout): a broken install; reinstall mk-plugin")
     seen: set[str] = set()
 
     def expand(name: str) -> str:
