@@ -81,3 +81,12 @@ def test_wheel_check_command_passes_both_paths(installed, tmp_path):
     out = r.stdout
     assert r.returncode == 0 and "ALL PASS" in out, out[-3000:] + r.stderr[-2000:]
     assert "decode_step logits vs pure fp32 ref" in out and "megakernel (vm) logits vs pure fp32 ref" in out
+
+
+def test_wheel_has_every_subpackage_and_data_file(installed):
+    pkg = ROOT / "mk_plugin"
+    want = sorted(str(p.relative_to(ROOT)) for p in pkg.rglob("*") if p.is_file()
+                  and (p.suffix == ".py" or p.parent.name == "tuned") and "__pycache__" not in p.parts)
+    want += sorted(f"mk_plugin/csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".h"))
+    missing = [w for w in want if not (installed / w).is_file()]
+    assert not missing, f"the wheel lacks {missing} (pyproject.toml [tool.setuptools] packages / package-data)"

@@ -44,7 +44,10 @@ def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int =
 
 @pytest.fixture(scope="module")
 def models():
-    pytest.importorskip("cupy")
+    try:  # a GPU machine without CuPy cannot run the product: fail, never skip
+        import cupy  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"CuPy is not importable on this GPU machine ({e}); pip install -e '.[cuda]'")
     cache: dict[str, tuple[LlamaSpec, ModelWeights]] = {}
 
     def get(name: str, layers: int):

@@ -62,7 +62,8 @@ from .watchdog import WatchdogMixin
 
 EXECUTORS = ("cuda", "vm")
 ON_HANG = ("raise", "fallback")
-logger = logging.getLogger("mk_plugin.persistent")
+# A child of the adapter's "vllm.mk_plugin": inside vLLM it logs with vLLM's format and level.
+logger = logging.getLogger("vllm.mk_plugin.persistent")
 
 
 class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):

@@ -1,0 +1,75 @@
+"""Megakernel hangs inside vLLM (mk_plugin.vllm_adapter's docstring has the whole story): compute_logits
+notices a recorded hang from the pinned mirror, switches the run to the Triton decode path, and
+recomputes the steps the megakernel produced after it (FULL-graph replays included). A mixin of
+MkDecodeMixin, which owns _mk_state, _mk_hang, _mk_py_step, _mk_last_call, _mk_graph_calls."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .state import DecodeState, _DecodeCall
+
+
+class HangMixin:
+    def _mk_after_step(self, hidden_states: Any) -> Any:
+        """Called by compute_logits once per step: notice a recorded megakernel hang (no host
+        synchronisation unless one is pending), switch to Triton, and return the hidden states to
+        compute logits from -- recomputed with Triton when this step's came from the megakernel
+        after the switch."""
+        py_step, call = self._mk_py_step, self._mk_last_call
+        self._mk_py_step, self._mk_last_call = False, None
+        st = self._mk_state
+        if st is None:
+            return hidden_states
+        if self._mk_hang is None:
+            if st.backend != "megakernel" or not st.decoder.pending_error():
+                return hidden_states
+            if not self._mk_switch_to_triton(st):
+                return hidden_states
+        if not py_step:  # a FULL-graph replay: it ran the captured megakernel, which exited at once
+            call = self._mk_graph_call(hidden_states.shape[0])
+        if call is None or call.backend != "megakernel":
+            return hidden_states  # stock or Triton produced this step
+        rows = hidden_states.shape[0]
+        if rows > call.out.shape[0]:
+            raise RuntimeError(f"mk_plugin: cannot recompute a megakernel step of {call.out.shape[0]} rows for "
+                               f"{rows} logits rows after {self._mk_hang}")
+        st.decoder(*call.args, out=call.out)
+        self._mk_counts["recomputed"] += 1
+        return call.out[:rows]
+
+    def _mk_graph_call(self, rows: int) -> _DecodeCall | None:
+        """The decode call captured for the graph vLLM replays for `rows` requests: the smallest
+        captured token count >= rows (vLLM pads a batch up to the next capture size)."""
+        sizes = sorted(n for n in self._mk_graph_calls if n >= rows)
+        return self._mk_graph_calls[sizes[0]] if sizes else None
+
+    def _mk_switch_to_triton(self, st: DecodeState) -> bool:
+        """Read the pending hang (synchronises: rare), log it once and make the Triton decoder the
+        decode path for the rest of the run. The megakernel's record is left set on purpose: the
+        captured graphs keep launching it and it must keep exiting at once."""
+        import torch
+
+        from ..persistent.errors import MegakernelHang
+        from ..triton_ops import DecodeWorkspace, decode_step
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        mk = st.decoder
+        try:
+            mk.check_errors(clear=False)
+            return False  # the mirror and the record disagree: nothing to report (yet)
+        except MegakernelHang as e:
+            hang = e
+        try:
+            ws = DecodeWorkspace.allocate(st.spec, st.max_tokens, st.capacity_tokens // st.block_size, st.block_size,
+                                          st.embed_buf.device)
+        except ValueError as e:
+            raise RuntimeError(f"mk_plugin: {hang}; the Triton decode path cannot take over ({e})") from hang
+        self._mk_hang, self._mk_megakernel = hang, mk
+        st.decoder = functools.partial(decode_step, st.spec, st.weights, workspace=ws)
+        st.workspace, st.backend = ws, "triton"
+        self._mk_log.warn("megakernel_hang", f"{hang}. The megakernel is disabled for the rest of this run: decode "
+                          "steps use the Triton path (replays of captured graphs are recomputed with it in "
+                          "compute_logits). Steps computed between the hang and now returned invalid results.")
+        return True
