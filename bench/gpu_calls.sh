@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (bench/NOTES.md "Next GPU session"), one per device `run`, so the
+# The next GPU session's calls (bench/NOTES.md, session 5 "Next"), one per device `run`, so the
 # machine's ~30 s warm window between calls is not spent typing. Run from the project root on the
 # GPU host; carry .commit (and the bundle part named below). Output under $2 (default bench/results).
 #   call 1: carry .commit .gpuhost/part.0   bash bench/gpu_calls.sh 1 $OUT
@@ -23,16 +23,11 @@ commit=$(python3 bench/common.py)
 {
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
 case $n in
-  1) # the gpu tests include the tuned programs (5- and 4-stage kernels: two more builds)
-     timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py \
-       --mk-define MK_ROUNDING=1 2>&1 | tail -4
-     # (the MK_L2_PREFETCH=8 trace that explains its +356 us would follow here; it no longer fits the call)
-     timeout 120 python3 bench/mk_step.py --batch 1 --lm-head --no-triton --trace --records-dir "$out" 2>&1 \
-       | tail -16 ;;
-  2) timeout 200 python3 bench/gpu_vs_vm.py --outdir "$out" 2>&1 | tail -20   # is the VM a faithful model?
-     for d in "" "--define MK_SETMAXNREG=1 --define MK_X_PIPELINE=1"; do
-       timeout 120 python3 bench/mk_step.py --batch 8 --lm-head --no-triton --trace --records-dir "$out" $d 2>&1 \
-         | tail -16; done ;;
+  1) # the kernel first (no vLLM): the gpu tests and the step table (gpu_session5.sh call 4 as run on
+     # 5918573), with the bundle part copied on the way
+     bash bench/gpu_session5.sh 4 "$out" ;;
+  2) # racecheck at batch 16 and a batch-16 trace (gpu_session5.sh call 6)
+     bash bench/gpu_session5.sh 6 "$out" ;;
   3) vllm_env
      timeout 260 python3 bench/vllm_correctness.py --mode megakernel --parts a --a-weights random --steps-a 1024 \
        --mk-env MK_ROUNDING=stock --timeout 120 --outdir "$out" 2>&1 | quiet 6

@@ -4,7 +4,7 @@
   summary), and Triton runs in its CPU interpreter (TRITON_INTERPRET=1, set before triton loads).
 - With a CUDA device: everything runs; `pytest -m gpu` runs only the GPU tests at realistic sizes.
 - `--mk-define NAME=VALUE` (repeatable) compiles the megakernel of the GPU tests with -DNAME=VALUE:
-  the same correctness tests for a kernel variant (bench/final_gpu_run.sh).
+  the same correctness tests for a kernel variant (e.g. --mk-define MK_NUM_STAGES=5).
 """
 from __future__ import annotations
 

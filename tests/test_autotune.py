@@ -19,6 +19,7 @@ from mk_plugin.persistent import tuning as tn
 from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.errors import ProgramMismatch
+from mk_plugin.persistent.header import generate_header
 from mk_plugin.persistent.schedule import build_program, check_ordering
 from mk_plugin.persistent.tasks import attention_chunks, op_units
 from mk_plugin.persistent.tuning import ScheduleTuning, TuningEntry, TuningKey, TuningTable
@@ -192,7 +193,7 @@ def test_ring_depth_variants_share_the_shared_memory():
     assert enc.layout_of(("-DMK_NUM_STAGES=5",)).union_bytes >= need > six.union_bytes
     with pytest.raises(ValueError, match="MK_NUM_STAGES=3: choose one of 4, 5, 6"):
         enc.layout_of(("-DMK_NUM_STAGES=3",))
-    h = enc.generate_header()
+    h = generate_header()
     assert "#ifndef MK_NUM_STAGES" in h and "constexpr int NUM_STAGES = MK_NUM_STAGES;" in h
     assert f"UNION_BYTES = {six.union_bytes} + (6 - NUM_STAGES) * SLOT_BYTES" in h
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mk_plugin.persistent import encoding as enc
+from mk_plugin.persistent.header import generate_header
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
 
@@ -18,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_committed_header_equals_generator():
     committed = (ROOT / "csrc" / "tasks.h").read_text()
-    assert committed == enc.generate_header(), (
-        "csrc/tasks.h is stale: regenerate it with\n  python -c \"from mk_plugin.persistent.encoding "
+    assert committed == generate_header(), (
+        "csrc/tasks.h is stale: regenerate it with\n  python -c \"from mk_plugin.persistent.header "
         "import generate_header; open('csrc/tasks.h','w').write(generate_header())\"")
 
 
 def test_header_mentions_every_enum_and_field():
-    h = enc.generate_header()
+    h = generate_header()
     for op in enc.Opcode:
         assert f"OP_{op.name} = {int(op)}" in h
     for b in enc.Buf:
@@ -91,7 +92,7 @@ def test_kernel_params_generate_the_signature_and_pack_in_order():
     import torch
 
     from mk_plugin.persistent.runtime import pack_args, ptr
-    h = enc.generate_header()
+    h = generate_header()
     assert "#define MK_DECODE_PARAMS const int* __restrict__ prog, " in h
     assert "mk_decode(MK_DECODE_PARAMS)" in (ROOT / "csrc" / "megakernel.cu").read_text()
     fake_cp = types.SimpleNamespace(int32=np.int32, uint64=np.uint64)

@@ -25,6 +25,7 @@ from mk_plugin.persistent.backend import (
     program_meta,
 )
 from mk_plugin.persistent.errors import MegakernelHang, ProgramMismatch
+from mk_plugin.persistent.header import generate_header
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.spec import LlamaSpec
@@ -63,7 +64,7 @@ def test_kernel_has_no_trap_no_float_atomics_and_bounded_waits():
     assert "counter_wait_slow" in code["sync.cuh"] and "mbar_wait_slow" in code["sync.cuh"]
     names = [n for n, _ in enc.KERNEL_PARAMS]
     assert names[-3:] == ["err", "err_host", "watchdog_ms"]
-    h = enc.generate_header()
+    h = generate_header()
     assert "ERR_COUNTER_TIMEOUT = 1" in h and "constexpr int ERROR_WORDS = 16;" in h and "E_BUDGET_MS" in h
 
 

@@ -1,7 +1,7 @@
 """Build and launch csrc/megakernel.cu through CuPy's NVRTC (cupy.RawModule).
 
 The source NVRTC compiles is ONE text: csrc/megakernel.cu with every `#include "..."` inlined and
-tasks.h replaced by encoding.generate_header() (so the generated layout is always the one
+tasks.h replaced by header.generate_header() (so the generated layout is always the one
 compiled, and CuPy's on-disk cache, keyed by the text and options, never serves a stale binary).
 The model comes in as -D options (encoding.kernel_defines). tests/test_csrc_compile.py compiles
 exactly `build_source()` with `compile_options(spec)` through nvcc to check registers and spills.
@@ -21,7 +21,8 @@ import torch
 
 from ..config import get_config
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, generate_header, kernel_defines, layout_of
+from .encoding import KERNEL_PARAMS, kernel_defines, layout_of
+from .header import generate_header
 
 ENTRY = "megakernel.cu"
 KERNEL_NAME = "mk_decode"
