@@ -36,9 +36,42 @@ def _run(spec: LlamaSpec, seq_lens: list[int], device: str, seed: int = 0):
         assert_matches(ct, cr.to(ct.dtype), spec.torch_dtype, "step")
 
 
+def _per_layer(spec: LlamaSpec, seq_lens: list[int], device: str, seed: int = 0) -> None:
+    """Layer by layer, teacher-forced: layer L of the Triton path gets the rounded reference's input
+    of layer L, and its output (final-normed: decode_step's result) and its KV appends are held to
+    the dtype's single-op/step tolerance, so a wrong layer shows at that layer and no depth drift
+    hides it behind the looser whole-stack bound."""
+    w = random_weights(spec, seed=seed, device=device)
+    batch = make_decode_batch(spec, seq_lens, seed=seed + 1, device=device)
+    cos_sin = ref.rope_cos_sin_cache(spec, max(seq_lens) + 1).to(device)
+    dt, live = spec.torch_dtype, batch.seq_lens > 0
+    one = dataclasses.replace(spec, num_layers=1)
+    h = w.embed[batch.input_ids].float()  # the reference's residual stream, in its stored dtype
+    for n, lw in enumerate(w.layers):
+        cache_t, cache_r = batch.kv_caches[n].clone(), batch.kv_caches[n].float()
+        h_in = h.to(dt)
+        w1 = dataclasses.replace(w, layers=[lw])
+        out = T.decode_step(one, w1, h_in, batch.positions, [cache_t], batch.block_table, batch.seq_lens,
+                            batch.slot_mapping, cos_sin)
+        h = ref.decode_layer(spec, lw, h_in.float(), batch.positions, cos_sin, cache_r, batch.block_table,
+                             batch.seq_lens, batch.slot_mapping, round_dtype=dt)
+        want, _ = ref.rms_norm(h, w.final_norm, spec.rms_eps)
+        for what, got, exp in (("output", out[live], want[live]), ("KV cache", cache_t, cache_r.to(dt))):
+            try:
+                assert_matches(got, exp, dt, "step")
+            except AssertionError as e:
+                raise AssertionError(f"layer {n} {what}: {e}") from None
+        h = h.to(dt).float()
+
+
 @pytest.mark.parametrize("seq_lens", [[1], [37, 5, 0], [17, 33, 2, 0, 64, 9, 1, 50]])
 def test_decode_step_tiny(seq_lens):
     _run(LlamaSpec.tiny(), seq_lens, "cpu")
+
+
+@pytest.mark.parametrize("seq_lens", [[37, 5, 0], [17, 33, 2, 0, 64, 9, 1, 50]])
+def test_decode_step_per_layer_tiny(seq_lens):
+    _per_layer(dataclasses.replace(LlamaSpec.tiny(), num_layers=3), seq_lens, "cpu")
 
 
 def test_decode_step_odd_sizes_and_tied_embeddings():
@@ -59,6 +92,7 @@ def test_decode_step_gpu(model, seq_lens):
     from pathlib import Path
     spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / model)
     _run(spec, seq_lens, "cuda")  # every layer: the rounded reference does not drift with depth
+    _per_layer(spec, seq_lens, "cuda")
 
 
 @pytest.mark.gpu
