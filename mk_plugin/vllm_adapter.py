@@ -94,6 +94,7 @@ from .adapter.state import (
     spec_from_vllm_config,
 )
 from .config import MkConfig, get_config
+from .decoding import DecodeInputs
 
 logger = logging.getLogger("vllm.mk_plugin")  # a child of vLLM's logger: same format and level
 
@@ -251,8 +252,9 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             hidden.copy_(inputs_embeds[:reqs])
         else:  # == VocabParallelEmbedding at TP 1 (F.embedding), into a preallocated buffer
             torch.index_select(st.weights.embed, 0, input_ids[:reqs], out=hidden)
-        call = _DecodeCall((hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs],
-                            st.cos_sin), st.out_buf[:reqs], st.backend)
+        inputs = DecodeInputs(hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs],
+                              st.cos_sin)
+        call = _DecodeCall(inputs, st.out_buf[:reqs], st.backend)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # A FULL-graph capture: replays of this graph do not run forward; compute_logits finds
             # the graph's static tensors here if it has to recompute a replayed step.
@@ -261,8 +263,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         else:
             self._mk_last_call = call
         try:
-            st.decoder(hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs], st.cos_sin,
-                       out=st.out_buf[:reqs])
+            st.decoder.decode(inputs, st.out_buf[:reqs])
         except ValueError as e:
             # An input check of the kernels refused this step before computing it; whatever was
             # launched only wrote this token's K/V slots, which the stock path rewrites.

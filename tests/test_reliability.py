@@ -16,6 +16,7 @@ import torch
 
 from mk_plugin import reference as ref
 from mk_plugin.config import DEFAULT_WATCHDOG_MS, ConfigError, MkConfig
+from mk_plugin.decoding import DecodeInputs
 from mk_plugin.persistent import encoding as enc
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.backend import (
@@ -288,8 +289,8 @@ def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch, uns
     st.embed_buf[:3] = w.embed[b2.input_ids]          # what the replayed graph's embedding wrote
     st.out_buf.fill_(float("nan"))                     # what the exiting megakernel left
     model._mk_graph_calls[4] = va._DecodeCall(
-        (st.embed_buf[:3], b2.positions, b2.kv_caches, b2.block_table, b2.seq_lens, b2.slot_mapping, st.cos_sin),
-        st.out_buf[:3], "megakernel")
+        DecodeInputs(st.embed_buf[:3], b2.positions, b2.kv_caches, b2.block_table, b2.seq_lens, b2.slot_mapping,
+                     st.cos_sin), st.out_buf[:3], "megakernel")
     logits2 = model.compute_logits(st.out_buf[:3].clone())
     assert_matches(logits2[:2], rlogits2[:2], SPEC.torch_dtype, "step")
     for got, want in zip(b2.kv_caches, rcaches2):

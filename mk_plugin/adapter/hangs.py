@@ -4,7 +4,6 @@ recomputes the steps the megakernel produced after it (FULL-graph replays includ
 MkDecodeMixin, which owns _mk_state, _mk_hang, _mk_py_step, _mk_last_call, _mk_graph_calls."""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from .state import DecodeState, _DecodeCall
@@ -34,7 +33,7 @@ class HangMixin:
         if rows > call.out.shape[0]:
             raise RuntimeError(f"mk_plugin: cannot recompute a megakernel step of {call.out.shape[0]} rows for "
                                f"{rows} logits rows after {self._mk_hang}")
-        st.decoder(*call.args, out=call.out)
+        st.decoder.decode(call.inputs, call.out)
         self._mk_counts["recomputed"] += 1
         return call.out[:rows]
 
@@ -51,7 +50,7 @@ class HangMixin:
         import torch
 
         from ..persistent.errors import MegakernelHang
-        from ..triton_ops import DecodeWorkspace, decode_step
+        from ..triton_ops import DecodeWorkspace, TritonDecoder
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
@@ -67,8 +66,7 @@ class HangMixin:
         except ValueError as e:
             raise RuntimeError(f"mk_plugin: {hang}; the Triton decode path cannot take over ({e})") from hang
         self._mk_hang, self._mk_megakernel = hang, mk
-        st.decoder = functools.partial(decode_step, st.spec, st.weights, workspace=ws)
-        st.workspace, st.backend = ws, "triton"
+        st.decoder, st.workspace = TritonDecoder(st.spec, st.weights, ws), ws
         self._mk_log.warn("megakernel_hang", f"{hang}. The megakernel is disabled for the rest of this run: decode "
                           "steps use the Triton path (replays of captured graphs are recomputed with it in "
                           "compute_logits). Steps computed between the hang and now returned invalid results.")

@@ -3,13 +3,12 @@ dtype checked), its rotary table, the workspace and the decoder (Triton step or 
 built once on the first forward call; plus the KV-cache layout check and the once-per-key log."""
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import MkConfig
+from ..decoding import DecodeInputs, Decoder
 from .decide import MAX_DECODE_TOKENS, config_unsupported_reason, hf_dict_for_spec
 
 logger = logging.getLogger("vllm.mk_plugin")  # the adapter's logger (a child of vLLM's)
@@ -51,16 +50,19 @@ class DecodeState:
     workspace: Any                 # triton_ops.DecodeWorkspace (None on the megakernel path)
     embed_buf: Any                 # [max_tokens, H]: the embedded input of a step
     out_buf: Any                   # [max_tokens, H]: the final-normed hidden states returned
-    decoder: Callable[..., Any]    # partial(decode_step, spec, weights, workspace=...) or MegakernelDecoder
-    backend: str                   # "triton" | "megakernel"
+    decoder: Decoder               # TritonDecoder or MegakernelDecoder (mk_plugin.decoding)
     kv_key: tuple | None = None    # identity of the last validated KV cache list
+
+    @property
+    def backend(self) -> str:
+        """"triton" | "megakernel": the decode path in use."""
+        return self.decoder.backend
 
 
 @dataclass
 class _DecodeCall:
-    """One call of the decode path: its decoder arguments (hidden, positions, kv caches,
-    block_table, seq_lens, slot_mapping, cos_sin), its output rows and the backend that ran it."""
-    args: tuple
+    """One call of the decode path: its inputs, its output rows and the backend that ran it."""
+    inputs: DecodeInputs
     out: Any
     backend: str
 
@@ -171,10 +173,8 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     embed_buf = torch.zeros(max_tokens, spec.hidden_size, dtype=spec.torch_dtype, device=device)
     out_buf = torch.zeros(max_tokens, spec.hidden_size, dtype=spec.torch_dtype, device=device)
 
-    # decoder(hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin, out=...)
-    decoder: Callable[..., Any] | None = None
+    decoder: Decoder | None = None
     workspace = None
-    backend = "triton"
     if cfg.mode == "megakernel":
         try:
             from ..persistent.backend import MegakernelDecoder
@@ -184,25 +184,25 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
                                    defines=(rounding_define(Rounding[cfg.rounding.upper()]),))
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
-            decoder, backend = mk, "megakernel"
+            decoder = mk
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path
             once.warn("megakernel", f"MK_MODE=megakernel is unavailable ({type(e).__name__}: {e}); "
                       "using the Triton decode path")
     if decoder is None:
-        from ..triton_ops import DecodeWorkspace, decode_step
+        from ..triton_ops import DecodeWorkspace, TritonDecoder
 
         try:
             workspace = DecodeWorkspace.allocate(spec, max_tokens, max_blocks, block_size, device)
         except ValueError as e:  # its input checks: a shape/size the kernels do not cover
             raise _Unsupported(f"decode workspace: {e}") from e
-        decoder = functools.partial(decode_step, spec, weights, workspace=workspace)
+        decoder = TritonDecoder(spec, weights, workspace)
     if (cfg.dump_logits or cfg.force_tokens) and not getattr(vllm_config.model_config, "enforce_eager", False):
         once.warn("debug_eager", "MK_DUMP_LOGITS/MK_FORCE_TOKENS only see steps that run in Python; "
                   "use enforce_eager=True (CUDA-graph replays are skipped)")
     return DecodeState(spec=spec, weights=weights, cos_sin=cos_sin, attn_layers=attn_layers,
                        layer_name=attn_layers[0].layer_name, max_tokens=max_tokens, block_size=block_size,
                        capacity_tokens=max_blocks * block_size, workspace=workspace, embed_buf=embed_buf,
-                       out_buf=out_buf, decoder=decoder, backend=backend)
+                       out_buf=out_buf, decoder=decoder)
 
 
 def _kv_unsupported_reason(st: DecodeState, kv: list[Any]) -> str | None:

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import ClassVar
 
 import torch
 
 from ..config import get_config
+from ..decoding import DecodeInputs
 from ..spec import LlamaSpec
 from ..triton_ops._checks import check_shape, check_tensor, check_tokens
 from ..triton_ops._device import device_name
+from ..triton_ops.step_ops import OpBuffers
 from ..weights import ModelWeights
 from .encoding import (
     COUNTER_STRIDE,
@@ -68,6 +71,7 @@ logger = logging.getLogger("vllm.mk_plugin.persistent")
 
 class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
     """Decode steps of up to max_tokens (<= 16) tokens of one model on one device."""
+    backend: ClassVar[str] = "megakernel"  # the Decoder protocol's name of this path
 
     def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
                  fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
@@ -368,6 +372,10 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             check_tensor("logits_out", logits_out, ndim=2, dtypes=(torch.float32,), device=dev)
             check_shape("logits_out", logits_out, (b, s.vocab_size))
 
+    def decode(self, inputs: DecodeInputs, out: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The Decoder protocol (mk_plugin.decoding): __call__ on the step's inputs."""
+        return self(*inputs.args(), out=out, logits_out=logits_out)
+
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
                  cos_sin_cache: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -467,32 +475,17 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         return bufs
 
     # ---- Triton fallback of one op, on the megakernel's buffers ---------------------------------
-    def _fallback(self, op: FusedOp, bufs: dict[Buf, torch.Tensor], io: _StepIO) -> None:
-        from .. import triton_ops as T
-        s, w = self.spec, self.weights
+    def _op_buffers(self, bufs: dict[Buf, torch.Tensor], io: _StepIO) -> OpBuffers:
+        """The megakernel's buffers as the Triton op table sees them: layer L reads its residual
+        source (the input for layer 0, RESID after), o_proj and down write RESID."""
         b = io.hidden.shape[0]
-        eps = s.rms_eps
-        if op.layer >= 0:
-            lw = w.layers[op.layer]
-            h = bufs[residual_source(op.layer)]
-        if op.name == "qkv_rope":
-            qkv = T.linear(h, lw.qkv, norm_weight=lw.input_norm, eps=eps, out=self.qkv_tmp[:b])
-            T.rope_kv_append(qkv, io.positions, io.cos_sin, io.kv_caches[op.layer], io.slot_mapping,
-                             num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                             q_out=bufs[Buf.Q])
-        elif op.name == "attention":
-            T.paged_attention(bufs[Buf.Q], io.kv_caches[op.layer], io.block_table, io.seq_lens,
-                              s.head_dim ** -0.5, out=bufs[Buf.ATTN_O], workspace=self.attn_ws)
-        elif op.name == "o_proj":
-            T.linear(bufs[Buf.ATTN_O], lw.o, residual=h, out=bufs[Buf.RESID])
-        elif op.name == "gate_up":
-            T.linear(bufs[Buf.RESID], lw.gate_up, norm_weight=lw.post_norm, eps=eps, activation="silu_and_mul",
-                     out=bufs[Buf.ACT])
-        elif op.name == "down":
-            T.linear(bufs[Buf.ACT], lw.down, residual=bufs[Buf.RESID], out=bufs[Buf.RESID])
-        elif op.name == "final_norm":
-            T.rms_norm(bufs[Buf.RESID], w.final_norm, eps, out=bufs[Buf.OUT])
-        elif op.name == "lm_head":
-            T.lm_head(bufs[Buf.OUT], w.lm_head, out=bufs[Buf.LOGITS])
-        else:  # pragma: no cover
-            raise AssertionError(op.name)
+        return OpBuffers(DecodeInputs(io.hidden, io.positions, io.kv_caches, io.block_table, io.seq_lens,
+                                      io.slot_mapping, io.cos_sin),
+                         h_src=lambda layer: bufs[residual_source(layer)], h_mid=bufs[Buf.RESID],
+                         h_out=bufs[Buf.RESID], qkv=self.qkv_tmp[:b], q=bufs[Buf.Q], attn=bufs[Buf.ATTN_O],
+                         act=bufs[Buf.ACT], attn_ws=self.attn_ws, out=bufs[Buf.OUT], logits=bufs.get(Buf.LOGITS))
+
+    def _fallback(self, op: FusedOp, bufs: dict[Buf, torch.Tensor], io: _StepIO) -> None:
+        from ..triton_ops.step_ops import TRITON_OPS
+
+        TRITON_OPS[op.name](self.spec, self.weights, op.layer, self._op_buffers(bufs, io))

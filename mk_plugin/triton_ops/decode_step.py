@@ -1,22 +1,24 @@
 """The Triton decode path: one decode step of B tokens through every layer, op by op.
 
-This is the verified fallback of the megakernel and the reference for its speed. Op names follow
-mk_plugin.ops: qkv_rope, attention, o_proj, gate_up, down, final_norm. All intermediates live in a
+This is the verified fallback of the megakernel and the reference for its speed. The ops are the
+TRITON_OPS table of step_ops.py (mk_plugin.ops names: qkv_rope, attention, o_proj, gate_up, down,
+final_norm), the same calls the megakernel's fallback segments make. All intermediates live in a
 DecodeWorkspace allocated once, so a step allocates nothing and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from ..decoding import DecodeInputs
+from ..ops import LAYER_OPS
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
 from ._checks import check_device, check_shape, check_tensor, check_tokens
-from .linear import linear
-from .paged_attention import choose_num_splits, paged_attention, paged_attention_workspace_size
-from .rms_norm import rms_norm
-from .rope_kv_append import rope_kv_append
+from .paged_attention import choose_num_splits, paged_attention_workspace_size
+from .step_ops import TRITON_OPS, OpBuffers
 
 
 @dataclass
@@ -95,20 +97,28 @@ def decode_step(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, po
     ws = workspace or DecodeWorkspace.allocate(spec, b, block_table.shape[1], kv_caches[0].shape[2], hidden.device)
     if b > ws.max_tokens:
         raise ValueError(f"batch of {b} tokens exceeds the workspace's max_tokens={ws.max_tokens}")
-    eps, scale = spec.rms_eps, spec.head_dim ** -0.5
     h, h2 = ws.h[:b], ws.h2[:b]
     h.copy_(hidden)
-    for i, lw in enumerate(weights.layers):
-        qkv = linear(h, lw.qkv, norm_weight=lw.input_norm, eps=eps, out=ws.qkv[:b])
-        q = rope_kv_append(qkv, positions, cos_sin_cache, kv_caches[i], slot_mapping,
-                           num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, q_out=ws.q[:b])
-        attn = paged_attention(q, kv_caches[i], block_table, seq_lens, scale, num_splits=ws.num_splits,
-                               out=ws.attn[:b], workspace=ws.attn_ws)
-        linear(attn, lw.o, residual=h, out=h2)
-        act = linear(h2, lw.gate_up, norm_weight=lw.post_norm, eps=eps, activation="silu_and_mul",
-                     out=ws.act[:b])
-        linear(act, lw.down, residual=h2, out=h)
     o = out if out is not None else torch.empty_like(hidden)
-    rms_norm(h, weights.final_norm, eps, out=o)
+    # The residual stream ping-pongs: layer input h, after o_proj h2, after down h again.
+    bufs = OpBuffers(DecodeInputs(hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin_cache),
+                     h_src=lambda _layer: h, h_mid=h2, h_out=h, qkv=ws.qkv[:b], q=ws.q[:b], attn=ws.attn[:b],
+                     act=ws.act[:b], attn_ws=ws.attn_ws, out=o, num_splits=ws.num_splits)
+    for i in range(spec.num_layers):
+        for op in LAYER_OPS:
+            TRITON_OPS[op](spec, weights, i, bufs)
+    TRITON_OPS["final_norm"](spec, weights, -1, bufs)
     return o
+
+
+@dataclass
+class TritonDecoder:
+    """The Triton decode path as a Decoder (mk_plugin.decoding): decode_step over a preallocated
+    workspace, so a step allocates nothing and can be captured in a CUDA graph."""
+    spec: LlamaSpec
+    weights: ModelWeights
+    workspace: DecodeWorkspace
+    backend: ClassVar[str] = "triton"
+
+    def decode(self, inputs: DecodeInputs, out: torch.Tensor) -> torch.Tensor:
+        return decode_step(self.spec, self.weights, *inputs.args(), workspace=self.workspace, out=out)
