@@ -7,6 +7,7 @@
 #   call 3: carry .commit .gpuhost/part.2 .gpuhost/unpack.sh   bash bench/gpu_calls.sh 3 $OUT
 #   call 4, 5, 6, 7: carry .commit          bash bench/gpu_calls.sh 4 $OUT
 #   (call 7, the autotuner, needs no vLLM: it can run first, right after call 1)
+#   call 8: carry .commit .whl (after `bash bench/profile_wheels.sh` here): Nsight Compute per op
 # Each call copies its bundle part to /root/parts first (the bundle is needed from call 3 on) and
 # tees its output into $out/gpu_call_<n>_<date>_<commit>.log (mk_step prints only: the log is its record).
 set -uo pipefail
@@ -51,5 +52,9 @@ case $n in
      for tun in off "$out/megakernel_nvidia_h200.json"; do
        MK_TUNING=$tun timeout 90 python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton 2>&1 | tail -4; done ;;
   *) echo "call number 1..7" >&2 ;;
+  8) # Nsight Compute per op (issue 14): run `bash bench/profile_wheels.sh` here first, carry .whl
+     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+       .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+     timeout 500 python3 bench/profile_ops.py --batch 1 8 16 --outdir "$out" 2>&1 | tail -30 ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
