@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=16, help="layers of the model run (default: the 1B's 16)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=512, help="context of every request")
-    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE", help="kernel -D option")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE", help="kernel variant (MK_ROUNDING, MK_NUM_STAGES)")
     ap.add_argument("--outdir", type=Path, default=common.RESULTS)
     ap.add_argument("--device", default="cuda", help="cpu: the decoder's VM executor stands in for the GPU (a "
                                                      "plumbing check: everything must be bitwise equal)")
@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     wc = w.to("cpu")
     b = make_decode_batch(spec, [a.ctx] * a.batch, seed=1)   # N(0, 1) caches drawn on the CPU
     cs = ref.rope_cos_sin_cache(spec, a.ctx + 16).to(spec.torch_dtype)  # vLLM's table, model dtype
-    defines = tuple(f"-D{d}" for d in a.define)
-    dec = MegakernelDecoder(spec, w, a.batch, dev, lm_head=True, defines=defines)
+    from mk_plugin.persistent.encoding import KernelVariant
+
+    variant = KernelVariant.parse(a.define)
+    defines = variant.defines()
+    dec = MegakernelDecoder(spec, w, a.batch, dev, lm_head=True, variant=variant)
     prog = dec.program(a.batch)
     hidden_c = wc.embed[b.input_ids]
     to_gpu = [t.to(dev) for t in (b.positions, b.block_table, b.seq_lens, b.slot_mapping)]

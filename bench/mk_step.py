@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--lm-head", action="store_true", help="fuse the LM head into the megakernel step")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="compile the megakernel with -DNAME=VALUE (A/B of kernel variants); repeatable")
+                    help="kernel variant (encoding.KernelVariant: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG) for A/B runs; repeatable")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     ap.add_argument("--records-dir", type=Path, default=None,
@@ -62,8 +62,14 @@ def main() -> None:
     spec = LlamaSpec.from_json_file(args.model)
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
-    defines = tuple(f"-D{d}" for d in args.define)
-    dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, defines=defines)
+    from mk_plugin.config import get_config
+    from mk_plugin.persistent.encoding import KernelVariant
+
+    variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
+    defines = variant.defines()
+    cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
+    dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, variant=variant,
+                            tuning=cfg.tuning, watchdog_ms=cfg.watchdog_ms)
     dec.prepare(args.batch)
     rows = []
     for bsz in args.batch:
@@ -83,7 +89,8 @@ def main() -> None:
         t_mk = time_graph(mk, args.reps)
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
         if args.trace:
-            tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, defines=defines)
+            tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, variant=variant,
+                                     tuning=cfg.tuning, watchdog_ms=cfg.watchdog_ms)
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
             torch.cuda.synchronize()

@@ -3,7 +3,7 @@
 - No CUDA device: tests marked `gpu` are DESELECTED (they show up in the "deselected" count of the
   summary), and Triton runs in its CPU interpreter (TRITON_INTERPRET=1, set before triton loads).
 - With a CUDA device: everything runs; `pytest -m gpu` runs only the GPU tests at realistic sizes.
-- `--mk-define NAME=VALUE` (repeatable) compiles the megakernel of the GPU tests with -DNAME=VALUE:
+- `--mk-define NAME=VALUE` (repeatable: MK_ROUNDING, MK_NUM_STAGES) builds the GPU tests' megakernel variant:
   the same correctness tests for a kernel variant (e.g. --mk-define MK_NUM_STAGES=5).
 """
 from __future__ import annotations
@@ -48,9 +48,11 @@ def device() -> str:
 
 
 @pytest.fixture(scope="session")
-def mk_defines(pytestconfig) -> tuple[str, ...]:
-    """-D options for MegakernelDecoder(defines=...) from --mk-define."""
-    return tuple(f"-D{d}" for d in pytestconfig.getoption("--mk-define"))
+def mk_variant(pytestconfig):
+    """The megakernel variant of the GPU tests (encoding.KernelVariant) from --mk-define NAME=VALUE."""
+    from mk_plugin.persistent.encoding import KernelVariant
+
+    return KernelVariant.parse(pytestconfig.getoption("--mk-define"))
 
 
 # ---- a deliberately corrupted program (the watchdog tests), as a fixture: test modules never import

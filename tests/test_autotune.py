@@ -64,7 +64,6 @@ def test_tuning_json_label_and_helpers():
     t = ScheduleTuning().with_split("gate_up", 2.0).with_split("o_proj", 0.5).with_chunks(4).with_stages(5)
     assert t.label() == "gate_upx2,o_projx0.5,chunks4,stages5" and not t.is_default
     assert ScheduleTuning.from_json(json.loads(json.dumps(t.to_json()))) == t
-    assert t.defines() == ("-DMK_NUM_STAGES=5",) and ScheduleTuning().defines() == ()
     assert ScheduleTuning.from_json({"split": {}, "attn_chunks": 2}) == ScheduleTuning(attn_chunks=2)  # older tables
     assert t.with_split("gate_up", 1.0) == ScheduleTuning((("o_proj", 0.5),), 4, 5)  # factor 1 = not listed
     assert t.tasks_for("gate_up", 132) == 264 and t.tasks_for("down", 132) == 132 and t.tasks_for("o_proj", 3) == 2
@@ -181,18 +180,18 @@ def test_resolve_order_and_config(tmp_path, monkeypatch):
 # ---- the search --------------------------------------------------------------------------------------
 def test_ring_depth_variants_share_the_shared_memory():
     from mk_plugin.persistent import encoding as enc
-    six = enc.layout_of(())
+    six = enc.KernelVariant().layout
     assert six == enc.LAYOUT and six.num_stages == 6
     for n in enc.STAGE_CHOICES:
-        lay = enc.layout_of((f"-DMK_NUM_STAGES={n}", "-DMK_ROUNDING=1"))
+        lay = enc.KernelVariant(rounding=enc.Rounding.STOCK, num_stages=n).layout
         assert lay.num_stages == n and lay.smem_bytes == six.smem_bytes
         assert lay.union_bytes == six.union_bytes + (6 - n) * six.slot_bytes
     # 5 stages stage batch-8 activations of K = 2048 norm-fused ops ((8 + 1) rows of 2 K + 16 bytes,
     # csrc/matvec.cuh staged_fits, with its 512 bytes of per-warp sums); 6 do not
     need = 9 * (2 * 2048 + 16) + 4 * 8 * 16
-    assert enc.layout_of(("-DMK_NUM_STAGES=5",)).union_bytes >= need > six.union_bytes
-    with pytest.raises(ValueError, match="MK_NUM_STAGES=3: choose one of 4, 5, 6"):
-        enc.layout_of(("-DMK_NUM_STAGES=3",))
+    assert enc.KernelVariant(num_stages=5).layout.union_bytes >= need > six.union_bytes
+    with pytest.raises(ValueError, match="num_stages=3: choose one of 4, 5, 6"):
+        enc.KernelVariant(num_stages=3)
     h = generate_header()
     assert "#ifndef MK_NUM_STAGES" in h and "constexpr int NUM_STAGES = MK_NUM_STAGES;" in h
     assert f"UNION_BYTES = {six.union_bytes} + (6 - NUM_STAGES) * SLOT_BYTES" in h
@@ -203,12 +202,14 @@ def test_decoder_keeps_one_kernel_per_ring_depth(monkeypatch):
     modules are built lazily and shared between batch sizes (checked here without a GPU)."""
     from mk_plugin.persistent import runtime
     w = random_weights(SPEC, seed=1)
+    from mk_plugin.persistent.encoding import KernelVariant, Rounding
     dec = MegakernelDecoder(SPEC, w, 4, "cpu", num_sms=SMS, tuning={2: ScheduleTuning(num_stages=5),
                                                                     3: ScheduleTuning(num_stages=5)},
-                            defines=("-DMK_ROUNDING=1",))
+                            variant=KernelVariant(rounding=Rounding.STOCK))
     m1, m2, m3 = dec.module(1), dec.module(2), dec.module(3)
     assert isinstance(m1, runtime.MegakernelModule) and m2 is m3 and m1 is not m2
-    assert m1.defines == ("-DMK_ROUNDING=1",) and m2.defines == ("-DMK_ROUNDING=1", "-DMK_NUM_STAGES=5")
+    assert m1.variant.defines() == ("-DMK_ROUNDING=1",)
+    assert m2.variant.defines() == ("-DMK_ROUNDING=1", "-DMK_NUM_STAGES=5")
     assert m2.layout.num_stages == 5 and m1.layout.num_stages == 6 and m1.key != m2.key
 
 
@@ -274,9 +275,8 @@ def test_bench_autotune_cpu_plumbing_writes_a_table_the_decoder_uses(tmp_path, m
     spec = LlamaSpec.tiny()
     e = tab.entries[tn.spec_tuning_key(spec, 1, 6, True)]
     assert e.best_us <= e.default_us and e.meta["measured"].startswith("time model")
-    # the decoder picks the table's winners up through MK_TUNING=<file>
-    monkeypatch.setenv("MK_TUNING", str(table))
-    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6, lm_head=True)
+    # the decoder picks the table's winners up from the MK_TUNING value it is given (a file)
+    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6, lm_head=True, tuning=str(table))
     for b in (1, 3):
         w = tab.winner(tn.spec_tuning_key(spec, b, 6, True))
         assert dec.tunings[b] == (w.tuning if w else tn.DEFAULT_TUNING)

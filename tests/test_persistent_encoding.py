@@ -112,37 +112,48 @@ def test_kernel_params_generate_the_signature_and_pack_in_order():
         pack_args(fake_cp, {k: v for k, v in args.items() if k != "q"})
 
 
-def test_kernel_variant_defines_are_validated():
+def test_kernel_variant_is_typed_and_renders_its_defines():
+    from mk_plugin.persistent.encoding import KernelVariant, Rounding
     from mk_plugin.persistent.runtime import MegakernelModule
     from mk_plugin.spec import LlamaSpec
 
-    m = MegakernelModule(LlamaSpec.tiny(), defines=("-DMK_NUM_STAGES=5",))
+    assert KernelVariant().defines() == () and KernelVariant().label() == "default"
+    v = KernelVariant(rounding=Rounding.STOCK, num_stages=5)
+    assert v.defines() == ("-DMK_ROUNDING=1", "-DMK_NUM_STAGES=5") and v.label() == "rounding=stock,stages=5"
+    m = MegakernelModule(LlamaSpec.tiny(), variant=KernelVariant(num_stages=5))
     assert m.num_threads == 288 and m.options[-1] == "-DMK_NUM_STAGES=5" and m.layout.num_stages == 5
     assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
-    with pytest.raises(ValueError, match="-DNAME=VALUE"):
-        MegakernelModule(LlamaSpec.tiny(), defines=("MK_NUM_STAGES=5",))
-
-
-def test_rounding_define_round_trips_and_rejects_bad_values():
-    from mk_plugin.persistent.encoding import Rounding, rounding_define, rounding_of
-
-    assert rounding_of(()) == Rounding.FUSED
-    for r in Rounding:
-        assert rounding_of(("-DMK_NUM_STAGES=5", rounding_define(r))) == r
-    with pytest.raises(ValueError, match=r"-DMK_ROUNDING=7: choose one of 0 \(fused\), 1 \(stock\)"):
-        rounding_of(("-DMK_ROUNDING=7",))
+    for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 8}, "diag=8")):
+        with pytest.raises(ValueError, match=msg):
+            KernelVariant(**bad)
+    with pytest.raises(TypeError, match="must be a Rounding"):
+        KernelVariant(rounding=1)
     assert "ROUNDING_STOCK = 1" in (ROOT / "csrc" / "tasks.h").read_text()
 
 
-def test_backend_takes_its_rounding_from_the_defines():
+def test_kernel_variant_parse_is_the_command_line_boundary():
+    from mk_plugin.persistent.encoding import KernelVariant, Rounding
+
+    assert KernelVariant.parse(["MK_ROUNDING=stock", "-DMK_NUM_STAGES=4", "MK_DIAG=3"]) == \
+        KernelVariant(Rounding.STOCK, 4, 3)
+    assert KernelVariant.parse(["MK_ROUNDING=1"]).rounding == Rounding.STOCK and KernelVariant.parse([]) == KernelVariant()
+    with pytest.raises(ValueError, match="unknown kernel variant 'MK_FOO'"):
+        KernelVariant.parse(["MK_FOO=1"])
+    with pytest.raises(ValueError, match="MK_ROUNDING=7: bad value"):
+        KernelVariant.parse(["MK_ROUNDING=7"])
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        KernelVariant.parse(["MK_NUM_STAGES"])
+
+
+def test_backend_takes_its_rounding_from_the_variant():
     import torch
 
     from mk_plugin.persistent.backend import MegakernelDecoder
-    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.persistent.encoding import KernelVariant, Rounding
     from mk_plugin.spec import LlamaSpec
     from mk_plugin.weights import random_weights
 
     spec = LlamaSpec.tiny()
     w = random_weights(spec, seed=0, dtype=torch.bfloat16)
     assert MegakernelDecoder(spec, w, 2, "cpu").rounding == Rounding.FUSED
-    assert MegakernelDecoder(spec, w, 2, "cpu", defines=("-DMK_ROUNDING=1",)).rounding == Rounding.STOCK
+    assert MegakernelDecoder(spec, w, 2, "cpu", variant=KernelVariant(rounding=Rounding.STOCK)).rounding == Rounding.STOCK

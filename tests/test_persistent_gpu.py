@@ -91,11 +91,11 @@ OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [B
     ("llama-3.2-1b", 1, [7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2]),
     ("llama-3.1-8b", 1, [129, 4000]),
 ])
-def test_megakernel_vs_vm_op_by_op(models, mk_defines, name, layers, seq_lens):
+def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
     spec, w = models(name, layers)
     batch = gpu_batch(spec, seq_lens, seed=1)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant)
     prog = dec.program(len(seq_lens))
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
@@ -157,7 +157,7 @@ def _ref_and_triton(spec, w, batch, cs):
 
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 @pytest.mark.parametrize("bsz", [1, 3, 8, 16])
-def test_megakernel_whole_step(models, mk_defines, name, layers, bsz):
+def test_megakernel_whole_step(models, mk_variant, name, layers, bsz):
     spec, w = models(name, layers)
     rnd = random.Random(bsz * 7 + layers)
     seq_lens = [rnd.randint(1, MAX_CTX) for _ in range(bsz)]
@@ -166,7 +166,7 @@ def test_megakernel_whole_step(models, mk_defines, name, layers, bsz):
         seq_lens[1] = 0                  # padded entry: seq_len 0, slot -1
     batch = gpu_batch(spec, seq_lens, seed=bsz)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant)
     out, logits, caches = _run_mk(dec, spec, w, batch, cs)
     hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
     dt = spec.torch_dtype
@@ -178,12 +178,12 @@ def test_megakernel_whole_step(models, mk_defines, name, layers, bsz):
         assert_matches(a, t, dt, "step")
 
 
-def test_megakernel_cuda_graph_replay(models, mk_defines):
+def test_megakernel_cuda_graph_replay(models, mk_variant):
     spec, w = models("llama-3.2-1b", 2)
     seq_lens = [100, 0, 2049, 16, 1, 333, 4000, 64]
     batch = gpu_batch(spec, seq_lens, seed=5)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, defines=mk_defines)
+    dec = MegakernelDecoder(spec, w, 16, DEV, variant=mk_variant)
     dec.prepare([8])
     eager_out, _, eager_caches = _run_mk(dec, spec, w, batch, cs)
     caches = [c.clone() for c in batch.kv_caches]
@@ -209,19 +209,19 @@ def test_megakernel_cuda_graph_replay(models, mk_defines):
 
 
 @pytest.mark.parametrize("fallback", [frozenset({"attention"}), frozenset({"qkv_rope", "gate_up", "final_norm"})])
-def test_megakernel_with_triton_fallback(models, mk_defines, fallback):
+def test_megakernel_with_triton_fallback(models, mk_variant, fallback):
     spec, w = models("llama-3.2-1b", 2)
     seq_lens = [7, 0, 1500, 260, 3, 90, 1025, 31]
     batch = gpu_batch(spec, seq_lens, seed=9)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, defines=mk_defines), spec, w, batch, cs)
-    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback, defines=mk_defines), spec, w, batch, cs)
+    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, variant=mk_variant), spec, w, batch, cs)
+    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback, variant=mk_variant), spec, w, batch, cs)
     assert_matches(part, full, spec.torch_dtype, "step")
     for a, b in zip(pcaches, fcaches):
         assert_matches(a, b, spec.torch_dtype, "step")
 
 
-def test_watchdog_stops_a_hung_program(models, mk_defines, unsatisfiable_wait):
+def test_watchdog_stops_a_hung_program(models, mk_variant, unsatisfiable_wait):
     """A deliberately corrupted program (one wait that can never be satisfied) on the GPU: the launch
     ends on its own (watchdog, no trap), the host raises MegakernelHang with the record, the CUDA
     context stays usable, check=True recomputes the step with Triton, a captured graph of the bad
@@ -234,7 +234,7 @@ def test_watchdog_stops_a_hung_program(models, mk_defines, unsatisfiable_wait):
     seq_lens = [100, 0, 2049, 16]
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, defines=mk_defines)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, variant=mk_variant)
     good_out, good_logits, good_caches = _run_mk(dec, spec, w, batch, cs)
     assert not dec.pending_error()
     good = dec.program(len(seq_lens))
@@ -308,7 +308,7 @@ def test_watchdog_stops_a_hung_program(models, mk_defines, unsatisfiable_wait):
 
 
 @pytest.mark.parametrize("bsz", [1, 8, 16])
-def test_tuned_programs_match_the_default(models, mk_defines, bsz):
+def test_tuned_programs_match_the_default(models, mk_variant, bsz):
     """Tunings (bench/autotune.py also checks each candidate it times): extreme splits and chunk
     counts, and the 5- and 4-stage ring variants, whose larger scratch stages activations the default
     kernel reads from L2 (batch 8: qkv_rope/o_proj/gate_up with 5 stages; batch 16, two batch
@@ -319,14 +319,14 @@ def test_tuned_programs_match_the_default(models, mk_defines, bsz):
     seq_lens = ([1, 0, 4095, 260, 3, 90, 1025, 31] * 2)[:bsz] if bsz > 1 else [1337]
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines, tuning="off"),
+    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning="off"),
                    spec, w, batch, cs)
     for t in (ScheduleTuning((("down", 0.25), ("gate_up", 3.0), ("lm_head", 0.5), ("o_proj", 0.5),
                               ("qkv_rope", 2.0)), attn_chunks=3, num_stages=5),
               ScheduleTuning((("down", 4.0), ("gate_up", 0.25), ("lm_head", 2.0), ("o_proj", 8.0),
                               ("qkv_rope", 0.125)), attn_chunks=32, num_stages=4),
               ScheduleTuning(num_stages=5)):
-        dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, defines=mk_defines, tuning={bsz: t})
+        dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: t})
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t
         assert_matches(out, base[0], spec.torch_dtype, "step")

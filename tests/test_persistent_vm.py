@@ -187,7 +187,7 @@ def test_cuda_launch_path_plumbing():
     dec._wptr = dec._weight_table()
     caches = batch.clone_caches()
     dec._module = fake = _FakeModule(dec, caches, cs)
-    dec._modules[tuple(dec.defines)] = fake   # the kernel of the default tuning's ring depth
+    dec._modules[dec.variant] = fake   # the kernel of the default tuning's ring depth
     lo = torch.full((3, spec.vocab_size), float("nan"))
     out = dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs,
               logits_out=lo)

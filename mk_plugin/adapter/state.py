@@ -178,11 +178,12 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     if cfg.mode == "megakernel":
         try:
             from ..persistent.backend import MegakernelDecoder
-            from ..persistent.encoding import Rounding, rounding_define
+            from ..persistent.encoding import KernelVariant, Rounding
 
             mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
-                                   defines=(rounding_define(Rounding[cfg.rounding.upper()]),))
+                                   variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()]),
+                                   trace=cfg.trace, verbose=cfg.verbose)
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
             decoder = mk
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path

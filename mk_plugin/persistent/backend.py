@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import get_config
+from ..config import DEFAULT_WATCHDOG_MS
 from ..decoding import DecodeInputs
 from ..spec import LlamaSpec
 from ..triton_ops._checks import check_shape, check_tensor, check_tokens
@@ -49,9 +49,9 @@ from .encoding import (
     VERSION,
     WATCHDOG_MS_MAX,
     Buf,
+    KernelVariant,
     LayerPtr,
     ModelPtr,
-    rounding_of,
     spec_hash,
 )
 from .errors import MegakernelHang, ProgramMismatch
@@ -75,11 +75,14 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
 
     def __init__(self, spec: LlamaSpec, weights: ModelWeights, max_tokens: int, device: str | torch.device, *,
                  fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
-                 executor: str | None = None, trace: bool | None = None, watchdog_ms: int | None = None,
-                 defines: tuple[str, ...] = (), tuning: str | dict[int, ScheduleTuning] | None = None):
-        """tuning: per padded batch size, how the step is cut into tasks (persistent.tuning). A dict
-        {batch: ScheduleTuning} (missing batches: default), or an MK_TUNING setting ("auto", "off",
-        a table file); None reads MK_TUNING."""
+                 executor: str | None = None, trace: bool = False, watchdog_ms: int = DEFAULT_WATCHDOG_MS,
+                 variant: KernelVariant | None = None, tuning: str | dict[int, ScheduleTuning] = "auto",
+                 verbose: bool = False):
+        """variant: what the kernel compiles in (rounding points, ring depth; encoding.KernelVariant);
+        a tuning's ring depth replaces the variant's for its batch sizes. tuning: per padded batch
+        size, how the step is cut into tasks (persistent.tuning): a dict {batch: ScheduleTuning}
+        (missing batches: default), or an MK_TUNING setting ("auto", "off", a table file). The
+        decoder reads no environment: whoever builds it passes the MK_* values (config.MkConfig)."""
         self.spec = spec
         self.weights = weights
         self.device = torch.device(device)
@@ -87,12 +90,12 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             self.device = torch.device("cuda", torch.cuda.current_device())
         check_tokens("max_tokens", max_tokens)
         self.max_tokens = max_tokens
-        # Rounding points: the -DMK_ROUNDING of `defines` (one source for the kernel and the VM)
-        self.defines = tuple(defines)
-        self.rounding = rounding_of(self.defines)
+        self.variant = variant or KernelVariant()
+        self.rounding = self.variant.rounding   # one source for the kernel and the VM
+        self.verbose = verbose
         self.fallback = frozenset(fallback)
         self.lm_head = lm_head
-        self.trace = get_config().trace if trace is None else trace
+        self.trace = trace
         self.executor = executor or ("cuda" if self.device.type == "cuda" else "vm")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor={self.executor!r}; choose one of {EXECUTORS}")
@@ -102,7 +105,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 132)
         self.num_sms = int(num_sms)
-        self.watchdog_ms = get_config().watchdog_ms if watchdog_ms is None else watchdog_ms
+        self.watchdog_ms = watchdog_ms
         if isinstance(self.watchdog_ms, bool) or not isinstance(self.watchdog_ms, int) \
                 or not 1 <= self.watchdog_ms <= WATCHDOG_MS_MAX:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r} must be an int in 1..{WATCHDOG_MS_MAX} "
@@ -115,17 +118,17 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                           if self.device.type == "cuda" else None)
         self._err_host_np = self._err_host.numpy() if self._err_host is not None else None
         self.hangs: list[MegakernelHang] = []    # every hang check_errors()/check=True has seen
-        self._resolve_tunings(get_config().tuning if tuning is None else tuning)
+        self._resolve_tunings(tuning)
         self._check_weights()
         self._wptr = self._weight_table() if self.executor == "cuda" else None
         self._alloc_workspace()
         self._entries: dict[int, _Entry] = {}
         self._kv_key: tuple[int, ...] | None = None
         self._kvptr: torch.Tensor | None = None
-        self._module = None       # the kernel of the decoder's own defines
-        self._modules: dict[tuple[str, ...], object] = {}   # + a tuning's defines (ring depth)
+        self._module = None       # the kernel of the decoder's own variant
+        self._modules: dict[KernelVariant, object] = {}   # one per ring depth the tunings use
         if self.executor == "cuda":
-            self._module = self._module_with(())
+            self._module = self._module_for(self.variant)
 
     # ---- set-up --------------------------------------------------------------------------------
     def _resolve_tunings(self, tuning: str | dict[int, ScheduleTuning]) -> None:
@@ -146,17 +149,22 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         for b, (t, src) in zip(sizes, resolve(tuning, device_name(self.device) or "cpu", keys)):
             self.tunings[b], self.tuning_source[b] = t, src
 
-    def _module_with(self, extra: tuple[str, ...]):
-        """The MegakernelModule of the decoder's defines plus `extra` (a tuning's), one per set."""
+    def _module_for(self, variant: KernelVariant):
+        """The MegakernelModule of `variant`, one per variant (ring depth) used."""
         from .runtime import MegakernelModule
-        key = tuple(self.defines) + tuple(extra)
-        if key not in self._modules:
-            self._modules[key] = MegakernelModule(self.spec, defines=key)
-        return self._modules[key]
+        if variant not in self._modules:
+            self._modules[variant] = MegakernelModule(self.spec, variant=variant, verbose=self.verbose)
+        return self._modules[variant]
+
+    def variant_for(self, batch: int) -> KernelVariant:
+        """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
+        depth of the batch's tuning when it sets one."""
+        n = self.tunings[batch].num_stages
+        return self.variant.with_stages(n) if n else self.variant
 
     def module(self, batch: int):
         """The kernel that runs the program of `batch` tokens (CUDA executor)."""
-        return self._module_with(self.tunings[batch].defines())
+        return self._module_for(self.variant_for(batch))
 
     def attn_chunks(self, batch: int) -> int:
         """KV chunks per (request, kv head) of the program for `batch` tokens."""

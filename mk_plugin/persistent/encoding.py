@@ -142,36 +142,6 @@ class Rounding(enum.IntEnum):
     STOCK = 1
 
 
-def define_values(defines: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """NAME -> VALUE of "-DNAME=VALUE" options."""
-    return dict(d[2:].split("=", 1) for d in defines if d.startswith("-D") and "=" in d)
-
-
-def define_choice(defines: tuple[str, ...] | list[str], name: str, default: int, choices: dict[int, str]) -> int:
-    """The integer value of -D<name> in `defines` (default if absent), which must be a key of
-    `choices` (value -> how the error message names it); anything else is a ValueError."""
-    raw = define_values(defines).get(name)
-    if raw is None:
-        return default
-    try:
-        v = int(raw, 0)
-    except ValueError:
-        v = None
-    if v not in choices:
-        raise ValueError(f"-D{name}={raw}: choose one of {', '.join(choices.values())}")
-    return v
-
-
-def rounding_of(defines: tuple[str, ...] | list[str] = ()) -> Rounding:
-    """The Rounding a kernel compiled with `defines` uses (default FUSED); a bad value is an error."""
-    return Rounding(define_choice(defines, "MK_ROUNDING", Rounding.FUSED,
-                                  {r.value: f"{r.value} ({r.name.lower()})" for r in Rounding}))
-
-
-def rounding_define(r: Rounding) -> str:
-    return f"-DMK_ROUNDING={int(r)}"
-
-
 class ErrorCode(enum.IntEnum):
     NONE = 0
     COUNTER_TIMEOUT = 1  # a task's dependency counter did not reach its target within the budget
@@ -286,10 +256,70 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 STAGE_CHOICES = (4, 5, 6)
 
 
-def layout_of(defines: tuple[str, ...] | list[str] = ()) -> KernelLayout:
-    """The KernelLayout a kernel compiled with `defines` has (MK_NUM_STAGES, default LAYOUT's)."""
-    return LAYOUT.with_stages(define_choice(defines, "MK_NUM_STAGES", LAYOUT.num_stages,
-                                            {n: str(n) for n in STAGE_CHOICES}))
+@dataclass(frozen=True)
+class KernelVariant:
+    """What one build of the megakernel compiles in, as typed values: its rounding points, its weight
+    ring's depth (the per-task scratch takes the rest of the shared memory) and, for bench only, the
+    timing-only MK_DIAG mask (1 no counter waits, 2 no weight copies, 4 no MMAs: wrong results).
+    defines() renders the -D options; nothing reads a variant back from option strings: parse() is the
+    command-line boundary (bench --define, pytest --mk-define), used once where the values come in."""
+    rounding: Rounding = Rounding.FUSED
+    num_stages: int = LAYOUT.num_stages
+    diag: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounding, Rounding):
+            raise TypeError(f"rounding={self.rounding!r} must be a Rounding ({', '.join(r.name for r in Rounding)})")
+        if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
+            raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
+        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
+            raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
+
+    def defines(self) -> tuple[str, ...]:
+        """The -D options of this build (defaults are left out: the default build has none)."""
+        out = []
+        if self.rounding != Rounding.FUSED:
+            out.append(f"-DMK_ROUNDING={int(self.rounding)}")
+        if self.num_stages != LAYOUT.num_stages:
+            out.append(f"-DMK_NUM_STAGES={self.num_stages}")
+        if self.diag:
+            out.append(f"-DMK_DIAG={self.diag}")
+        return tuple(out)
+
+    @property
+    def layout(self) -> KernelLayout:
+        return LAYOUT.with_stages(self.num_stages)
+
+    def with_stages(self, num_stages: int) -> KernelVariant:
+        """The same build with another ring depth (0: the layout's default)."""
+        return replace(self, num_stages=num_stages or LAYOUT.num_stages)
+
+    def label(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("rounding", self.rounding.name.lower()), ("stages", self.num_stages),
+                                         ("diag", self.diag)) if v not in ("fused", LAYOUT.num_stages, 0)]
+        return ",".join(parts) or "default"
+
+    @classmethod
+    def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
+        """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG; a "-D"
+        prefix is allowed. Anything else is a ValueError naming it and the supported names."""
+        kw: dict[str, object] = {}
+        for item in items:
+            name, sep, raw = item.removeprefix("-D").partition("=")
+            if not sep:
+                raise ValueError(f"kernel variant {item!r} must look like NAME=VALUE")
+            try:
+                if name == "MK_ROUNDING":
+                    kw["rounding"] = Rounding[raw.upper()] if not raw.isdigit() else Rounding(int(raw))
+                elif name in ("MK_NUM_STAGES", "MK_DIAG"):
+                    kw["num_stages" if name == "MK_NUM_STAGES" else "diag"] = int(raw, 0)
+                else:
+                    raise ValueError(f"unknown kernel variant {name!r}; supported: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG")
+            except (KeyError, ValueError) as e:
+                if "unknown kernel variant" in str(e):
+                    raise
+                raise ValueError(f"{item}: bad value {raw!r} for {name}") from None
+        return cls(**kw)  # type: ignore[arg-type]
 
 
 def _check_layout() -> None:

@@ -14,14 +14,13 @@ import functools
 import hashlib
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import get_config
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, kernel_defines, layout_of
+from .encoding import KERNEL_PARAMS, KernelVariant, kernel_defines
 from .header import generate_header
 
 ENTRY = "megakernel.cu"
@@ -98,21 +97,18 @@ _MODULES: dict[tuple[str, int], object] = {}
 
 @dataclass
 class MegakernelModule:
-    """Loader of the megakernel for one model spec: source, options, arch, cache key; the CuPy
-    RawModule is compiled on first use per device and cached in-process (and by CuPy on disk).
-    `defines` ("-DNAME=VALUE") select kernel variants for A/B measurements (bench/mk_step.py
-    --define); they are part of the cache key."""
+    """Loader of the megakernel for one model spec and kernel variant: source, options, arch, cache
+    key; the CuPy RawModule is compiled on first use per device and cached in-process (and by CuPy on
+    disk). The variant's -D options (encoding.KernelVariant.defines) are part of the cache key."""
     spec: LlamaSpec
     arch: str = DEFAULT_ARCH
-    defines: tuple[str, ...] = ()
+    variant: KernelVariant = field(default_factory=KernelVariant)
+    verbose: bool = False   # print each build (registers, stack, shared memory): MK_VERBOSE via the decoder
 
     def __post_init__(self) -> None:
-        bad = [d for d in self.defines if not re.fullmatch(r"-D[A-Z][A-Z0-9_]*=[-0-9A-Za-z_.]+", d)]
-        if bad:
-            raise ValueError(f"defines {bad} must look like -DNAME=VALUE")
         self.source = build_source()
-        self.options = compile_options(self.spec, self.arch) + self.defines
-        self.layout = layout_of(self.defines)   # ring depth (MK_NUM_STAGES); the same smem for every depth
+        self.options = compile_options(self.spec, self.arch) + self.variant.defines()
+        self.layout = self.variant.layout   # ring depth; the same shared memory for every depth
         self.num_threads = self.layout.num_threads
         self.key = cache_key(self.source, self.options)
 
@@ -123,13 +119,12 @@ class MegakernelModule:
             return _MODULES[k]
         import cupy as cp
 
-        verbose = get_config().verbose
         t0 = time.perf_counter()
         with cp.cuda.Device(device_index):
             mod = cp.RawModule(code=self.source, options=self.options, name_expressions=None)
             fn = mod.get_function(KERNEL_NAME)
             fn.max_dynamic_shared_size_bytes = self.layout.smem_bytes
-        if verbose:
+        if self.verbose:
             print(f"[mk_plugin] megakernel {self.spec.name} key={self.key} arch={self.arch} built in "
                   f"{time.perf_counter() - t0:.2f}s: {fn.num_regs} registers, "
                   f"{fn.local_size_bytes} B local (stack), {self.layout.smem_bytes} B dynamic smem, "
