@@ -487,9 +487,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         """The megakernel's buffers as the Triton op table sees them: layer L reads its residual
         source (the input for layer 0, RESID after), o_proj and down write RESID."""
         b = io.hidden.shape[0]
-        return OpBuffers(DecodeInputs(io.hidden, io.positions, io.kv_caches, io.block_table, io.seq_lens,
-                                      io.slot_mapping, io.cos_sin),
-                         h_src=lambda layer: bufs[residual_source(layer)], h_mid=bufs[Buf.RESID],
+        return OpBuffers(io, h_src=lambda layer: bufs[residual_source(layer)], h_mid=bufs[Buf.RESID],
                          h_out=bufs[Buf.RESID], qkv=self.qkv_tmp[:b], q=bufs[Buf.Q], attn=bufs[Buf.ATTN_O],
                          act=bufs[Buf.ACT], attn_ws=self.attn_ws, out=bufs[Buf.OUT], logits=bufs.get(Buf.LOGITS))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decoding import DecodeInputs
 from . import vm as _vm
 from .encoding import TASK_FIELDS, TASK_WORDS, TRACE_FIELDS, TRACE_WORDS, Buf, H
 from .program_meta import ProgramMeta
@@ -23,17 +24,11 @@ class _Entry:
     meta: ProgramMeta | None = field(default=None)
 
 
-@dataclass
-class _StepIO:
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    kv_caches: list[torch.Tensor]
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    cos_sin: torch.Tensor
-    out: torch.Tensor
-    logits: torch.Tensor | None
+@dataclass(frozen=True)
+class _StepIO(DecodeInputs):
+    """A step's inputs and where its results go."""
+    out: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class CudaExecutorMixin:
