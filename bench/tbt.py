@@ -9,8 +9,10 @@ plugin with MK_MODE=stock (our class on the stock path). Each child reports what
 (LLM.apply_model(mk_status)); a plugin row whose steps did not take the mk path is flagged.
 
 TBT of a request = (last_token_ts - first_token_ts) / (n - 1) from RequestOutput.metrics; a run's
-TBT is the median over its requests; the reported TBT is the median over --runs runs after one
-warm-up run, each run with fresh random prompt ids (prefix caching cannot skip prefill).
+TBT is the median over its requests; an engine's TBT is the median over --runs runs after one
+warm-up run, each run with fresh random prompt ids (prefix caching cannot skip prefill); the reported
+TBT is the median over --rounds rounds, each round a fresh engine per mode, the modes alternating
+(stock, plugin, stock, plugin, ...), because runs of one engine on this host differ by up to 0.7 ms.
 Floor = (weight bytes + KV bytes of one step) / 4.8 TB/s, KV at the mean context prompt + output/2.
 
 Outputs: bench/results/tbt_<date>_<commit>.md (table), tbt_<date>_<commit>.png (if matplotlib imports), rows
@@ -31,6 +33,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -133,7 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--modes", default="triton,megakernel",
                    help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}")
-    p.add_argument("--runs", type=int, default=5, help="measured runs after one warm-up run")
+    p.add_argument("--runs", type=int, default=5, help="measured runs per engine, after one warm-up run")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of engines: each round runs stock, then each plugin mode, each in a fresh engine "
+                        "(stock, plugin, stock, plugin, ...): the host is noisy, so modes are compared side by side "
+                        "and the reported TBT is the median over rounds, with every round shown in the spread table")
     p.add_argument("--quick", action="store_true", help="1B, prompt 512, batches 1,8, 2 runs, mode triton")
     p.add_argument("--sweep", action="store_true",
                    help="issue 5's sweep: batches 1,2,4,8,16 x prompts 128,512,2048,8192, 2 runs (models and modes "
@@ -153,9 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
-        a.models, a.prompts, a.batches, a.runs, a.modes = "llama-3.2-1b", "512", "1,8", 2, "triton"
+        a.models, a.prompts, a.batches, a.runs, a.modes, a.rounds = "llama-3.2-1b", "512", "1,8", 2, "triton", 1
     if a.sweep:
-        a.prompts, a.batches, a.runs = "128,512,2048,8192", "1,2,4,8,16", 2
+        a.prompts, a.batches, a.runs, a.rounds = "128,512,2048,8192", "1,2,4,8,16", 2, 1
     a.model_list = [m for m in a.models.split(",") if m]
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
@@ -163,8 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in a.mode_list if m not in common.MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {common.MODES[1:]}")
-    if a.output_len < 2 or a.runs < 1 or not a.batch_list or not a.prompt_list:
-        p.error("need --output-len >= 2, --runs >= 1 and at least one batch and prompt")
+    if a.output_len < 2 or a.runs < 1 or a.rounds < 1 or not a.batch_list or not a.prompt_list:
+        p.error("need --output-len >= 2, --runs >= 1, --rounds >= 1 and at least one batch and prompt")
     return a
 
 
@@ -195,12 +202,20 @@ def spread_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
     """Every run's TBT per mode: on a host-bound loop runs of one engine differ by up to 0.6 ms
     (bench/NOTES.md), so a speed-up means something only against this spread. Empty with one run."""
     allm = ["stock"] + modes
-    if not any(len(v) > 1 for r in rows for v in r.get("runs", {}).values()):
-        return ""
-    body = [[r["shape"], r["batch"], r["prompt"]]
-            + [" / ".join(f"{x:.3f}" for x in r.get("runs", {}).get(m, [])) or "n/a" for m in allm] for r in rows]
-    return ("\nRun-to-run spread (each run's TBT, ms, in run order):\n\n"
-            + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} runs" for m in allm], body) + "\n")
+    out = ""
+    if any(len(v) > 1 for r in rows for v in r.get("rounds", {}).values()):
+        body = [[r["shape"], r["batch"], r["prompt"]]
+                + [" / ".join(f"{x:.3f}" for x in r.get("rounds", {}).get(m, [])) or "n/a" for m in allm]
+                for r in rows]
+        out += ("\nRound-to-round spread (each fresh engine's TBT, ms, rounds alternating the modes; the table "
+                "above takes their median):\n\n"
+                + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} rounds" for m in allm], body) + "\n")
+    if any(len(v) > 1 for r in rows for v in r.get("runs", {}).values()):
+        body = [[r["shape"], r["batch"], r["prompt"]]
+                + [" / ".join(f"{x:.3f}" for x in r.get("runs", {}).get(m, [])) or "n/a" for m in allm] for r in rows]
+        out += ("\nRun-to-run spread (each run's TBT, ms, in run order):\n\n"
+                + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} runs" for m in allm], body) + "\n")
+    return out
 
 
 def plot(rows: list[dict[str, Any]], modes: list[str], path: Path) -> str | None:
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     shim = None if a.dry_run else common.ensure_plugin_visible()
     meta = {"date": common.today(), "gpu": "dry-run" if a.dry_run else common.gpu_name(),
             "commit": common.git_commit(), "vllm": common.vllm_version(), "runner": a.runner + (f" (plugin env {common.mk_env_text(a.mk_env)})" if a.mk_env else ""),
-            "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs)}
+            "eager": str(a.eager), "output": str(a.output_len), "runs": str(a.runs), "rounds": str(a.rounds)}
     a.outdir.mkdir(parents=True, exist_ok=True)
     # The commit in every file name: two runs on one day must not overwrite each other's records.
     stamp = common.run_stamp() + ("_dryrun" if a.dry_run else "")
@@ -294,16 +309,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows[(mdir.name, prompt, b)] = {"shape": mdir.name, "batch": b, "prompt": prompt, "bytes": fb,
                                                 "floor_ms": fb / common.HBM_BYTES_PER_S * 1e3, "tbt": {}}
         ptag = "p" + "-".join(str(x) for x in a.prompt_list)
-        for mode in ["stock"] + a.mode_list:
+        for rnd, mode in ((r, m) for r in range(a.rounds) for m in ["stock"] + a.mode_list):
             payload = {"model_dir": str(mdir), "prompts": a.prompt_list, "output_len": a.output_len,
                        "batches": a.batch_list, "runs": a.runs, "gpu_mem": a.gpu_mem, "max_model_len": mml,
                        "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
             if a.profile:
                 payload["profile_dir"] = str((a.outdir / "profiles").resolve())
-                payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{a.prompt_list[0]}_{mode}"
-            label = f"{mdir.name} prompts {','.join(map(str, a.prompt_list))} {mode}"
+                payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{a.prompt_list[0]}_{mode}_r{rnd + 1}"
+            label = (f"{mdir.name} prompts {','.join(map(str, a.prompt_list))} {mode}"
+                     + (f" round {rnd + 1}/{a.rounds}" if a.rounds > 1 else ""))
             print(f"[tbt] {label} ...", flush=True)
-            log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_{ptag}_{mode}.log"
+            log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_{ptag}_{mode}{f'_r{rnd + 1}' if a.rounds > 1 else ''}.log"
             try:
                 if a.dry_run:
                     res = fake_child(mode, a.batch_list, spec, a.prompt_list, a.output_len, a.runs)
@@ -330,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     got = res["results"][result_key(prompt, b)]
                     ms = got["tbt_ms"]
                     r = rows[(mdir.name, prompt, b)]
-                    r["tbt"][mode] = ms
-                    r.setdefault("runs", {})[mode] = list(got["runs_ms"])
+                    r.setdefault("rounds", {}).setdefault(mode, []).append(ms)
+                    r["tbt"][mode] = statistics.median(r["rounds"][mode])
+                    r.setdefault("runs", {}).setdefault(mode, []).extend(got["runs_ms"])
                     csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
                     print(f"[tbt]   prompt {prompt} batch {b}: {ms:.3f} ms  runs "

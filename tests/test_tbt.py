@@ -24,12 +24,13 @@ def test_spread_table_lists_every_run_only_when_there_are_several():
 
 def test_dry_run_writes_table_spread_and_csv(tmp_path):
     rc = tbt.main(["--dry-run", "--models", "llama-3.2-1b-1layer", "--prompts", "512", "--batches", "1,8",
-                   "--runs", "3", "--outdir", str(tmp_path)])
+                   "--runs", "3", "--rounds", "3", "--outdir", str(tmp_path)])
     assert rc == 0
     md = next(tmp_path.glob("tbt_*_dryrun.md")).read_text()
-    assert "| llama-3.2-1b-1layer | 8 | 512 |" in md and "Run-to-run spread" in md
+    assert "| llama-3.2-1b-1layer | 8 | 512 |" in md and "Run-to-run spread" in md and "Round-to-round spread" in md
     rows = list(csv.DictReader(next(tmp_path.glob("tbt*.csv")).read_text().splitlines()))
-    assert {r["mode"] for r in rows} == {"stock", "triton", "megakernel"} and len(rows) == 6
+    # one row per (round, mode, batch), rounds alternating the modes
+    assert [r["mode"] for r in rows][::2] == ["stock", "triton", "megakernel"] * 3 and len(rows) == 18
     assert all(float(r["tbt_ms"]) > 0 for r in rows)
 
 
