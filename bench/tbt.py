@@ -113,6 +113,42 @@ def floor_bytes(spec: Any, batch: int, prompt: int, output: int) -> int:
     return spec.weight_bytes_per_step() + spec.kv_bytes_per_step([prompt + output // 2] * batch)
 
 
+def gpu_busy_ms(profile_dir: Path, tag: str, batch: int) -> float | None:
+    """Median GPU busy time per engine step (ms) of the profiled run `tag`_b`batch` (bench/host_gap.py
+    over vLLM's torch-profiler trace), or None when there is no readable trace."""
+    import host_gap  # bench/host_gap.py
+
+    files = sorted(profile_dir.glob(f"{tag}_b{batch}*.json*"))
+    if not files:
+        return None
+    try:
+        s = host_gap.summarize(host_gap.steps(host_gap.gpu_events(host_gap.load_trace(files[-1])),
+                                              host_gap.DEFAULT_ANCHOR))
+    except (ValueError, OSError, json.JSONDecodeError):
+        return None
+    return s["busy_us"] / 1e3
+
+
+def bound_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
+    """TBT next to the profiled GPU busy time per step: a row says whether the loop was GPU-bound
+    (busy >= 90% of TBT: a faster step lowers TBT) or host-bound (vLLM's per-step host work sets TBT)."""
+    allm = ["stock"] + modes
+    if not any(r.get("busy") for r in rows):
+        return ""
+
+    def cell(r: dict[str, Any], m: str) -> str:
+        busy = [x for x in r.get("busy", {}).get(m, []) if x is not None]
+        ms = r["tbt"].get(m)
+        if not busy or ms is None:
+            return "n/a"
+        b = statistics.median(busy)
+        return f"{ms:.3f} / {b:.3f} ({'GPU' if b >= 0.9 * ms else 'host'}-bound)"
+    body = [[r["shape"], r["batch"], r["prompt"]] + [cell(r, m) for m in allm] for r in rows if r.get("busy")]
+    return ("\nTBT vs GPU busy per step (ms, profiled run of each engine at the first prompt length; "
+            "GPU-bound when busy >= 90% of TBT):\n\n"
+            + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} TBT / busy" for m in allm], body) + "\n")
+
+
 def fake_child(mode: str, batches: list[int], spec: Any, prompts: list[int], output: int, runs_per: int = 1
                ) -> dict[str, Any]:
     """--dry-run: plausible numbers without a GPU (checks the parent's tables, CSV and plot)."""
@@ -192,10 +228,11 @@ def render(rows: list[dict[str, Any]], modes: list[str], meta: dict[str, str], n
         body.append(line)
     head = (f"# TBT: stock vLLM vs mk_plugin ({meta['date']})\n\nGPU {meta['gpu']}, commit {meta['commit']}, "
             f"vLLM {meta['vllm']}, runner {meta['runner']}, {'eager' if meta['eager'] == 'True' else 'CUDA graphs'}, "
-            f"output {meta['output']} tokens, median of {meta['runs']} runs after a warm-up; dummy weights.\n"
+            f"output {meta['output']} tokens, median over {meta.get('rounds', '1')} round(s) of fresh engines (modes "
+            f"alternating) of each engine's median of {meta['runs']} runs after a warm-up; dummy weights.\n"
             f"% floor = (weight + KV bytes per step) / 4.8 TB/s divided by the TBT (100% = at the HBM floor).\n")
-    return (head + "\n" + common.markdown_table(header, body) + "\n" + spread_table(rows, modes)
-            + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+    return (head + "\n" + common.markdown_table(header, body) + "\n" + bound_table(rows, modes)
+            + spread_table(rows, modes) + ("\n" + "\n".join(notes) + "\n" if notes else ""))
 
 
 def spread_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
@@ -353,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
                     print(f"[tbt]   prompt {prompt} batch {b}: {ms:.3f} ms  runs "
                           f"{[f'{x:.3f}' for x in got['runs_ms']]}")
+            if a.profile and not a.dry_run:
+                for b in a.batch_list:
+                    r = rows[(mdir.name, a.prompt_list[0], b)]
+                    busy = gpu_busy_ms(Path(payload["profile_dir"]), payload["profile_tag"], b)
+                    r.setdefault("busy", {}).setdefault(mode, []).append(busy)
             common.append_csv(csv_path, CSV_HEADER, csv_rows)
             md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))  # partial results survive
     md_path.write_text(render(list(rows.values()), a.mode_list, meta, notes))

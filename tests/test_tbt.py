@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -89,3 +90,21 @@ def test_child_measures_every_prompt_and_batch_in_one_engine(monkeypatch, capsys
     assert calls == [(b, {p}) for p in (7, 20) for b in (1, 3) for _ in range(3)]
     assert set(res["results"]) == {tbt.result_key(p, b) for p in (7, 20) for b in (1, 3)}
     assert all(abs(r["tbt_ms"] - 2.0) < 1e-9 and len(r["runs_ms"]) == 2 for r in res["results"].values())
+
+
+def test_gpu_busy_from_a_profiled_trace_and_the_bound_table(tmp_path):
+    import host_gap
+
+    anchor = host_gap.DEFAULT_ANCHOR
+    ev = []
+    for k in range(12):  # 12 steps of 1000 us, 400 us of GPU work each: host-bound
+        t0 = k * 1000.0
+        ev.append({"ph": "X", "cat": "kernel", "name": anchor, "ts": t0, "dur": 10.0})
+        ev.append({"ph": "X", "cat": "kernel", "name": "mk_decode", "ts": t0 + 20, "dur": 390.0})
+    (tmp_path / "tbt_x_b8_rank0.1.pt.trace.json").write_text(json.dumps({"traceEvents": ev}))
+    busy = tbt.gpu_busy_ms(tmp_path, "tbt_x", 8)
+    assert abs(busy - 0.4) < 1e-9 and tbt.gpu_busy_ms(tmp_path, "tbt_x", 1) is None
+    rows = [{"shape": "m", "batch": 8, "prompt": 512, "tbt": {"stock": 1.0, "megakernel": 0.42},
+             "busy": {"stock": [0.4], "megakernel": [0.4]}}]
+    t = tbt.bound_table(rows, ["megakernel"])
+    assert "1.000 / 0.400 (host-bound)" in t and "0.420 / 0.400 (GPU-bound)" in t
