@@ -1,7 +1,8 @@
 """Every MK_* environment switch, parsed and validated here and nowhere else.
 
-MK_MODE      megakernel | triton | stock   decode path used inside vLLM (default: triton until the
-                                           megakernel is the verified default)
+MK_MODE      megakernel | triton | auto | stock   decode path used inside vLLM (default: triton);
+                                           auto: per batch size, the path measured faster on this GPU
+                                           (adapter/auto.py: packaged table, else measured in the worker)
 MK_FALLBACK  comma list of op names        ops run by the Triton kernels while the rest run in the
                                            megakernel (names: mk_plugin.ops.STEP_OPS)
 MK_TRACE     0 | 1                         record the megakernel's per-task timeline
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from .ops import STEP_OPS
 
-MODES = ("megakernel", "triton", "stock")
+MODES = ("megakernel", "triton", "auto", "stock")
 DEFAULT_MODE = "triton"
 DEFAULT_WATCHDOG_MS = 2000
 ROUNDINGS = ("fused", "stock")   # = persistent.encoding.Rounding names (config must not import torch)

@@ -71,6 +71,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .adapter.auto import describe
 from .adapter.debug import DebugHooksMixin
 from .adapter.decide import (  # noqa: F401 (public names of this module)
     MAX_DECODE_TOKENS,
@@ -91,6 +92,7 @@ from .adapter.state import (
     _kv_unsupported_reason,
     _OnceLog,
     _Unsupported,
+    megakernel_of,
     spec_from_vllm_config,
 )
 from .config import MkConfig, get_config
@@ -166,6 +168,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
     def mk_status(self) -> dict[str, Any]:
         """What this worker's model did (for bench scripts, through LLM.apply_model)."""
         st = self._mk_state
+        mk = None if st is None else megakernel_of(st.decoder)
         return {
             "class": type(self).__name__, "mode": self._mk_cfg.mode,
             "backend": None if st is None else st.backend,
@@ -173,9 +176,11 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             "hang": None if self._mk_hang is None else str(self._mk_hang),
             "max_tokens": None if st is None else st.max_tokens,
             # the megakernel's rounding points as built (MK_ROUNDING), so records show what ran
-            "rounding": None if st is None or st.backend != "megakernel" else st.decoder.rounding.name.lower(),
+            "rounding": None if mk is None else mk.rounding.name.lower(),
             # per padded batch size: the task split used (MK_TUNING) and where it came from
-            "tuning": None if st is None or st.backend != "megakernel" else dict(st.decoder.tuning_source),
+            "tuning": None if mk is None else dict(mk.tuning_source),
+            # MK_MODE=auto: per batch size, the path chosen and why
+            "auto": None if st is None or st.backend != "auto" else describe(st.decoder, range(1, st.max_tokens + 1)),
             "counts": dict(self._mk_counts), "logged": dict(self._mk_log.seen),
         }
 
@@ -254,7 +259,8 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             torch.index_select(st.weights.embed, 0, input_ids[:reqs], out=hidden)
         inputs = DecodeInputs(hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs],
                               st.cos_sin)
-        call = _DecodeCall(inputs, st.out_buf[:reqs], st.backend)
+        ran = st.decoder.path_for(reqs) if st.backend == "auto" else st.backend
+        call = _DecodeCall(inputs, st.out_buf[:reqs], ran)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             # A FULL-graph capture: replays of this graph do not run forward; compute_logits finds
             # the graph's static tensors here if it has to recompute a replayed step.

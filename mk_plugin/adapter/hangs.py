@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .state import DecodeState, _DecodeCall
+from .state import DecodeState, _DecodeCall, megakernel_of
 
 
 class HangMixin:
@@ -21,7 +21,8 @@ class HangMixin:
         if st is None:
             return hidden_states
         if self._mk_hang is None:
-            if st.backend != "megakernel" or not st.decoder.pending_error():
+            mk = megakernel_of(st.decoder)
+            if mk is None or not mk.pending_error():
                 return hidden_states
             if not self._mk_switch_to_triton(st):
                 return hidden_states
@@ -54,7 +55,7 @@ class HangMixin:
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
-        mk = st.decoder
+        mk = megakernel_of(st.decoder)
         try:
             mk.check_errors(clear=False)
             return False  # the mirror and the record disagree: nothing to report (yet)

@@ -175,7 +175,8 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
 
     decoder: Decoder | None = None
     workspace = None
-    if cfg.mode == "megakernel":
+    mk = None
+    if cfg.mode in ("megakernel", "auto"):
         try:
             from ..persistent.backend import MegakernelDecoder
             from ..persistent.encoding import KernelVariant, Rounding
@@ -185,10 +186,12 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
                                    variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()]),
                                    trace=cfg.trace, verbose=cfg.verbose)
             mk.prepare()  # build and upload the programs of every batch size now, never during capture
-            decoder = mk
+            decoder = mk if cfg.mode == "megakernel" else None
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path
-            once.warn("megakernel", f"MK_MODE=megakernel is unavailable ({type(e).__name__}: {e}); "
-                      "using the Triton decode path")
+            mk = None
+            what = "MK_MODE=megakernel is unavailable" if cfg.mode == "megakernel" else \
+                "MK_MODE=auto: the megakernel is unavailable"
+            once.warn("megakernel", f"{what} ({type(e).__name__}: {e}); using the Triton decode path")
     if decoder is None:
         from ..triton_ops import DecodeWorkspace, TritonDecoder
 
@@ -197,6 +200,8 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
         except ValueError as e:  # its input checks: a shape/size the kernels do not cover
             raise _Unsupported(f"decode workspace: {e}") from e
         decoder = TritonDecoder(spec, weights, workspace)
+        if mk is not None:  # MK_MODE=auto: per batch size, the path measured faster here
+            decoder = _auto_decoder(decoder, mk, spec, weights, cos_sin, block_size, max_tokens, device)
     if (cfg.dump_logits or cfg.force_tokens) and not getattr(vllm_config.model_config, "enforce_eager", False):
         once.warn("debug_eager", "MK_DUMP_LOGITS/MK_FORCE_TOKENS only see steps that run in Python; "
                   "use enforce_eager=True (CUDA-graph replays are skipped)")
@@ -217,3 +222,24 @@ def _kv_unsupported_reason(st: DecodeState, kv: list[Any]) -> str | None:
             return (f"KV cache of layer {n} is {desc}; the decode path needs [num_blocks, {', '.join(map(str, want))}] "
                     f"{s.torch_dtype}, contiguous (FLASH_ATTN, NHD layout)")
     return None
+
+
+def megakernel_of(decoder: Any) -> Any:
+    """The MegakernelDecoder a decode path may launch (itself, auto's megakernel), or None."""
+    return decoder if decoder.backend == "megakernel" else getattr(decoder, "megakernel", None)
+
+
+def _auto_decoder(triton: Any, mk: Any, spec: Any, weights: Any, cos_sin: Any, block_size: int, max_tokens: int,
+                  device: Any) -> Any:
+    """MK_MODE=auto's decoder: the packaged table of measured steps for this GPU and model, else a
+    short measurement of both paths here (CUDA only), else Triton (adapter/auto.py)."""
+    from ..persistent.encoding import spec_hash
+    from ..triton_ops._device import device_name, gpu_slug
+    from .auto import AutoDecoder, choose, load_paths, measure_both, paths_file
+
+    name = device_name(device) or "cpu"
+    path = paths_file(gpu_slug(name))
+    table = load_paths(path, spec_hash(spec), mk.num_sms)
+    measure = measure_both(triton, mk, spec, weights, cos_sin, block_size) if device.type == "cuda" else None
+    choice, source = choose(max_tokens, table, path.name, measure)
+    return AutoDecoder(triton, mk, choice, source)

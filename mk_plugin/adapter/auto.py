@@ -1,0 +1,112 @@
+"""MK_MODE=auto: per decode batch size, the decode path (megakernel or Triton) measured faster on this
+GPU for this model. Choices come from the packaged table of measured step times
+(mk_plugin/persistent/tuned/paths_<gpu>.json, written from bench/mk_step.py rows), else from a short
+measurement of both steps in the worker (CUDA-graph replays, a small temporary KV cache, before vLLM
+sizes its own), else Triton (the verified default). The megakernel is chosen only when it was faster by
+more than AUTO_MIN_GAIN: replay noise must not flip a choice."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..decoding import DecodeInputs
+
+AUTO_MIN_GAIN = 0.03
+PATHS_DIR = Path(__file__).resolve().parents[1] / "persistent" / "tuned"
+MEASURE_CTX = 64          # tokens of context per request in the in-worker measurement (4 blocks of 16)
+MEASURE_SIZES = (1, 2, 4, 8, 16)
+
+
+def paths_file(gpu_slug: str) -> Path:
+    return PATHS_DIR / f"paths_{gpu_slug}.json"
+
+
+def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, tuple[float, float]]:
+    """batch -> (triton_us, megakernel_us) of the table's entries for this model and SM count."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for e in json.loads(path.read_text())["entries"]:
+        if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms:
+            out[int(e["batch"])] = (float(e["triton_us"]), float(e["megakernel_us"]))
+    return out
+
+
+def pick(times: tuple[float, float]) -> str:
+    """"megakernel" when it beat Triton by more than AUTO_MIN_GAIN, else "triton"."""
+    triton_us, mk_us = times
+    return "megakernel" if mk_us < triton_us * (1.0 - AUTO_MIN_GAIN) else "triton"
+
+
+def choose(max_tokens: int, table: dict[int, tuple[float, float]], table_name: str,
+           measure: Callable[[int], tuple[float, float]] | None) -> tuple[dict[int, str], dict[int, str]]:
+    """(choice, source) per batch size 1..max_tokens. A size takes the entry of the smallest table (or
+    measured) size >= it (vLLM pads a decode batch up to its next capture size), else of the largest."""
+    known: dict[int, tuple[tuple[float, float], str]] = {
+        b: (t, f"table {table_name}: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us") for b, t in table.items()}
+    if measure is not None:
+        for b in MEASURE_SIZES:
+            if b <= max(max_tokens, 1) and b not in known:
+                t = measure(b)
+                known[b] = (t, f"measured here: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us")
+    choice, source = {}, {}
+    for b in range(1, max_tokens + 1):
+        keys = sorted(known)
+        k = next((x for x in keys if x >= b), keys[-1] if keys else None)
+        if k is None:
+            choice[b], source[b] = "triton", "no measurement (not on a CUDA device): the verified default"
+        else:
+            choice[b] = pick(known[k][0])
+            source[b] = known[k][1] + ("" if k == b else f" (batch {k})")
+    return choice, source
+
+
+@dataclass
+class AutoDecoder:
+    """The Decoder of MK_MODE=auto: the chosen path per batch size (inputs.batch)."""
+    triton: Any                      # TritonDecoder
+    megakernel: Any                  # MegakernelDecoder
+    choice: dict[int, str]
+    source: dict[int, str] = field(default_factory=dict)
+    backend: ClassVar[str] = "auto"
+
+    def path_for(self, batch: int) -> str:
+        return self.choice.get(batch, "triton")
+
+    def decode(self, inputs: DecodeInputs, out: torch.Tensor) -> torch.Tensor:
+        dec = self.megakernel if self.path_for(inputs.batch) == "megakernel" else self.triton
+        return dec.decode(inputs, out)
+
+
+def measure_both(triton: Any, megakernel: Any, spec: Any, weights: Any, cos_sin: torch.Tensor,
+                 block_size: int, replays: int = 10) -> Callable[[int], tuple[float, float]]:
+    """measure(b) -> (triton_us, megakernel_us): one CUDA graph of each step for b tokens over a
+    temporary KV cache of MEASURE_CTX tokens per request, median of `replays` replays."""
+    from ..timing import graph_median_ms
+
+    def measure(b: int) -> tuple[float, float]:
+        dev = weights.embed.device
+        per = -(-MEASURE_CTX // block_size)
+        caches = [torch.zeros(b * per + 1, 2, block_size, spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype,
+                              device=dev) for _ in range(spec.num_layers)]
+        bt = torch.arange(b * per, dtype=torch.int32, device=dev).view(b, per)
+        inputs = DecodeInputs(weights.embed[:b].clone(), torch.full((b,), MEASURE_CTX - 1, dtype=torch.int64,
+                                                                    device=dev),
+                              caches, bt, torch.full((b,), MEASURE_CTX, dtype=torch.int32, device=dev),
+                              (bt[:, -1].long() * block_size + (MEASURE_CTX - 1) % block_size), cos_sin)
+        out = torch.empty_like(inputs.hidden)
+        t = tuple(graph_median_ms(lambda d=d: d.decode(inputs, out), replays=replays) * 1e3
+                  for d in (triton, megakernel))
+        del caches
+        return t  # type: ignore[return-value]
+    return measure
+
+
+def describe(dec: AutoDecoder, sizes: Iterable[int]) -> dict[int, str]:
+    """mk_status's view: batch -> "<path> (<source>)"."""
+    return {b: f"{dec.path_for(b)} ({dec.source.get(b, '?')})" for b in sizes}

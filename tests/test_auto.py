@@ -1,0 +1,61 @@
+"""MK_MODE=auto (mk_plugin/adapter/auto.py): the per-batch choice of decode path from a table of measured
+steps or a measurement, and the adapter running it on a CPU (Triton interpreter + the megakernel's VM)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm_fakes import SPEC, decode_once, make_model, profile_run  # tests/vllm_fakes.py
+
+from mk_plugin.adapter import auto
+from mk_plugin.persistent.encoding import spec_hash
+from mk_plugin.testing import assert_matches, make_decode_batch
+
+
+def test_pick_needs_a_gain_above_noise():
+    assert auto.pick((1000.0, 950.0)) == "megakernel"
+    assert auto.pick((1000.0, 980.0)) == "triton" and auto.pick((1000.0, 1200.0)) == "triton"
+
+
+def test_choose_from_table_then_measurement_then_default():
+    table = {4: (1000.0, 800.0), 16: (1100.0, 1500.0)}
+    choice, source = auto.choose(16, table, "paths_x.json", None)
+    assert [choice[b] for b in (1, 3, 4, 5, 8, 16)] == ["megakernel"] * 3 + ["triton"] * 3  # 5: next size is 16
+    assert "table paths_x.json" in source[3] and "(batch 4)" in source[3] and "(batch" not in source[4]
+    seen = []
+
+    def measure(b):
+        seen.append(b)
+        return (100.0, 90.0) if b == 1 else (100.0, 110.0)
+    choice, source = auto.choose(8, {4: (1000.0, 800.0)}, "t", measure)
+    assert seen == [1, 2, 8] and choice[1] == "megakernel" and choice[2] == "triton" and choice[3] == "megakernel"
+    assert "measured here" in source[1]
+    choice, source = auto.choose(2, {}, "t", None)
+    assert choice == {1: "triton", 2: "triton"} and "verified default" in source[1]
+
+
+def test_packaged_h200_table_is_read_for_its_model():
+    from mk_plugin.spec import LlamaSpec
+    spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
+    t = auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 132)
+    assert set(t) >= {1, 8, 16} and all(a > 0 and b > 0 for a, b in t.values())
+    assert auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 114) == {}   # another SM count
+
+
+@pytest.mark.parametrize("winner", ["triton", "megakernel"])
+def test_adapter_auto_mode_runs_the_chosen_path(monkeypatch, tmp_path, winner):
+    pytest.importorskip("mk_plugin.triton_ops")
+    times = (1000.0, 500.0) if winner == "megakernel" else (1000.0, 1500.0)
+    path = tmp_path / "paths_cpu.json"
+    path.write_text(json.dumps({"format": 1, "entries": [
+        {"spec_hash": spec_hash(SPEC), "num_sms": 132, "batch": 4, "triton_us": times[0], "megakernel_us": times[1]}]}))
+    monkeypatch.setattr(auto, "paths_file", lambda slug: path)
+    model, w = make_model(monkeypatch, "auto")
+    profile_run(model)
+    st = model._mk_state
+    assert st.backend == "auto" and st.decoder.path_for(3) == winner
+    assert model.mk_status()["auto"][3].startswith(f"{winner} (table paths_cpu.json")
+    out, exp = decode_once(model, w, make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1))
+    assert_matches(out[:2], exp[:2], SPEC.torch_dtype, "step")
+    assert model._mk_last_call.backend == winner   # what compute_logits would recompute after a hang
