@@ -25,8 +25,8 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak; the floor every TBT is compared aga
 
 # Modes a child can run in. "stock" is vLLM without the plugin (VLLM_PLUGINS=""); "mk-stock" loads
 # the plugin with MK_MODE=stock (our class, stock path: shows the wrapper costs nothing).
-MODES = ("stock", "mk-stock", "triton", "megakernel")
-PLUGIN_MODES = ("triton", "megakernel")
+MODES = ("stock", "mk-stock", "triton", "megakernel", "auto")
+PLUGIN_MODES = ("triton", "megakernel", "auto")
 RUNNERS = ("default", "v1", "v2")
 
 

@@ -234,7 +234,7 @@ class _Launched(Exception):
 @pytest.mark.parametrize("arg", ["hidden", "out", "block_table"])
 def test_decode_step_validates_before_launching(arg, monkeypatch):
     import importlib
-    ds = importlib.import_module("mk_plugin.triton_ops.decode_step")  # the package re-exports the function
+    ds = importlib.import_module("mk_plugin.triton_ops.step_ops")  # the op table decode_step chains
 
     def launched(*a, **k):
         raise _Launched("a kernel was launched before the inputs were validated")

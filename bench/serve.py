@@ -1,0 +1,242 @@
+"""The real client: `vllm serve` (the OpenAI server, as users run it) driven by `vllm bench serve`, for
+stock vLLM and each plugin mode, at several concurrencies; TPOT / ITL / TTFT / throughput per (model,
+mode, concurrency) as a markdown table, a plot and rows of bench/results/serve.csv.
+
+    python bench/serve.py [--models llama-3.2-1b,llama-3.1-8b] [--modes triton,megakernel,auto]
+                          [--concurrency 1,4,8,16] [--input-len 512] [--output-len 128] [--prompts 64]
+    python bench/serve.py --dry-run        # CPU: fake results through the table/CSV/plot code
+
+The served folder is a copy of bench/models/<model> (config only; --load-format dummy weights) with a
+generated word-level tokenizer (token i is the word "w<i>", ids 0-2 the special tokens): no hub access, and the random dataset of
+`vllm bench serve` round-trips through it. Each mode gets a fresh server (stock: VLLM_PLUGINS=""; the
+plugin modes: MK_MODE), identical engine arguments, one greedy completion checked to return tokens
+before the benchmark, and a server log that must hold no Python traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py
+
+CSV_HEADER = ("date", "gpu", "commit", "vllm", "shape", "mode", "concurrency", "input_len", "output_len", "prompts",
+              "median_tpot_ms", "median_itl_ms", "median_ttft_ms", "output_tok_s", "completed")
+METRICS = ("median_tpot_ms", "median_itl_ms", "median_ttft_ms", "output_throughput", "completed")
+
+
+def make_served_folder(model: Path, where: Path) -> Path:
+    """model's config.json plus a word-level tokenizer over its whole vocabulary ("<unk>", "<s>", "</s>",
+    "w3" .. "w<V-1>", whitespace pre-tokenizer), saved the way transformers' AutoTokenizer loads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = common.load_hf_config(model)
+    out = where / model.name
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model / "config.json", out / "config.json")
+    # ids 0..2 are the special tokens, named so that no word contains them (an added token "w1" would
+    # also match inside "w11")
+    vocab = {f"w{i}": i for i in range(int(cfg["vocab_size"]))} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3):
+        del vocab[f"w{i}"]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
+    fast.save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_cmd(folder: Path, port: int, args: argparse.Namespace) -> list[str]:
+    return ["vllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy",
+            "--max-model-len", str(common.max_model_len_for(args.input_len, args.output_len)),
+            "--gpu-memory-utilization", str(args.gpu_mem), "--max-num-seqs", str(max(args.concurrency_list)),
+            "--seed", "0", "--disable-log-requests"]
+
+
+def bench_cmd(folder: Path, port: int, conc: int, args: argparse.Namespace, result_dir: Path, name: str) -> list[str]:
+    return ["vllm", "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+            "--endpoint", "/v1/completions", "--model", str(folder), "--tokenizer", str(folder),
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(max(args.prompts, 2 * conc)),
+            "--max-concurrency", str(conc), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s")
+
+
+def greedy_completion(port: int, folder: Path) -> list[str]:
+    """One greedy completion through the server: it must return tokens."""
+    body = json.dumps({"model": str(folder), "prompt": "w11 w12 w13 w14", "max_tokens": 8, "temperature": 0.0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = json.loads(r.read())["choices"][0]["text"]
+    words = text.split()
+    if not words:
+        raise RuntimeError(f"the greedy completion returned no tokens: {text!r}")
+    return words
+
+
+def log_traceback(log: Path) -> str | None:
+    text = log.read_text(errors="replace")
+    i = text.find("Traceback (most recent call last)")
+    return None if i < 0 else text[i: i + 2000]
+
+
+def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, stamp: str) -> dict[int, dict]:
+    """Start a server in `mode`, check it, run the benchmark per concurrency; {concurrency: metrics}."""
+    port = free_port()
+    log = outdir / "logs" / f"serve_{stamp}_{folder.name}_{mode}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = common.child_env(mode, args.runner, mk_env=args.mk_env)
+    res: dict[int, dict] = {}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(server_cmd(folder, port, args), env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(port, proc, args.timeout)
+            print(f"[serve] {folder.name} {mode}: greedy completion {greedy_completion(port, folder)[:4]}", flush=True)
+            for conc in args.concurrency_list:
+                name = f"serve_{stamp}_{folder.name}_{mode}_c{conc}.json"
+                r = subprocess.run(bench_cmd(folder, port, conc, args, outdir / "logs", name), env=env,
+                                   capture_output=True, text=True, timeout=args.timeout, check=False)
+                if r.returncode != 0:
+                    raise RuntimeError(f"vllm bench serve (concurrency {conc}) failed:\n{r.stderr[-3000:]}")
+                got = json.loads((outdir / "logs" / name).read_text())
+                res[conc] = {k: got[k] for k in METRICS}
+                print(f"[serve]   concurrency {conc}: TPOT {got['median_tpot_ms']:.2f} ms, "
+                      f"{got['output_throughput']:.0f} tok/s", flush=True)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    tb = log_traceback(log)
+    if tb:
+        raise RuntimeError(f"the {mode} server logged a traceback ({log}):\n{tb}")
+    return res
+
+
+def fake_mode(mode: str, concs: list[int]) -> dict[int, dict]:
+    base = {"stock": 5.0, "triton": 4.8, "megakernel": 4.6, "auto": 4.8, "mk-stock": 5.0}[mode]
+    return {c: {"median_tpot_ms": base + 0.05 * c, "median_itl_ms": base + 0.04 * c, "median_ttft_ms": 30.0 + c,
+                "output_throughput": 1000.0 * c / (base + 0.05 * c), "completed": 64} for c in concs}
+
+
+def render(results: dict[tuple[str, str], dict[int, dict]], modes: list[str], concs: list[int], meta: dict) -> str:
+    head = (f"# vllm serve + vllm bench serve ({meta['gpu']}, commit {meta['commit']}, vLLM {meta['vllm']})\n\n"
+            f"random dataset, {meta['input']} in / {meta['output']} out, --ignore-eos, dummy weights; median TPOT ms "
+            "(output tok/s); the plugin columns' ratio is against stock at the same concurrency.\n\n")
+    allm = ["stock"] + modes
+    rows = []
+    for shape in dict.fromkeys(s for s, _ in results):
+        for c in concs:
+            st = results.get((shape, "stock"), {}).get(c)
+            cells = []
+            for m in allm:
+                r = results.get((shape, m), {}).get(c)
+                if r is None:
+                    cells.append("n/a")
+                    continue
+                ratio = "" if m == "stock" or st is None else f", {r['median_tpot_ms'] / st['median_tpot_ms']:.2f}x"
+                cells.append(f"{r['median_tpot_ms']:.2f} ({r['output_throughput']:.0f} tok/s{ratio})")
+            rows.append([shape, c] + cells)
+    return head + common.markdown_table(["model", "concurrency"] + [f"{m} TPOT" for m in allm], rows) + "\n"
+
+
+def plot(results: dict[tuple[str, str], dict[int, dict]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (shape, mode), per in results.items():
+        cs = sorted(per)
+        ax.plot(cs, [per[c]["median_tpot_ms"] for c in cs], marker="o", label=f"{shape} {mode}")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("median TPOT (ms)")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
+    ap.add_argument("--modes", default="triton,megakernel,auto", help=f"plugin modes besides stock: {common.MODES[1:]}")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=64, help="requests per concurrency (at least 2x the concurrency)")
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--runner", choices=common.RUNNERS, default="default")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for a server start or one benchmark")
+    ap.add_argument("--outdir", type=Path, default=common.RESULTS)
+    ap.add_argument("--dry-run", action="store_true")
+    common.add_mk_env_arg(ap)
+    args = ap.parse_args(argv)
+    args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m and m != "stock"]
+    bad = [m for m in modes if m not in common.MODES]
+    if bad or not args.concurrency_list or min(args.concurrency_list) < 1:
+        ap.error(f"modes {bad} not in {common.MODES[1:]}, or no valid --concurrency")
+    meta = {"date": common.today(), "commit": common.git_commit(), "gpu": "dry-run" if args.dry_run else common.gpu_name(),
+            "vllm": common.vllm_version(), "input": args.input_len, "output": args.output_len}
+    stamp = common.run_stamp() + ("_dryrun" if args.dry_run else "")
+    results: dict[tuple[str, str], dict[int, dict]] = {}
+    csv_rows = []
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"mk_serve_{stamp}"
+    for name in [m for m in args.models.split(",") if m]:
+        mdir = common.model_dir(name)
+        folder = mdir if args.dry_run else make_served_folder(mdir, work)
+        for mode in ["stock"] + modes:
+            per = fake_mode(mode, args.concurrency_list) if args.dry_run else run_mode(folder, mode, args, args.outdir,
+                                                                                       stamp)
+            results[(mdir.name, mode)] = per
+            for c, r in per.items():
+                csv_rows.append((meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, mode, c,
+                                 args.input_len, args.output_len, args.prompts, f"{r['median_tpot_ms']:.3f}",
+                                 f"{r['median_itl_ms']:.3f}", f"{r['median_ttft_ms']:.1f}",
+                                 f"{r['output_throughput']:.1f}", r["completed"]))
+    common.append_csv(args.outdir / ("serve_dryrun.csv" if args.dry_run else "serve.csv"), CSV_HEADER, csv_rows)
+    common.write_record(args.outdir, f"serve_{stamp}.md", render(results, modes, args.concurrency_list, meta))
+    png = plot(results, args.outdir / f"serve_{stamp}.png")
+    print(f"plot: {png}" if png else "plot: matplotlib not importable")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""bench/serve.py on a CPU: the generated tokenizer of the served folder, the commands it runs, and a
+dry run through the table/CSV/plot code (the servers themselves need a GPU)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import serve
+
+MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
+
+
+def test_served_folder_has_a_word_level_tokenizer_over_the_whole_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = serve.make_served_folder(MODELS / "llama-3.2-1b-1layer", tmp_path)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok.encode("w11 w12 w128255", add_special_tokens=False)
+    assert ids == [11, 12, 128255] and tok.decode(ids) == "w11 w12 w128255"
+    assert (folder / "config.json").read_text() == (MODELS / "llama-3.2-1b-1layer" / "config.json").read_text()
+
+
+def test_commands_carry_the_engine_and_benchmark_settings(tmp_path):
+    a = argparse.Namespace(input_len=512, output_len=128, gpu_mem=0.8, concurrency_list=[1, 8], prompts=4)
+    s = serve.server_cmd(tmp_path, 8123, a)
+    assert s[:3] == ["vllm", "serve", str(tmp_path)] and "dummy" in s and s[s.index("--max-num-seqs") + 1] == "8"
+    b = serve.bench_cmd(tmp_path, 8123, 8, a, tmp_path, "r.json")
+    assert "--ignore-eos" in b and b[b.index("--max-concurrency") + 1] == "8"
+    assert b[b.index("--num-prompts") + 1] == "16" and b[b.index("--dataset-name") + 1] == "random"
+
+
+def test_traceback_in_a_server_log_is_found(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text("INFO ok\nTraceback (most recent call last):\n  File x\nValueError: boom\n")
+    assert "ValueError: boom" in serve.log_traceback(log)
+    log.write_text("INFO ok\n")
+    assert serve.log_traceback(log) is None
+
+
+def test_dry_run_writes_every_model_mode_and_concurrency(tmp_path):
+    assert serve.main(["--dry-run", "--models", "llama-3.2-1b-1layer", "--modes", "triton,auto", "--concurrency",
+                       "1,8", "--outdir", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "serve_dryrun.csv").read_text().splitlines()))
+    assert {(r["mode"], r["concurrency"]) for r in rows} == {(m, c) for m in ("stock", "triton", "auto")
+                                                            for c in ("1", "8")}
+    md = next(tmp_path.glob("serve_*_dryrun.md")).read_text()
+    assert "| llama-3.2-1b-1layer | 8 |" in md and "x)" in md
