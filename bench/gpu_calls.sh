@@ -56,5 +56,8 @@ case $n in
      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
      timeout 500 python3 bench/profile_ops.py --batch 1 8 16 --outdir "$out" 2>&1 | tail -30 ;;
+  9) vllm_env   # issue 12: the real client, 1B then 8B (one server per mode; ~8 min for both)
+     timeout 560 python3 bench/serve.py --models llama-3.2-1b,llama-3.1-8b --modes triton,megakernel,auto \
+       --concurrency 1,8,16 --prompts 48 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20 ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -62,15 +62,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# `vllm` without its console script (the GPU host's vLLM is a site tree on PYTHONPATH)
+VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
 def server_cmd(folder: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return ["vllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy",
+    return [*VLLM_CLI, "serve", str(folder), "--port", str(port), "--load-format", "dummy",
             "--max-model-len", str(common.max_model_len_for(args.input_len, args.output_len)),
             "--gpu-memory-utilization", str(args.gpu_mem), "--max-num-seqs", str(max(args.concurrency_list)),
             "--seed", "0", "--disable-log-requests"]
 
 
 def bench_cmd(folder: Path, port: int, conc: int, args: argparse.Namespace, result_dir: Path, name: str) -> list[str]:
-    return ["vllm", "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+    return [*VLLM_CLI, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
             "--endpoint", "/v1/completions", "--model", str(folder), "--tokenizer", str(folder),
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(max(args.prompts, 2 * conc)),
