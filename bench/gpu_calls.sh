@@ -59,5 +59,7 @@ case $n in
   9) vllm_env   # issue 12: the real client, 1B then 8B (one server per mode; ~8 min for both)
      timeout 560 python3 bench/serve.py --models llama-3.2-1b,llama-3.1-8b --modes triton,megakernel,auto \
        --concurrency 1,8,16 --prompts 48 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20 ;;
+  10) vllm_env  # issue 13 part (c): both paths against the fp32 truth, 1B (8B: its own call)
+     timeout 580 python3 bench/vllm_correctness.py --parts c --mode megakernel --outdir "$out" 2>&1 | quiet 14 ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

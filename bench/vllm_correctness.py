@@ -27,6 +27,15 @@ Each engine runs in its own child process; stock and plugin children get identic
     export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
     python bench/vllm_correctness.py                         # 1B, parts a and b, MK_MODE=triton
     python bench/vllm_correctness.py --models llama-3.1-8b --parts b --runner v1
+    python bench/vllm_correctness.py --parts c --mode megakernel   # (c): both paths against the fp32 truth
+
+(c) the fp32 truth (issue 13): the seeded checkpoint, teacher-forced along one sequence (batch 1, and
+    batch 4 whose prompts are prefixes of it, so every request's context crosses block boundaries),
+    eager, through stock (the plugin's class on vLLM's forward: the dump hook lives there) and --mode;
+    every dumped step is compared with bench/fp32_truth.py's fp32 reference of the same weights and
+    tokens: relative logit error, KL(fp32 || path), fp32-argmax agreement where the truth's top-2 gap is
+    above bf16 resolution. A plugin path passes when its median and p99 error are <= 1.1x stock's and
+    its agreement is >= stock's - 0.5 points.
 """
 from __future__ import annotations
 
@@ -54,6 +63,9 @@ DEFAULT_WEIGHTS_DIR = Path(tempfile.gettempdir()) / "mk_correctness_weights"  # 
 
 # ---- children --------------------------------------------------------------------------------------
 def child_main(p: dict[str, Any]) -> None:
+    if p["part"] == "truth":
+        truth_child(p)
+        return
     import torch
     from vllm import LLM, SamplingParams
 
@@ -64,10 +76,11 @@ def child_main(p: dict[str, Any]) -> None:
         args["load_format"] = "dummy"
     llm = LLM(**args)
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "engine_args": args}
-    if p["part"] == "a":
+    if p["part"] in ("a", "c"):
         sp = SamplingParams(max_tokens=p["max_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
-        o = llm.generate([{"prompt_token_ids": p["prompt"]}], sp, use_tqdm=False)[0]
-        out["tokens"] = list(o.outputs[0].token_ids)
+        outs = llm.generate([{"prompt_token_ids": q} for q in p.get("prompts", [p.get("prompt")])], sp, use_tqdm=False)
+        out["tokens"] = list(outs[0].outputs[0].token_ids)
+        out["all_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     else:
         sp = SamplingParams(max_tokens=p["max_tokens"], ignore_eos=True, temperature=0.0, logprobs=2,
                             detokenize=False)
@@ -303,6 +316,87 @@ def part_b(mdir: Path, a: argparse.Namespace, shim: Path | None) -> tuple[list, 
     return rows, ok
 
 
+# ---- (c): every step against the fp32 truth (bench/fp32_truth.py) -------------------------------------
+def load_dump_samples(d: Path, lo: int, hi: int) -> list[tuple[int, Any]]:
+    """(seq_len, fp32 logits) of every request row of every dumped step with lo <= seq_len <= hi."""
+    import torch
+
+    out = []
+    for f in sorted(d.glob("logits_*.pt")):
+        rec = torch.load(f)
+        out += [(n, rec["logits"][r]) for r, n in enumerate(rec["seq_lens"]) if lo <= n <= hi]
+    return out
+
+
+def truth_child(p: dict[str, Any]) -> None:
+    """GPU child without vLLM: the fp32 truth of the forced sequence, then each path's metrics."""
+    import fp32_truth as ft
+    import torch
+
+    from mk_plugin.spec import LlamaSpec
+
+    spec = LlamaSpec.from_hf_config(common.load_hf_config(Path(p["model_dir"])), name="truth")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = ft.load_checkpoint(Path(p["model_dir"]), spec, dev)
+    truth = ft.truth_logits(spec, w, p["tokens"], p["lo"], p["hi"], dev, p["block_size"])
+    res = {}
+    for path, d in p["dumps"].items():
+        samples = load_dump_samples(Path(d), p["lo"], p["hi"])
+        res[path] = ft.summarize([ft.step_metrics(truth[n], lg) for n, lg in samples])
+    common.emit_result({"summaries": res})
+
+
+def part_c(mdir: Path, a: argparse.Namespace, shim: Path | None, work: Path) -> tuple[list, bool]:
+    """Teacher-forced batch 1 and batch 4 (prefixes of one sequence: contexts cross block boundaries)
+    through stock (the plugin's class on vLLM's forward, where the dump hook lives) and --mode; every
+    dumped step against the fp32 truth; the verdict of fp32_truth.verdict."""
+    import fp32_truth as ft
+
+    hf = common.load_hf_config(mdir)
+    wdir = seeded_checkpoint(mdir, a.weights_dir, a.seed)
+    rng = random.Random(a.seed + 2)
+    seq = [rng.randrange(hf["vocab_size"]) for _ in range(a.prompt_c + a.steps_c + 1)]
+    force = work / f"force_{mdir.name}_c.json"
+    force.write_text(json.dumps(seq))
+    rows, ok = [], True
+    for batch in (1, 4):
+        prompts = [seq[: a.prompt_c - d] for d in (0, 13, 29, 46)[:batch]]
+        lo, hi = min(map(len, prompts)) + 1, a.prompt_c + a.steps_c
+        tag = f"{mdir.name}_c_b{batch}"
+        dumps = {m: work / f"dump_{tag}_{m}" for m in ("mk-stock", a.mode)}
+        extra = {m: {"MK_DUMP_LOGITS": str(d), "MK_FORCE_TOKENS": str(force)} for m, d in dumps.items()}
+        payload = {"part": "c", "model_dir": str(wdir), "prompts": prompts, "max_tokens": a.steps_c,
+                   "gpu_mem": a.gpu_mem, "enforce_eager": True, "max_model_len": common.max_model_len_for(hi, 1)}
+        pair = run_pair(tag, payload, ("mk-stock", a.mode), a, shim, extra)
+        if pair is None:
+            rows.append([mdir.name, f"c: batch {batch}", "child failed", "", "", "", "", "FAIL"])
+            ok = False
+            continue
+        truth_payload = {"part": "truth", "model_dir": str(wdir), "tokens": seq, "lo": lo, "hi": hi,
+                         "block_size": 16, "dumps": {m: str(d) for m, d in dumps.items()}}
+        try:
+            summ = common.run_child(Path(__file__), truth_payload, common.child_env("stock", a.runner),
+                                    a.outdir / "logs" / f"correctness_{common.run_stamp()}_{tag}_truth.log",
+                                    a.timeout)["summaries"]
+        except common.ChildFailed as e:
+            print(e, file=sys.stderr)
+            rows.append([mdir.name, f"c: batch {batch}", "truth child failed", "", "", "", "", "FAIL"])
+            ok = False
+            continue
+        good, why = ft.verdict(summ["mk-stock"], summ[a.mode])
+        ok &= good
+        for m in ("mk-stock", a.mode):
+            s = summ[m]
+            rows.append([mdir.name, f"c: batch {batch}, {m}: {s['steps']} steps", f"{s['rel_median']:.3e} / {s['rel_p99']:.3e}",
+                         f"{s['kl_median']:.2e} / {s['kl_p99']:.2e}", f"{s['decided']} decided steps",
+                         f"{s['agree'] * 100:.2f}%", "" if m == "mk-stock" else why,
+                         "" if m == "mk-stock" else ("PASS" if good else "FAIL")])
+        if not a.keep:
+            for d in dumps.values():
+                shutil.rmtree(d, ignore_errors=True)
+    return rows, ok
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama-3.2-1b", help="comma list: llama-3.2-1b, llama-3.1-8b (or 1b, 8b)")
@@ -315,6 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-b", type=int, default=96, help="(b) tokens generated per request")
     p.add_argument("--min-identical", type=int, default=64, help="(b) steps that must agree (near ties excepted)")
     p.add_argument("--prompt-b", type=int, default=128)
+    p.add_argument("--steps-c", type=int, default=1024, help="(c) teacher-forced decode steps per request")
+    p.add_argument("--prompt-c", type=int, default=200, help="(c) the longest prompt (the others 13, 29, 46 shorter)")
     p.add_argument("--eager-b", action="store_true", help="(b) with enforce_eager=True (default: CUDA graphs)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0)
@@ -327,8 +423,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.part_list = [x for x in a.parts.split(",") if x]
-    if set(a.part_list) - {"a", "b"}:
-        p.error("--parts takes a, b or a,b")
+    if set(a.part_list) - {"a", "b", "c"}:
+        p.error("--parts takes a comma list of a, b, c")
     a.a_weight_list = [x for x in a.a_weights.split(",") if x]
     if set(a.a_weight_list) - {"dummy", "random"} or not a.a_weight_list:
         p.error("--a-weights takes dummy, random or dummy,random")
@@ -356,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             r, good = part_b(mdir, a, shim)
             rows += r
             ok &= good
+        if "c" in a.part_list:
+            r, good = part_c(mdir, a, shim, work)
+            rows += r
+            ok &= good
     header = ["model", "check", "a: cosine min / mean; b: steps", "a: top-1 exact; b: first diff",
               "a: ties; b: stock top-2 gap", "a: top-1 incl. ties; b: max logprob diff", "notes", "verdict"]
     table = common.markdown_table(header, rows)
@@ -365,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(a) {'/'.join(a.a_weight_list)} weights, teacher-forced, eager, batch 1: pass = cosine >= {MIN_COSINE} "
             f"every step and top-1 (ties included) >= {MIN_TOP1:.0%}\n(b) seeded N(0, 0.02) weights, greedy, "
             f"{'eager' if a.eager_b else 'CUDA graphs'}: pass = identical for {a.min_identical} steps, or the first "
-            f"difference is a near tie (stock top-2 gap < {TIE_GAP})\n\n{table}\n\nOVERALL: {'PASS' if ok else 'FAIL'}\n")
+            f"difference is a near tie (stock top-2 gap < {TIE_GAP})\n(c) seeded weights, teacher-forced, eager, batch 1 and 4, "
+            f"every step against the fp32 truth (columns: rel logit error median / p99, KL median / p99, decided "
+            f"steps, fp32-argmax agreement): pass = plugin error <= 1.1x stock's, agreement >= stock's - 0.5 points\n\n{table}\n\nOVERALL: {'PASS' if ok else 'FAIL'}\n")
     common.write_record(a.outdir, f"correctness_{common.run_stamp()}_{a.mode}_{a.runner}.md", text)
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
