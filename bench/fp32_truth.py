@@ -111,3 +111,36 @@ def verdict(stock: dict[str, float], plugin: dict[str, float]) -> tuple[bool, st
     if plugin["agree"] < stock["agree"] - AGREE_SLACK:
         bad.append(f"fp32-argmax agreement {plugin['agree']:.1%} < stock's {stock['agree']:.1%} - 0.5 points")
     return (not bad, "; ".join(bad) or "ok")
+
+
+def prefill_logits(spec: Any, w: Any, tokens: list[int], device: str = "cuda") -> torch.Tensor:
+    """fp32 logits after the whole of `tokens` (predicting the next one): one causal forward over the
+    sequence with mk_plugin.reference's ops (its rms_norm, linear, RoPE, silu_and_mul), attention by
+    torch's SDPA with the kv heads repeated. The soak's first differences are judged with this."""
+    from mk_plugin import reference as ref
+
+    n, g = len(tokens), spec.num_q_heads // spec.num_kv_heads
+    pos = torch.arange(n, device=device)
+    cs = ref.rope_cos_sin_cache(spec, n + 1).to(device)
+    h = w.embed[torch.tensor(tokens, device=device)].float()
+    for lw in w.layers:
+        a, _ = ref.rms_norm(h, lw.input_norm, spec.rms_eps)
+        q, k, v = ref.linear(a, lw.qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = ref.apply_rope(q.view(n, spec.num_q_heads, spec.head_dim), pos, cs)
+        k = ref.apply_rope(k.view(n, spec.num_kv_heads, spec.head_dim), pos, cs).repeat_interleave(g, dim=1)
+        v = v.view(n, spec.num_kv_heads, spec.head_dim).repeat_interleave(g, dim=1)
+        att = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                               is_causal=True, scale=spec.head_dim ** -0.5)
+        h = h + ref.linear(att.transpose(0, 1).reshape(n, spec.q_size), lw.o)
+        m, _ = ref.rms_norm(h, lw.post_norm, spec.rms_eps)
+        h = h + ref.linear(ref.silu_and_mul(ref.linear(m, lw.gate_up)), lw.down)
+    hn, _ = ref.rms_norm(h[-1:], w.final_norm, spec.rms_eps)
+    return ref.linear(hn, w.lm_head)[0].double().cpu()
+
+
+def fp32_rule(truth: torch.Tensor, stock_tok: int, plugin_tok: int) -> tuple[bool, float]:
+    """Issue 13's rule for a first difference: a bug only if the plugin's token is further below the fp32
+    best than stock's token by more than bf16 resolution (one bf16 ulp of the best logit). Returns (bug,
+    truth[stock] - truth[plugin]: how much worse the plugin's choice is, in fp32 logits)."""
+    worse = float(truth[stock_tok] - truth[plugin_tok])
+    return worse > bf16_ulp(float(truth.max())), worse

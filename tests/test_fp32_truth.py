@@ -67,3 +67,19 @@ def test_dump_samples_keep_every_request_row(tmp_path):
     torch.save({"seq_lens": [31, 18], "logits": torch.randn(2, 5), "mode": "x"}, tmp_path / "logits_1_000001.pt")
     got = vc.load_dump_samples(tmp_path, 18, 31)
     assert sorted(n for n, _ in got) == [18, 30, 31]
+
+
+def test_prefill_truth_equals_the_step_by_step_truth_and_the_rule(tmp_path):
+    mdir = tmp_path / "tiny"
+    mdir.mkdir()
+    (mdir / "config.json").write_text(json.dumps(HF))
+    spec = LlamaSpec.from_hf_config(HF, name="tiny")
+    w = ft.load_checkpoint(vc.write_random_checkpoint(mdir, tmp_path / "w", seed=4, std=0.02), spec, "cpu")
+    toks = [(11 * i + 5) % 300 for i in range(33)]
+    steps = ft.truth_logits(spec, w, toks, 33, 33, "cpu")[33]
+    assert torch.allclose(ft.prefill_logits(spec, w, toks, "cpu"), steps, rtol=1e-5, atol=1e-5)
+    t = torch.tensor([5.0, 4.99, 3.0])
+    assert ft.fp32_rule(t, 0, 1)[0] is False          # 0.01 below: within one bf16 ulp of 5.0 (0.03125)
+    bug, worse = ft.fp32_rule(t, 0, 2)
+    assert bug and abs(worse - 2.0) < 1e-12
+    assert ft.fp32_rule(t, 2, 0) == (False, -2.0)    # the plugin's token is the better one

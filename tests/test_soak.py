@@ -266,7 +266,8 @@ def test_make_checks_preemption_counter_unavailable_is_not_faked() -> None:
 def test_main_compares_the_engines_and_writes_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The parent end to end with the children replaced: verdicts come from the per-request JSON files
     and the exit status follows them."""
-    args = ["--requests", "30", "--max-prompt", "50", "--max-out", "6", "--mode", "triton", "--outdir", str(tmp_path)]
+    args = ["--requests", "30", "--max-prompt", "50", "--max-out", "6", "--mode", "triton", "--outdir", str(tmp_path),
+            "--no-fp32-rule"]   # the fp32 truth needs a GPU child: test_fp32_rule_rejudges_first_differences
     p = soak.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
     sched = soak.make_schedule(p)
     target = sched[4]
@@ -380,3 +381,29 @@ def test_mk_env_reaches_plugin_children_only_and_is_checked_early() -> None:
         soak.parse_args(["--mk-env", "MK_ROUNDING=exact"])
     assert soak.parse_args(["--mk-env", "MK_ROUNDING=stock"]).mk_env == env
     assert soak.parse_args([]).mk_env == {}
+
+
+def test_fp32_rule_rejudges_first_differences() -> None:
+    p = soak.ScheduleParams(4, VOCAB, 3, 5, 2, 2, 0.0, 0)
+    sched = soak.make_schedule(p)
+    stock = {r.rid: {"tokens": [1, 2], "top2": [], "finished": True} for r in sched}
+    plugin = {r.rid: {"tokens": [1, 9], "top2": [], "finished": True} for r in sched}
+    vs = [soak.Verdict(sched[0].rid, sched[0].prompt_len, 2, "identical"),
+          soak.Verdict(sched[1].rid, sched[1].prompt_len, 2, "BUG", first_diff=1, gap=0.3, note="not a near tie"),
+          soak.Verdict(sched[2].rid, sched[2].prompt_len, 2, "near tie", first_diff=1, gap=0.01),
+          soak.Verdict(sched[3].rid, sched[3].prompt_len, 2, "BUG", note="plugin: not finished")]
+    items = soak.fp32_items(vs, sched, p, stock, plugin)
+    assert [it["rid"] for it in items] == [sched[1].rid, sched[2].rid]
+    assert items[0]["tokens"] == soak.prompt_ids(p, sched[1]) + [1] and (items[0]["stock_tok"], items[0]["plugin_tok"]) == (2, 9)
+    out = soak.apply_fp32_rule(vs, {sched[1].rid: (False, 0.001), sched[2].rid: (True, 0.2)})
+    assert [v.kind for v in out] == ["identical", "fp32 ok", "BUG", "BUG"] and "+0.2000" in out[2].note
+    s = soak.summarize(out)
+    assert len(s["near_ties"]) == 1 and len(s["bugs"]) == 2
+
+
+def test_checks_hold_the_first_difference_rate_to_the_control() -> None:
+    eng = {"triton": engine_result(3, [100.0] * 3, MK_STATUS)}
+    summary = soak.summarize([soak.Verdict(0, 1, 1, "identical"), soak.Verdict(1, 1, 1, "fp32 ok", first_diff=0)])
+    ok = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.4)[0]
+    bad = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.2)[0]
+    assert ok[2] and "vs control 40.00%" in ok[1] and not bad[2]
