@@ -83,6 +83,11 @@ __device__ __forceinline__ float stock_rnd(float x) { return STOCK_ROUNDING ? bi
 // x * rstd under STOCK (its rms_norm kernels compute (scalar_t)(x * rstd) * w).
 __device__ __forceinline__ float norm_elem(float x, float rstd, float w) { return stock_rnd(x * rstd) * w; }
 
+// norm_elem on both 16-bit halves of a packed pair x, with their norm weights w: x' of two columns.
+__device__ __forceinline__ unsigned norm_pair(unsigned x, float rstd, unsigned w) {
+  return pack2(norm_elem(lo_f(x), rstd, lo_f(w)), norm_elem(hi_f(x), rstd, hi_f(w)));
+}
+
 // exp2 on the SFU (ex2.approx(-inf) = +0).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

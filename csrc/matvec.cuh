@@ -212,8 +212,8 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
         v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
         if (norm) {
           const float r = rstd[bi];
-          v0 = pack2(norm_elem(lo_f(v0), r, lo_f(wv[jj][0])), norm_elem(hi_f(v0), r, hi_f(wv[jj][0])));
-          v1 = pack2(norm_elem(lo_f(v1), r, lo_f(wv[jj][1])), norm_elem(hi_f(v1), r, hi_f(wv[jj][1])));
+          v0 = norm_pair(v0, r, wv[jj][0]);
+          v1 = norm_pair(v1, r, wv[jj][1]);
         }
       }
       xb[jj][n][0] = v0;
@@ -301,8 +301,8 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
         v1 = *reinterpret_cast<const unsigned*>(p + 16);
         if (norm) {
           const float r = rstd[bi];
-          v0 = pack2(norm_elem(lo_f(v0), r, lo_f(w0)), norm_elem(hi_f(v0), r, hi_f(w0)));
-          v1 = pack2(norm_elem(lo_f(v1), r, lo_f(w1)), norm_elem(hi_f(v1), r, hi_f(w1)));
+          v0 = norm_pair(v0, r, w0);
+          v1 = norm_pair(v1, r, w1);
         }
       }
       xb[jj][n][0] = v0;
