@@ -39,7 +39,6 @@ from mk_plugin.persistent.tuning import (
     user_cache_file,
 )
 from mk_plugin.spec import LlamaSpec
-from mk_plugin.testing import make_decode_batch
 from mk_plugin.weights import random_weights
 
 
@@ -52,12 +51,8 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
     spec, device, lm_head = dec.spec, dec.device, dec.lm_head
     cuda = device.type == "cuda"
     seq = [args.ctx] * bsz
-    b = make_decode_batch(spec, seq, seed=bsz, num_layers=0)
-    nb = int(b.block_table.max()) + 4
-    caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, device=device).to(spec.torch_dtype)
-              for _ in range(spec.num_layers)]
+    b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, seq, bsz, device)
     pristine = [c.clone() for c in caches]   # every run appends the same K/V: keep the inputs identical
-    pos, sl, bt, slots = (t.to(device) for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
     hidden = w.embed[b.input_ids.to(device)]
     out = torch.empty_like(hidden)
     logits = torch.empty(bsz, spec.vocab_size, device=device) if lm_head else None

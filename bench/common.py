@@ -163,6 +163,24 @@ def median(xs: Iterable[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+# ---- kernel benches (torch is imported inside: this module stays torch-free) ------------------------
+def bench_decode_batch(spec: Any, seq_lens: Sequence[int], seed: int, device: Any, generator: Any = None
+                       ) -> tuple[Any, list[Any], Any, Any, Any, Any]:
+    """A decode batch for the kernel benches (mk_step, autotune, sanitize, profile_ops): the testing
+    batch of seq_lens (its own caches not built), N(0, 1) KV caches in the model dtype with 4 spare
+    blocks, and its positions, seq_lens, block_table and slot_mapping on `device`."""
+    import torch
+
+    from mk_plugin.testing import make_decode_batch
+
+    b = make_decode_batch(spec, list(seq_lens), seed=seed, num_layers=0)
+    nb = int(b.block_table.max()) + 4
+    caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, generator=generator, device=device)
+              .to(spec.torch_dtype) for _ in range(spec.num_layers)]
+    pos, sl, bt, slots = (t.to(device) for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
+    return b, caches, pos, sl, bt, slots
+
+
 # ---- child processes -------------------------------------------------------------------------------
 def plugin_entry_point_installed() -> bool:
     from importlib.metadata import entry_points

@@ -23,7 +23,6 @@ import common  # bench/common.py (git_commit: .commit when newer than HEAD)
 
 from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
-from mk_plugin.testing import make_decode_batch
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
@@ -74,11 +73,7 @@ def main() -> None:
     rows = []
     for bsz in args.batch:
         seq = [args.ctx] * bsz
-        b = make_decode_batch(spec, seq, seed=bsz, num_layers=0)
-        nb = int(b.block_table.max()) + 4
-        caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, device="cuda").to(spec.torch_dtype)
-                  for _ in range(spec.num_layers)]
-        pos, sl, bt, slots = (t.to("cuda") for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
+        b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, seq, bsz, "cuda")
         hidden = w.embed[b.input_ids.to("cuda")]
         out = torch.empty_like(hidden)
         logits = torch.empty(bsz, spec.vocab_size, device="cuda") if args.lm_head else None

@@ -77,14 +77,9 @@ def _batch_calls(spec, w, dec, cs, b: int, ctx: int) -> dict[str, Callable[[], N
     import torch
 
     from mk_plugin import triton_ops as T
-    from mk_plugin.testing import make_decode_batch
 
     lw, dt, eps = w.layers[0], spec.torch_dtype, spec.rms_eps
-    bt = make_decode_batch(spec, [ctx] * b, seed=b, num_layers=0)
-    nb = int(bt.block_table.max()) + 4
-    caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, device="cuda").to(dt)
-              for _ in range(spec.num_layers)]
-    pos, sl, tab, slots = (t.to("cuda") for t in (bt.positions, bt.seq_lens, bt.block_table, bt.slot_mapping))
+    bt, caches, pos, sl, tab, slots = common.bench_decode_batch(spec, [ctx] * b, b, "cuda")
     x = torch.randn(b, spec.hidden_size, device="cuda").to(dt)
     qkv = torch.empty(b, spec.qkv_size, device="cuda", dtype=dt)
     q = torch.empty(b, spec.q_size, device="cuda", dtype=dt)

@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py
+
 from mk_plugin import reference as ref
 from mk_plugin.spec import LlamaSpec
-from mk_plugin.testing import compare, make_decode_batch
+from mk_plugin.testing import compare
 from mk_plugin.weights import random_weights
 
 
@@ -43,12 +46,8 @@ def main() -> int:
     seq = [517 + 61 * i for i in range(args.batch)]
     if args.batch > 1:
         seq[1] = 0  # a padded entry (slot -1, seq_len 0), as in vLLM's CUDA-graph batches
-    b = make_decode_batch(spec, seq, seed=args.batch, num_layers=0)
-    nb = int(b.block_table.max()) + 4
     g = torch.Generator("cuda").manual_seed(7)
-    caches = [torch.randn(nb, 2, 16, spec.num_kv_heads, spec.head_dim, generator=g, device="cuda").to(spec.torch_dtype)
-              for _ in range(spec.num_layers)]
-    pos, sl, bt, slots = (t.to("cuda") for t in (b.positions, b.seq_lens, b.block_table, b.slot_mapping))
+    b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, seq, args.batch, "cuda", generator=g)
     cs = ref.rope_cos_sin_cache(spec, max(seq) + 16).to("cuda")
     hidden = w.embed[b.input_ids.to("cuda")]
 
