@@ -92,7 +92,7 @@ def _fallback_ops(text: str) -> frozenset[str]:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    _fallback_ops(args.fallback)  # a bad op name fails before any work
+    fallback = _fallback_ops(args.fallback)  # a bad op name fails before any work
     from . import triton_ops as T
     from .triton_ops.linear import linear_bytes
     from .triton_ops.paged_attention import paged_attention_bytes, paged_attention_num_splits
@@ -221,7 +221,7 @@ def run_check(args: argparse.Namespace) -> int:
         tab.add("decode_step logits vs pure fp32 ref (drift)", f"{b} tok, {layers} layers", res, whole_step,
                 step_bytes)
     if args.mode in ("both", "megakernel"):
-        _megakernel_rows(tab, args, spec_l, w, batch, cos_sin, logits_r, logits_f, caches_r, kind, step_bytes)
+        _megakernel_rows(tab, fallback, spec_l, w, batch, cos_sin, logits_r, logits_f, caches_r, kind, step_bytes)
     tab.print()
     if tab.timing:
         print("time = median of CUDA-graph replays (no launch gaps; linear/lm_head rotate weight copies past L2); "
@@ -231,7 +231,7 @@ def run_check(args: argparse.Namespace) -> int:
     return 0 if tab.ok else 1
 
 
-def _megakernel_rows(tab: Table, args: argparse.Namespace, spec: LlamaSpec, w: ModelWeights, batch, cos_sin,
+def _megakernel_rows(tab: Table, fallback: frozenset[str], spec: LlamaSpec, w: ModelWeights, batch, cos_sin,
                      logits_r: torch.Tensor, logits_f: torch.Tensor, caches_r: list[torch.Tensor], kind: str,
                      step_bytes: int) -> None:
     """The whole step through the megakernel (the CUDA kernel on a GPU, its CPU interpreter otherwise),
@@ -239,7 +239,6 @@ def _megakernel_rows(tab: Table, args: argparse.Namespace, spec: LlamaSpec, w: M
     reference's. A megakernel that cannot be built is a FAIL row, never a silent skip."""
     from .persistent.backend import MegakernelDecoder
 
-    fallback = _fallback_ops(args.fallback)
     cuda = torch.cuda.is_available()
     executor = "cuda" if cuda else "vm"
     b, dt = batch.input_ids.shape[0], spec.torch_dtype

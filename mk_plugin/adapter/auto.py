@@ -55,8 +55,8 @@ def choose(max_tokens: int, table: dict[int, tuple[float, float]], table_name: s
                 t = measure(b)
                 known[b] = (t, f"measured here: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us")
     choice, source = {}, {}
+    keys = sorted(known)
     for b in range(1, max_tokens + 1):
-        keys = sorted(known)
         k = next((x for x in keys if x >= b), keys[-1] if keys else None)
         if k is None:
             choice[b], source[b] = "triton", "no measurement (not on a CUDA device): the verified default"

@@ -67,7 +67,7 @@ class HangMixin:
         except ValueError as e:
             raise RuntimeError(f"mk_plugin: {hang}; the Triton decode path cannot take over ({e})") from hang
         self._mk_hang, self._mk_megakernel = hang, mk
-        st.decoder, st.workspace = TritonDecoder(st.spec, st.weights, ws), ws
+        st.decoder = TritonDecoder(st.spec, st.weights, ws)
         self._mk_log.warn("megakernel_hang", f"{hang}. The megakernel is disabled for the rest of this run: decode "
                           "steps use the Triton path (replays of captured graphs are recomputed with it in "
                           "compute_logits). Steps computed between the hang and now returned invalid results.")

@@ -47,7 +47,6 @@ class DecodeState:
     max_tokens: int
     block_size: int
     capacity_tokens: int           # max_blocks_per_seq * block_size the workspace was sized for
-    workspace: Any                 # triton_ops.DecodeWorkspace (None on the megakernel path)
     embed_buf: Any                 # [max_tokens, H]: the embedded input of a step
     out_buf: Any                   # [max_tokens, H]: the final-normed hidden states returned
     decoder: Decoder               # TritonDecoder or MegakernelDecoder (mk_plugin.decoding)
@@ -55,8 +54,15 @@ class DecodeState:
 
     @property
     def backend(self) -> str:
-        """"triton" | "megakernel": the decode path in use."""
+        """"triton" | "megakernel" | "auto": the decode path in use."""
         return self.decoder.backend
+
+    @property
+    def workspace(self) -> Any:
+        """The Triton path's DecodeWorkspace (its decoder's, or auto's Triton decoder's); None when the
+        decode path is the megakernel alone."""
+        dec = getattr(self.decoder, "triton", self.decoder)
+        return getattr(dec, "workspace", None)
 
 
 @dataclass
@@ -174,7 +180,6 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     out_buf = torch.zeros(max_tokens, spec.hidden_size, dtype=spec.torch_dtype, device=device)
 
     decoder: Decoder | None = None
-    workspace = None
     mk = None
     if cfg.mode in ("megakernel", "auto"):
         try:
@@ -207,7 +212,7 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
                   "use enforce_eager=True (CUDA-graph replays are skipped)")
     return DecodeState(spec=spec, weights=weights, cos_sin=cos_sin, attn_layers=attn_layers,
                        layer_name=attn_layers[0].layer_name, max_tokens=max_tokens, block_size=block_size,
-                       capacity_tokens=max_blocks * block_size, workspace=workspace, embed_buf=embed_buf,
+                       capacity_tokens=max_blocks * block_size, embed_buf=embed_buf,
                        out_buf=out_buf, decoder=decoder)
 
 
