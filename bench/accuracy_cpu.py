@@ -62,7 +62,7 @@ from mk_plugin.persistent import vm
 from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
-from mk_plugin.testing import make_decode_batch, rel_fro
+from mk_plugin.testing import bf16_ulp, make_decode_batch, rel_fro
 from mk_plugin.triton_ops.paged_attention import choose_num_splits, tile_tokens
 from mk_plugin.weights import LayerWeights, ModelWeights
 
@@ -238,10 +238,6 @@ def run_case(c: Case, spec: LlamaSpec, w: ModelWeights, w32: ModelWeights, progr
                      c.block_table, c.seq_lens, c.slots, cs, rounding=rounding)
         out[name], hid[name], secs[name] = st.bufs[Buf.LOGITS][0].clone(), st.bufs[Buf.OUT][0].float(), time.time() - t
     return {"logits": out, "hidden": hid, "secs": secs}
-
-
-def bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0 ** -133
 
 
 def case_metrics(label: str, r: dict) -> dict:

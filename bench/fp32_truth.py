@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
+from mk_plugin.testing import bf16_ulp
+
 ERR_RATIO = 1.1        # plugin error (median and p99) may be at most this times stock's
 AGREE_SLACK = 0.005    # plugin fp32-argmax agreement may be at most this below stock's
-
-
-def bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0 ** -133
 
 
 def load_checkpoint(wdir: Path, spec: Any, device: str = "cuda") -> Any:

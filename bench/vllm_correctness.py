@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import random
 import shutil
 import sys
@@ -53,6 +52,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+
+from mk_plugin.testing import bf16_ulp
 
 TIE_GAP = 0.05          # (b): a divergence is acceptable only where stock's top-2 gap is below this
 MIN_COSINE = 0.999      # (a): per decode step, full vocabulary
@@ -171,10 +172,6 @@ def load_dumps(d: Path, prompt_len: int, last: int) -> dict[int, Any]:
         if len(lens) == 1 and prompt_len <= lens[0] <= last:
             by_len[lens[0]] = rec["logits"][0].double()
     return by_len
-
-
-def bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0 ** -133
 
 
 def compare_logits(stock: dict[int, Any], plugin: dict[int, Any], lens: list[int], tie_abs: float = 0.0

@@ -1,6 +1,7 @@
 """Shared by tests, `python -m mk_plugin check` and bench: the tolerance table and batch builders."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,12 @@ TOLERANCES: dict[torch.dtype, dict[str, Tol]] = {
 
 def tolerance(dtype: torch.dtype, kind: str = "op") -> Tol:
     return TOLERANCES[dtype][kind]
+
+
+def bf16_ulp(x: float) -> float:
+    """One unit in the last place of bf16 at x (8 significant bits): the resolution below which two
+    bf16 logits are a tie."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0 ** -133
 
 
 def rel_fro(actual: torch.Tensor, expected: torch.Tensor) -> float:
