@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -141,7 +140,7 @@ def bound_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
         ms = r["tbt"].get(m)
         if not busy or ms is None:
             return "n/a"
-        b = statistics.median(busy)
+        b = common.median(busy)
         return f"{ms:.3f} / {b:.3f} ({'GPU' if b >= 0.9 * ms else 'host'}-bound)"
     body = [[r["shape"], r["batch"], r["prompt"]] + [cell(r, m) for m in allm] for r in rows if r.get("busy")]
     return ("\nTBT vs GPU busy per step (ms, profiled run of each engine at the first prompt length; "
@@ -384,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms = got["tbt_ms"]
                     r = rows[(mdir.name, prompt, b)]
                     r.setdefault("rounds", {}).setdefault(mode, []).append(ms)
-                    r["tbt"][mode] = statistics.median(r["rounds"][mode])
+                    r["tbt"][mode] = common.median(r["rounds"][mode])
                     r.setdefault("runs", {}).setdefault(mode, []).extend(got["runs_ms"])
                     csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
