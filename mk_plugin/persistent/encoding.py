@@ -303,21 +303,20 @@ class KernelVariant:
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG; a "-D"
         prefix is allowed. Anything else is a ValueError naming it and the supported names."""
+        fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag"}
         kw: dict[str, object] = {}
         for item in items:
             name, sep, raw = item.removeprefix("-D").partition("=")
             if not sep:
                 raise ValueError(f"kernel variant {item!r} must look like NAME=VALUE")
+            if name not in fields:
+                raise ValueError(f"unknown kernel variant {name!r}; supported: {', '.join(fields)}")
             try:
                 if name == "MK_ROUNDING":
-                    kw["rounding"] = Rounding[raw.upper()] if not raw.isdigit() else Rounding(int(raw))
-                elif name in ("MK_NUM_STAGES", "MK_DIAG"):
-                    kw["num_stages" if name == "MK_NUM_STAGES" else "diag"] = int(raw, 0)
+                    kw["rounding"] = Rounding(int(raw)) if raw.isdigit() else Rounding[raw.upper()]
                 else:
-                    raise ValueError(f"unknown kernel variant {name!r}; supported: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG")
-            except (KeyError, ValueError) as e:
-                if "unknown kernel variant" in str(e):
-                    raise
+                    kw[fields[name]] = int(raw, 0)
+            except (KeyError, ValueError):
                 raise ValueError(f"{item}: bad value {raw!r} for {name}") from None
         return cls(**kw)  # type: ignore[arg-type]
 
