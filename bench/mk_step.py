@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="kernel variant (encoding.KernelVariant: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG) for A/B runs; repeatable")
+    ap.add_argument("--stages", type=int, default=0, metavar="N",
+                    help="ring depth N (4, 5, 6) for every batch size instead of each batch's default or tuned one "
+                         "(an A/B experiment: rows are not appended to --csv)")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     ap.add_argument("--records-dir", type=Path, default=None,
@@ -67,8 +70,14 @@ def main() -> None:
     variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
     defines = variant.defines()
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
+    tuning = cfg.tuning
+    if args.stages:
+        from mk_plugin.persistent.tuning import ScheduleTuning
+        forced = ScheduleTuning(num_stages=args.stages)   # validates N
+        tuning = {b: forced for b in range(1, max(args.batch) + 1)}
+        defines = (*defines, f"stages={args.stages}")     # an A/B row: printed, not appended
     dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, variant=variant,
-                            tuning=cfg.tuning, watchdog_ms=cfg.watchdog_ms)
+                            tuning=tuning, watchdog_ms=cfg.watchdog_ms)
     dec.prepare(args.batch)
     rows = []
     for bsz in args.batch:
@@ -85,7 +94,8 @@ def main() -> None:
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
         if args.trace:
             tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, variant=variant,
-                                     tuning=cfg.tuning, watchdog_ms=cfg.watchdog_ms)
+                                     tuning=tuning if not args.stages else {b: tuning[b] for b in range(1, bsz + 1)},
+                                     watchdog_ms=cfg.watchdog_ms)
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
             torch.cuda.synchronize()
@@ -93,7 +103,7 @@ def main() -> None:
             print(f"\n[batch {bsz}] traced step: {mktrace.step_span_ns(recs) / 1e3:.1f} us over {len(recs)} tasks\n"
                   + mktrace.op_table_markdown(mktrace.op_table(recs)))
             if args.records_dir is not None:
-                tag = "_".join(d[2:].replace("=", "") for d in defines) or "default"
+                tag = "_".join(d.removeprefix("-D").replace("=", "") for d in defines) or "default"
                 meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),
                                             gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
                 path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json"
