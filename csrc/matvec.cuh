@@ -84,14 +84,9 @@ __device__ __forceinline__ const elem_t* chunk_row(const elem_t* w, int K, int o
 
 __device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 : 2; }
 
-// Chunk columns and shared-memory row stride for NT batch n-tiles. NT = 2 (9..16 tokens) takes
-// full-width chunks when the scratch holds two column groups of 16 rows x CHUNK_COLS (a ring of 5
-// stages or fewer: encoding.default_num_stages picks 5 for those batch sizes), else half-width ones
-// (the 6-stage scratch holds only two 16-row groups of CHUNK_COLS / 2). Half-width chunks doubled the
-// per-chunk and per-group cost and left half of every ring slot empty (bench/NOTES.md session 6).
-__host__ __device__ constexpr int chunk_cols_for(int nt) {
-  return nt == 1 || 2 * (16 * CHUNK_COLS * 2) <= UNION_BYTES ? CHUNK_COLS : CHUNK_COLS / 2;
-}
+// Chunk columns and shared-memory row stride for NT batch n-tiles: NT = 2 halves the chunk so the
+// per-warp activation fragments (two column groups in flight) fit the register budget.
+__host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / nt; }
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
@@ -179,17 +174,14 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
                                                 int nt, int lane, const float (&v)[4], const float (&vu)[4]);
 
 // ---- Column-group staging: activations that do not fit the scratch whole ---------------------
-// x[:, k0 : k0 + KC] of one column group lands in one of two group buffers (group_bytes_for) at the start of the
+// x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
 // scratch through cp.async (16-byte copies, L2: the data was written during this launch), group
 // g + 1 in flight while group g computes, so the L2 round trip overlaps the ring waits and MMAs
 // instead of preceding them (the per-warp fragment loads this replaces cost one exposed round trip per
 // group: ~0.7 ms of a batch-8 1B step, bench/NOTES.md session 5). Rows are KC * 2 bytes with their
 // 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
-// Bytes of one column-group buffer: 8 * NT rows x KC columns (NT=1: 16 KB; NT=2: 32 KB, or 16 KB
-// with half-width chunks).
-__host__ __device__ constexpr int group_bytes_for(int nt) { return nt * 8 * chunk_cols_for(nt) * 2; }
-static_assert(2 * group_bytes_for(1) <= UNION_BYTES && 2 * group_bytes_for(2) <= UNION_BYTES,
-              "two column-group buffers in the scratch");
+constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x KC=1024 (NT=1) or 16 rows x KC=512 (NT=2)
+static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
 
 __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
   const int upr = KC / 8;                      // 16-byte units per row
@@ -201,32 +193,8 @@ __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, 
   cp_async_commit();
 }
 
-// B fragments of k-step j (16 columns of the group) from a staged group; w0/w1: the norm weights of
-// the same columns (norm-fused ops), loaded by the caller; zeros past nsteps or the batch.
-template <int NT>
-__device__ __forceinline__ void group_frag(unsigned (&xb)[NT][2], const unsigned char* gb, unsigned w0, unsigned w1,
-                                           bool norm, const float* rstd, int KC, int j, bool in_range, int B,
-                                           int lane) {
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int bi = n * 8 + (lane >> 2);
-    unsigned v0 = 0, v1 = 0;
-    if (in_range && bi < B) {
-      const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
-      v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
-      v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
-      if (norm) {
-        const float r = rstd[bi];
-        v0 = norm_pair(v0, r, w0);
-        v1 = norm_pair(v1, r, w1);
-      }
-    }
-    xb[n][0] = v0;
-    xb[n][1] = v1;
-  }
-}
-
-// The same for this warp's k-steps j = warp + 8*jj (nsteps 16-column steps in the group).
+// B fragments of this warp's k-steps j = warp + 8*jj (nsteps 16-column steps in the group) from a
+// staged group; wv: the norm weights of the same columns (norm-fused ops), loaded by the caller.
 template <int NT, int JMAX>
 __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* gb,
                                             const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int KC,
@@ -234,7 +202,23 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
 #pragma unroll
   for (int jj = 0; jj < JMAX; ++jj) {
     const int j = warp + jj * CONSUMER_WARPS;
-    group_frag<NT>(xb[jj], gb, wv[jj][0], wv[jj][1], norm, rstd, KC, j, j < nsteps, B, lane);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int bi = n * 8 + (lane >> 2);
+      unsigned v0 = 0, v1 = 0;
+      if (j < nsteps && bi < B) {
+        const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
+        v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
+        v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
+        if (norm) {
+          const float r = rstd[bi];
+          v0 = norm_pair(v0, r, wv[jj][0]);
+          v1 = norm_pair(v1, r, wv[jj][1]);
+        }
+      }
+      xb[jj][n][0] = v0;
+      xb[jj][n][1] = v1;
+    }
   }
 }
 
@@ -291,46 +275,39 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
   consumer_sync();
 }
 
-// B fragments of k-step j from the staged copy (see load_x_frags for the fragment layout and the
+// B fragments from the staged copy (see load_x_frags for the fragment layout and the
 // normalisation, here with the norm weight from the staged row B).
-template <int NT>
-__device__ __forceinline__ void smem_x_frag(unsigned (&xb)[NT][2], const unsigned char* xs, bool norm,
-                                            const float* rstd, int K, int k0, int j, bool in_range, int B,
-                                            int lane) {
-  const int rowb = K * 2 + 16;
-  const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
-  unsigned w0 = 0, w1 = 0;
-  if (norm && in_range) {
-    w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
-    w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
-  }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int bi = n * 8 + (lane >> 2);
-    unsigned v0 = 0, v1 = 0;
-    if (in_range && bi < B) {
-      const unsigned char* p = xs + bi * rowb + off;
-      v0 = *reinterpret_cast<const unsigned*>(p);
-      v1 = *reinterpret_cast<const unsigned*>(p + 16);
-      if (norm) {
-        const float r = rstd[bi];
-        v0 = norm_pair(v0, r, w0);
-        v1 = norm_pair(v1, r, w1);
-      }
-    }
-    xb[n][0] = v0;
-    xb[n][1] = v1;
-  }
-}
-
 template <int NT, int JMAX>
 __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* xs, bool norm,
                                              const float* rstd, int K, int k0, int nsteps, int B, int warp,
                                              int lane) {
+  const int rowb = K * 2 + 16;
 #pragma unroll
   for (int jj = 0; jj < JMAX; ++jj) {
     const int j = warp + jj * CONSUMER_WARPS;
-    smem_x_frag<NT>(xb[jj], xs, norm, rstd, K, k0, j, j < nsteps, B, lane);
+    const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
+    unsigned w0 = 0, w1 = 0;
+    if (norm && j < nsteps) {
+      w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
+      w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int bi = n * 8 + (lane >> 2);
+      unsigned v0 = 0, v1 = 0;
+      if (j < nsteps && bi < B) {
+        const unsigned char* p = xs + bi * rowb + off;
+        v0 = *reinterpret_cast<const unsigned*>(p);
+        v1 = *reinterpret_cast<const unsigned*>(p + 16);
+        if (norm) {
+          const float r = rstd[bi];
+          v0 = norm_pair(v0, r, w0);
+          v1 = norm_pair(v1, r, w1);
+        }
+      }
+      xb[jj][n][0] = v0;
+      xb[jj][n][1] = v1;
+    }
   }
 }
 
@@ -346,8 +323,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
   constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
-  constexpr int GB = group_bytes_for(NT);
-  static_assert(NT == 1 || MT <= NUM_STAGES, "NT=2 holds a k-range's M-tiles resident at once");
   const int B = P.batch;
   const float* rstd = S.rstd();
   float* red = S.scratch();
@@ -365,7 +340,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
-    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GB, x, wp.K, 0, B, KC);
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
     float acc[MT][NT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -378,115 +353,51 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
-    if constexpr (NT == 1) {
-      for (int k0 = 0; k0 < wp.K; k0 += KC) {
-        const int nsteps = min(KC, wp.K - k0) >> 4;
-        unsigned xb[JMAX][NT][2];
-        if (staged) {
-          smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
-        } else {
-          unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
-#pragma unroll
-          for (int jj = 0; jj < JMAX; ++jj) {
-            const int k = k0 + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
-            const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
-            wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
-            wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
-          }
-          cp_async_wait_all();  // this thread's copies of the group have landed ...
-          consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
-          group_frags<NT, JMAX>(xb, xs + (gi & 1) * GB, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
-          if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GB, x, wp.K, k0 + KC, B, KC);
-          ++gi;
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          if (m < mt) {
-            const int slot = it % NUM_STAGES;
-            const long long c0 = clock64();
-            // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
-            // discarded with the step -- keep every consumer_sync of the task, and do not free the
-            // slot (its copy may still be landing); the loop ends at the next task boundary.
-            const int ws =
-                ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
-            wait_cycles += clock64() - c0;
-            const unsigned sb = S.ring(slot) + lane_off;
-#pragma unroll
-            for (int jj = 0; jj < JMAX; ++jj) {
-              const int j = warp + jj * CONSUMER_WARPS;
-              if (j < nsteps && !(MK_DIAG & 4)) {
-                unsigned a[4];
-                ldmatrix_x4(a, sb + j * 32);
-#pragma unroll
-                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
-              }
-            }
-            if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
-            ++it;
-          }
-        }
-      }
-    } else {
-      // Batch 9..16: every M-tile of a chunk column range resident first, then k-step-major, so each
-      // activation fragment (B rows of 16 columns, normalised once) serves all M-tiles without the
-      // whole chunk's fragments held in registers (what made NT = 2 halve the chunk).
-      for (int k0 = 0; k0 < wp.K; k0 += KC) {
-        const int nsteps = min(KC, wp.K - k0) >> 4;
-        const unsigned char* gb = xs + (gi & 1) * GB;
-        unsigned wv[JMAX][2];
-        if (!staged) {
-#pragma unroll
-          for (int jj = 0; jj < JMAX; ++jj) {
-            const int k = k0 + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
-            const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
-            wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
-            wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
-          }
-          cp_async_wait_all();  // this thread's copies of the group have landed ...
-          consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
-          if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GB, x, wp.K, k0 + KC, B, KC);
-          ++gi;
-        }
-        unsigned okm = 0;  // M-tiles whose slot wait succeeded (see the NT = 1 loop for a failed one)
-        const long long c0 = clock64();
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          if (m < mt) {
-            const unsigned c = it + m;
-            const int slot = c % NUM_STAGES;
-            if (ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, c, true, 1) ==
-                WAIT_OK)
-              okm |= 1u << m;
-          }
-        }
-        wait_cycles += clock64() - c0;
-        unsigned sb[MT];
-#pragma unroll
-        for (int m = 0; m < MT; ++m) sb[m] = S.ring((it + m) % NUM_STAGES) + lane_off;
+    for (int k0 = 0; k0 < wp.K; k0 += KC) {
+      const int nsteps = min(KC, wp.K - k0) >> 4;
+      unsigned xb[JMAX][NT][2];
+      if (staged) {
+        smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
+      } else {
+        unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
 #pragma unroll
         for (int jj = 0; jj < JMAX; ++jj) {
-          const int j = warp + jj * CONSUMER_WARPS;
-          if (j < nsteps && !(MK_DIAG & 4)) {
-            unsigned xj[NT][2];
-            if (staged)
-              smem_x_frag<NT>(xj, xs, nw != nullptr, rstd, wp.K, k0, j, true, B, lane);
-            else
-              group_frag<NT>(xj, gb, wv[jj][0], wv[jj][1], nw != nullptr, rstd, KC, j, true, B, lane);
+          const int k = k0 + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
+          const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
+          wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
+          wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
+        }
+        cp_async_wait_all();  // this thread's copies of the group have landed ...
+        consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
+        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
+        if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
+        ++gi;
+      }
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-              if (m < mt) {
-                unsigned a[4];
-                ldmatrix_x4(a, sb[m] + j * 32);
+      for (int m = 0; m < MT; ++m) {
+        if (m < mt) {
+          const int slot = it % NUM_STAGES;
+          const long long c0 = clock64();
+          // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
+          // discarded with the step -- keep every consumer_sync of the task, and do not free the
+          // slot (its copy may still be landing); the loop ends at the next task boundary.
+          const int ws =
+              ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+          wait_cycles += clock64() - c0;
+          const unsigned sb = S.ring(slot) + lane_off;
 #pragma unroll
-                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xj[n]);
-              }
+          for (int jj = 0; jj < JMAX; ++jj) {
+            const int j = warp + jj * CONSUMER_WARPS;
+            if (j < nsteps && !(MK_DIAG & 4)) {
+              unsigned a[4];
+              ldmatrix_x4(a, sb + j * 32);
+#pragma unroll
+              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
+          if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
+          ++it;
         }
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-          if (m < mt && ((okm >> m) & 1)) mbar_arrive(S.empty_bar((it + m) % NUM_STAGES));
-        it += mt;
       }
     }
     consumer_sync();  // every warp is done with the staged x before `red` overwrites it

@@ -213,20 +213,6 @@ def test_decoder_keeps_one_kernel_per_ring_depth(monkeypatch):
     assert m2.layout.num_stages == 5 and m1.layout.num_stages == 6 and m1.key != m2.key
 
 
-def test_default_ring_depth_per_batch():
-    """Batches of 9..16 tokens run the 5-stage kernel unless their tuning or the decoder's variant sets
-    a depth: the 6-stage scratch halves their chunks (matvec.cuh chunk_cols_for)."""
-    from mk_plugin.persistent.encoding import KernelVariant, default_num_stages
-    assert [default_num_stages(b) for b in (1, 8, 9, 16)] == [6, 6, 5, 5]
-    w = random_weights(SPEC, seed=1)
-    dec = MegakernelDecoder(SPEC, w, 16, "cpu", num_sms=SMS, tuning={12: ScheduleTuning(num_stages=6)})
-    assert [dec.variant_for(b).num_stages for b in (1, 8, 9, 12, 16)] == [6, 6, 5, 6, 5]
-    dec4 = MegakernelDecoder(SPEC, w, 16, "cpu", num_sms=SMS, tuning="off", variant=KernelVariant(num_stages=4))
-    assert {dec4.variant_for(b).num_stages for b in range(1, 17)} == {4}
-    assert sorted(t.num_stages for k, t in neighbours(SPEC, 16, SMS, ScheduleTuning(), lm_head=False)
-                  if k == "num_stages") == [4, 6]
-
-
 def test_neighbours_drop_equivalent_values():
     base = ScheduleTuning()
     cands = neighbours(SPEC, 2, SMS, base, lm_head=False)

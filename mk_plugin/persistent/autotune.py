@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import compare
-from .encoding import STAGE_CHOICES, default_num_stages
+from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
 
@@ -51,11 +51,10 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     """Candidates differing from `base` in one knob, each with the knob's name; values that give the
     same program as another value of that knob (same task count) are dropped."""
     out: list[tuple[str, ScheduleTuning]] = []
-    default_s = default_num_stages(batch)
-    cur_s = base.num_stages or default_s
+    cur_s = base.num_stages or LAYOUT.num_stages
     for n in stages:
         if n != cur_s:
-            out.append(("num_stages", base.with_stages(0 if n == default_s else n)))
+            out.append(("num_stages", base.with_stages(0 if n == LAYOUT.num_stages else n)))
     default_c = attention_chunks(batch, spec.num_kv_heads, num_sms)
     if chunks is None:
         chunks = sorted({max(1, default_c // 4), max(1, default_c // 2), default_c, min(MAX_ATTN_CHUNKS, 2 * default_c)})

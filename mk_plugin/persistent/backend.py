@@ -53,7 +53,6 @@ from .encoding import (
     LayerPtr,
     ModelPtr,
     spec_hash,
-    default_num_stages,
 )
 from .errors import MegakernelHang, ProgramMismatch
 from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
@@ -159,14 +158,9 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
 
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
-        depth of the batch's tuning when it sets one, else the batch's default depth
-        (encoding.default_num_stages) unless the decoder's variant chose a depth of its own."""
+        depth of the batch's tuning when it sets one."""
         n = self.tunings[batch].num_stages
-        if n:
-            return self.variant.with_stages(n)
-        if self.variant.num_stages == LAYOUT.num_stages:
-            return self.variant.with_stages(default_num_stages(batch))
-        return self.variant
+        return self.variant.with_stages(n) if n else self.variant
 
     def module(self, batch: int):
         """The kernel that runs the program of `batch` tokens (CUDA executor)."""

@@ -254,15 +254,6 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 # 6 is the GPU-measured default; 5 gives the scratch 64.25 KiB, which stages batch-8 activations of
 # qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
 STAGE_CHOICES = (4, 5, 6)
-# Batches of 9..16 tokens (two n-tiles) take full-width chunks only when the scratch holds two
-# 16-row column groups of them (matvec.cuh chunk_cols_for), i.e. with 5 stages or fewer.
-WIDE_BATCH_STAGES = 5
-
-
-def default_num_stages(batch: int) -> int:
-    """The ring depth a batch of `batch` tokens runs with when its tuning sets none: the layout's 6
-    up to 8 tokens, WIDE_BATCH_STAGES above (the 6-stage kernel halves the chunks at 9..16 tokens)."""
-    return LAYOUT.num_stages if batch <= 8 else WIDE_BATCH_STAGES
 
 
 @dataclass(frozen=True)
