@@ -26,5 +26,25 @@ case $n in
        | grep -E "^\| (qkv|attn|o_proj|gate|down|total)|traced step"
      timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_rms_norm.py tests/test_linear.py \
        tests/test_lm_head.py tests/test_paged_attention.py tests/test_rope_kv_append.py 2>&1 | tail -3 ;;
+  3) # Nsight Compute per op (issue 14): carry .whl (bench/profile_wheels.sh: nsight-python 0.9.6 for ncu 2025.3)
+     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+       .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+     ncu --version | tail -1
+     timeout 300 python3 bench/profile_ops.py --batch 1 8 16 --outdir "$out" 2>&1 | tail -34 ;;
+  4) # bundle part 0 on the way (carry .gpuhost/part.0); the ctx-4096 rows on the current kernel
+     mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/
+     step --batch 1 8 --ctx 4096 ;;
+  5) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  6|7) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null
+     [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
+     export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
+     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+     if [ "$n" = 6 ]; then  # issue 12: the real client, 8B, stock vs each decode path
+       timeout 450 python3 bench/serve.py --models llama-3.1-8b --modes triton,megakernel --concurrency 1,8,16 \
+         --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -24
+     else                   # issue 13 part (c) at 1B: stock and the megakernel against the fp32 truth
+       timeout 480 python3 bench/vllm_correctness.py --parts c --mode megakernel --outdir "$out" 2>&1 \
+         | grep -v "^(EngineCore" | tail -20
+     fi ;;
 esac
 } 2>&1 | tee "$out/gpu_s6_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

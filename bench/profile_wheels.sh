@@ -6,8 +6,12 @@ set -euo pipefail
 mkdir -p .whl
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_25_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+# Versions match the host's Nsight Compute (2025.3.1, H200 image of 2026-12): nsight-python >= 1.0 refuses
+# an ncu older than 2026.2.1 ("Nsight Compute 2026.2.1.0 or later is required"), so 0.9.6 (same API as
+# profile_ops.py uses) and the ncu-report of the same Nsight Compute release.
+rm -f .whl/nsight_python-*.whl .whl/ncu_report-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
-  -d .whl nsight-python==1.1.0 ncu-report==2026.3.1 deepdiff==9.1.0 orderly-set==5.5.0 "cachebox>=5.2,<6" \
+  -d .whl nsight-python==0.9.6 ncu-report==2025.3.1 deepdiff==9.1.0 orderly-set==5.5.0 "cachebox>=5.2,<6" \
   nvtx==0.2.17
 ls -la .whl
 # On the GPU host, first in the command:
