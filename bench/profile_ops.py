@@ -157,12 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         meta["gpu"] = torch.cuda.get_device_name()
         calls = op_calls(args.model, args.batch, args.ctx)
 
-        @nsight.analyze.kernel(configs=[(op, b) for b in args.batch for op in OPS], runs=args.runs,
+        # One config per batch size, every op under its own annotation in each: nsight-python expects every
+        # annotation in every config and run (0.9.6: "Expect same number of kernels per run" otherwise).
+        @nsight.analyze.kernel(configs=[(b,) for b in args.batch], runs=args.runs,
                                metrics=list(METRICS), clock_control="none", combine_kernel_metrics=lambda a, b: a + b)
-        def profile(op: str, batch: int) -> None:
-            fn = calls[(op, batch)]
-            with nsight.annotate(op):
-                fn()
+        def profile(batch: int) -> None:
+            for op in OPS:
+                with nsight.annotate(op):
+                    calls[(op, batch)]()
 
         records = profile().to_dataframe().to_dict("records")
     rows = table_rows(records, meta)

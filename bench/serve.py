@@ -70,7 +70,7 @@ def server_cmd(folder: Path, port: int, args: argparse.Namespace) -> list[str]:
     return [*VLLM_CLI, "serve", str(folder), "--port", str(port), "--load-format", "dummy",
             "--max-model-len", str(common.max_model_len_for(args.input_len, args.output_len)),
             "--gpu-memory-utilization", str(args.gpu_mem), "--max-num-seqs", str(max(args.concurrency_list)),
-            "--seed", "0", "--disable-log-requests"]
+            "--seed", "0"]  # request logging is off by default in vLLM 0.24 (--disable-log-requests is gone)
 
 
 def bench_cmd(folder: Path, port: int, conc: int, args: argparse.Namespace, result_dir: Path, name: str) -> list[str]:
