@@ -110,8 +110,12 @@ def greedy_completion(port: int, folder: Path) -> list[str]:
     return words
 
 
-def log_traceback(log: Path) -> str | None:
-    text = log.read_text(errors="replace")
+def log_traceback(log: Path, upto: int | None = None) -> str | None:
+    """The first Python traceback in the server log's first `upto` bytes (all of it: None). run_mode
+    passes the size the log had when the benchmark ended: stopping the server with SIGTERM makes vLLM
+    0.24 itself log an EngineDeadError traceback from its output handler (seen on the H200), which says
+    nothing about the run."""
+    text = log.read_bytes()[:upto].decode(errors="replace")
     i = text.find("Traceback (most recent call last)")
     return None if i < 0 else text[i: i + 2000]
 
@@ -135,16 +139,22 @@ def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, st
                 if r.returncode != 0:
                     raise RuntimeError(f"vllm bench serve (concurrency {conc}) failed:\n{r.stderr[-3000:]}")
                 got = json.loads((outdir / "logs" / name).read_text())
+                if got.get("failed"):
+                    # vllm bench serve prints up to 10 of the failed requests' errors
+                    errs = [ln for ln in r.stdout.splitlines() if ln.startswith("Error ")][:10]
+                    raise RuntimeError(f"{got['failed']} of {got['num_prompts']} requests failed at concurrency {conc} "
+                                       f"({mode}); vllm bench serve's errors:\n" + ("\n".join(errs) or r.stdout[-3000:]))
                 res[conc] = {k: got[k] for k in METRICS}
                 print(f"[serve]   concurrency {conc}: TPOT {got['median_tpot_ms']:.2f} ms, "
                       f"{got['output_throughput']:.0f} tok/s", flush=True)
         finally:
+            served = log.stat().st_size  # what the server logged while serving (see log_traceback)
             proc.terminate()
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    tb = log_traceback(log)
+    tb = log_traceback(log, served)
     if tb:
         raise RuntimeError(f"the {mode} server logged a traceback ({log}):\n{tb}")
     return res
@@ -221,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
             "vllm": common.vllm_version(), "input": args.input_len, "output": args.output_len}
     stamp = common.run_stamp() + ("_dryrun" if args.dry_run else "")
     results: dict[tuple[str, str], dict[int, dict]] = {}
-    csv_rows = []
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"mk_serve_{stamp}"
     for name in [m for m in args.models.split(",") if m]:
         mdir = common.model_dir(name)
@@ -230,12 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             per = fake_mode(mode, args.concurrency_list) if args.dry_run else run_mode(folder, mode, args, args.outdir,
                                                                                        stamp)
             results[(mdir.name, mode)] = per
-            for c, r in per.items():
-                csv_rows.append((meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, mode, c,
-                                 args.input_len, args.output_len, args.prompts, f"{r['median_tpot_ms']:.3f}",
-                                 f"{r['median_itl_ms']:.3f}", f"{r['median_ttft_ms']:.1f}",
-                                 f"{r['output_throughput']:.1f}", r["completed"]))
-    common.append_csv(args.outdir / ("serve_dryrun.csv" if args.dry_run else "serve.csv"), CSV_HEADER, csv_rows)
+            rows = [(meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, mode, c,
+                     args.input_len, args.output_len, args.prompts, f"{r['median_tpot_ms']:.3f}",
+                     f"{r['median_itl_ms']:.3f}", f"{r['median_ttft_ms']:.1f}",
+                     f"{r['output_throughput']:.1f}", r["completed"]) for c, r in per.items()]
+            # appended per mode: a later mode's failure keeps the rows measured before it
+            common.append_csv(args.outdir / ("serve_dryrun.csv" if args.dry_run else "serve.csv"), CSV_HEADER, rows)
     common.write_record(args.outdir, f"serve_{stamp}.md", render(results, modes, args.concurrency_list, meta))
     png = plot(results, args.outdir / f"serve_{stamp}.png")
     print(f"plot: {png}" if png else "plot: matplotlib not importable")

@@ -54,6 +54,10 @@ def test_traceback_in_a_server_log_is_found(tmp_path):
     assert "ValueError: boom" in serve.log_traceback(log)
     log.write_text("INFO ok\n")
     assert serve.log_traceback(log) is None
+    # vLLM 0.24's own traceback when the server is stopped (after the benchmark) is not the run's
+    served = "INFO ok\nINFO serving\n"
+    log.write_text(served + "ERROR [async_llm.py:704] Traceback (most recent call last):\nEngineDeadError\n")
+    assert serve.log_traceback(log, len(served.encode())) is None and serve.log_traceback(log) is not None
 
 
 def test_dry_run_writes_every_model_mode_and_concurrency(tmp_path):
