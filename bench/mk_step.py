@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=0, metavar="N",
                     help="ring depth N (4, 5, 6) for every batch size instead of each batch's default or tuned one "
                          "(an A/B experiment: rows are not appended to --csv)")
+    ap.add_argument("--merge-in-partial", action="store_true",
+                    help="attention without combine tasks (tuning.merge_in_partial) for every batch size (an A/B "
+                         "experiment like --stages: rows are not appended to --csv)")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     ap.add_argument("--records-dir", type=Path, default=None,
@@ -71,11 +74,11 @@ def main() -> None:
     defines = variant.defines()
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
     tuning = cfg.tuning
-    if args.stages:
+    if args.stages or args.merge_in_partial:
         from mk_plugin.persistent.tuning import ScheduleTuning
-        forced = ScheduleTuning(num_stages=args.stages)   # validates N
+        forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=args.merge_in_partial)  # validates N
         tuning = {b: forced for b in range(1, max(args.batch) + 1)}
-        defines = (*defines, f"stages={args.stages}")     # an A/B row: printed, not appended
+        defines = (*defines, forced.label())              # an A/B row: printed, not appended
     dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, variant=variant,
                             tuning=tuning, watchdog_ms=cfg.watchdog_ms)
     dec.prepare(args.batch)
@@ -94,7 +97,7 @@ def main() -> None:
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
         if args.trace:
             tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, variant=variant,
-                                     tuning=tuning if not args.stages else {b: tuning[b] for b in range(1, bsz + 1)},
+                                     tuning=tuning if not isinstance(tuning, dict) else {b: tuning[b] for b in range(1, bsz + 1)},
                                      watchdog_ms=cfg.watchdog_ms)
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)

@@ -12,6 +12,8 @@
 // shuffles and across warps through shared memory.
 //
 // ATTN_COMBINE (b, g): ATTN_O = sum_c o_c exp(m_c - M) / sum_c l_c exp(m_c - M), M = max_c m_c.
+// Merge in the partial (ticket_ctr >= 0, tuning.merge_in_partial): no combine task; each partial stores
+// its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
 
@@ -40,6 +42,31 @@ __device__ __forceinline__ void merge_weights(float m, float mo, float& a, float
   b = (mo == NEG_INF) ? 0.f : fast_exp2(mo - M);
 }
 
+__device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
+  const int C = P.chunks;
+  const float* po = reinterpret_cast<const float*>(P.buf[BUF_PART_O]);
+  const float* pml = reinterpret_cast<const float*>(P.buf[BUF_PART_ML]);
+  elem_t* out = buf_ptr(P, BUF_ATTN_O) + (size_t)b * QS + g * G * D;
+  for (int idx = threadIdx.x; idx < G * D; idx += CONSUMER_THREADS) {
+    const int h = idx / D, j = idx - h * D;
+    const size_t p0 = (size_t)(b * NKV + g) * C * G + h;   // index of chunk 0; chunk c adds c * G
+    float M = NEG_INF;
+    for (int c = 0; c < C; ++c) M = fmaxf(M, ld_cg_f32(pml + (p0 + (size_t)c * G) * 2));
+    float ls = 0.f, os = 0.f;
+    if (M != NEG_INF) {
+      for (int c = 0; c < C; ++c) {
+        const size_t pi = p0 + (size_t)c * G;
+        const float mc = ld_cg_f32(pml + pi * 2);
+        if (mc == NEG_INF) continue;
+        const float w = __expf(mc - M);
+        ls = fmaf(ld_cg_f32(pml + pi * 2 + 1), w, ls);
+        os = fmaf(ld_cg_f32(po + pi * D + j), w, os);
+      }
+    }
+    out[h * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
+  }
+}
+
 __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
@@ -59,7 +86,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   float* wl = wm + CONSUMER_WARPS * ATT_HG;              // [warp][HG]
   float* wo = wl + CONSUMER_WARPS * ATT_HG;              // [warp][HG][D]
   float* qs = wo + CONSUMER_WARPS * ATT_HG * D;          // [HG][D] scaled q (registers are short)
-  const bool direct = t.out_buf == BUF_ATTN_O;
+  const bool direct = t.out_buf == BUF_ATTN_O && t.ticket_ctr < 0;   // C == 1
   const elem_t* qbuf = buf_ptr(P, BUF_Q) + (size_t)b * QS;
   // Block-table entries of [lo, hi) (immutable inputs): loaded with the first head pass's q, in the
   // same round trip; entry i is block (lo / bs) + i.
@@ -198,32 +225,19 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
     }
     consumer_sync();
   }
+  if (t.ticket_ctr >= 0) {
+    // Every thread's partial stores precede thread 0's ticket (the consumer_sync above); the ticket
+    // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
+    int* last = reinterpret_cast<int*>(S.scratch());
+    if (threadIdx.x == 0)
+      *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
+    consumer_sync();
+    if (*last) attn_merge(P, b, g);
+  }
 }
 
 __device__ __forceinline__ void attn_combine_task(const Smem& S, const Params& P, const Task& t) {
-  const int b = t.arg0, g = t.arg1;
-  const int C = P.chunks;
-  const float* po = reinterpret_cast<const float*>(P.buf[BUF_PART_O]);
-  const float* pml = reinterpret_cast<const float*>(P.buf[BUF_PART_ML]);
-  elem_t* out = buf_ptr(P, BUF_ATTN_O) + (size_t)b * QS + g * G * D;
-  for (int idx = threadIdx.x; idx < G * D; idx += CONSUMER_THREADS) {
-    const int h = idx / D, j = idx - h * D;
-    const size_t p0 = (size_t)(b * NKV + g) * C * G + h;   // index of chunk 0; chunk c adds c * G
-    float M = NEG_INF;
-    for (int c = 0; c < C; ++c) M = fmaxf(M, ld_cg_f32(pml + (p0 + (size_t)c * G) * 2));
-    float ls = 0.f, os = 0.f;
-    if (M != NEG_INF) {
-      for (int c = 0; c < C; ++c) {
-        const size_t pi = p0 + (size_t)c * G;
-        const float mc = ld_cg_f32(pml + pi * 2);
-        if (mc == NEG_INF) continue;
-        const float w = __expf(mc - M);
-        ls = fmaf(ld_cg_f32(pml + pi * 2 + 1), w, ls);
-        os = fmaf(ld_cg_f32(po + pi * D + j), w, os);
-      }
-    }
-    out[h * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
-  }
+  attn_merge(P, t.arg0, t.arg1);
 }
 
 }  // namespace mk

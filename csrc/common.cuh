@@ -246,6 +246,7 @@ struct Task {
   int opcode, layer, arg0, arg1, arg2, in_buf, res_buf, out_buf;
   int wait_ctr[NUM_WAITS], wait_target[NUM_WAITS];
   int signal_ctr, signal_add;
+  int ticket_ctr;  // ATTN_PARTIAL merging in the partial: its (b, g) ticket counter; -1 otherwise
 };
 
 __device__ __forceinline__ Task load_task(const Params& P, int index) {
@@ -268,6 +269,7 @@ __device__ __forceinline__ Task load_task(const Params& P, int index) {
   t.wait_target[1] = w[F_WAIT1_TARGET];
   t.signal_ctr = w[F_SIGNAL_CTR];
   t.signal_add = w[F_SIGNAL_ADD];
+  t.ticket_ctr = w[F_TICKET_CTR];
   return t;
 }
 

@@ -54,7 +54,7 @@ enum RoundingMode : int {
 constexpr int NUM_BUFS = 9;
 constexpr int LP_COUNT = 6;
 constexpr int PROGRAM_MAGIC = 0x4d4b5031;
-constexpr int PROGRAM_VERSION = 2;
+constexpr int PROGRAM_VERSION = 3;
 constexpr int TASK_WORDS = 16;
 constexpr int NUM_WAITS = 2;
 constexpr int HEADER_WORDS = 8;
@@ -125,7 +125,7 @@ constexpr int F_WAIT1_TARGET = 11;
 constexpr int F_SIGNAL_CTR = 12;
 constexpr int F_SIGNAL_ADD = 13;
 constexpr int F_TID = 14;
-constexpr int F_RESERVED = 15;
+constexpr int F_TICKET_CTR = 15;
 
 struct TaskRecord {
   int opcode;
@@ -143,10 +143,10 @@ struct TaskRecord {
   int signal_ctr;
   int signal_add;
   int tid;
-  int reserved;
+  int ticket_ctr;
 };
 static_assert(sizeof(TaskRecord) == TASK_WORDS * 4, "task record size");
-static_assert(F_RESERVED == TASK_WORDS - 1, "field count");
+static_assert(F_TICKET_CTR == TASK_WORDS - 1, "field count");
 static_assert(HDR_SPEC_HASH == HEADER_WORDS - 1, "header size");
 
 // Kernel layout (one CTA per SM)

@@ -54,6 +54,7 @@ def op_task_counts(program) -> dict[str, int]:
     ({"attn_chunks": -1}, "0..32"),
     ({"num_stages": 3}, "num_stages=3: choose 0"),
     ({"num_stages": True}, "num_stages=True"),
+    ({"merge_in_partial": 1}, "merge_in_partial=1 must be true or false"),
 ])
 def test_tuning_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -70,6 +71,9 @@ def test_tuning_json_label_and_helpers():
     assert ScheduleTuning().label() == "default" and ScheduleTuning().is_default
     with pytest.raises(ValueError, match="unknown tuning field"):
         ScheduleTuning.from_json({"splits": {}})
+    m = t.with_merge(True)
+    assert m.label().endswith(",merge_in_partial") and ScheduleTuning.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert "merge_in_partial" not in t.to_json() and not ScheduleTuning().with_merge(True).is_default
 
 
 def test_tuned_program_has_the_asked_task_counts():
@@ -223,6 +227,10 @@ def test_neighbours_drop_equivalent_values():
         assert len(counts) == len(set(counts)) and effective_tasks(SPEC, op, 1.0, SMS) not in counts
     c = [t.attn_chunks for k, t in cands if k == "attn_chunks"]
     assert c and all(1 <= x <= 32 for x in c)
+    merge = [t for k, t in cands if k == "merge_in_partial"]
+    assert (merge == [base.with_merge(True)]) == (attention_chunks(2, SPEC.num_kv_heads, SMS) > 1)
+    one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
+    assert one == []   # one chunk: nothing to merge
 
 
 def test_autotune_keeps_only_checked_faster_candidates():

@@ -325,7 +325,7 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
                               ("qkv_rope", 2.0)), attn_chunks=3, num_stages=5),
               ScheduleTuning((("down", 4.0), ("gate_up", 0.25), ("lm_head", 2.0), ("o_proj", 8.0),
                               ("qkv_rope", 0.125)), attn_chunks=32, num_stages=4),
-              ScheduleTuning(num_stages=5)):
+              ScheduleTuning(num_stages=5), ScheduleTuning(attn_chunks=5, merge_in_partial=True)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: t})
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t
@@ -333,3 +333,24 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
         assert_matches(logits, base[1], spec.torch_dtype, "step")
         for a, b in zip(caches, base[2]):
             assert_matches(a, b, spec.torch_dtype, "step")
+
+
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_merge_in_partial_is_bitwise_the_combine_tasks(models, mk_variant, bsz):
+    """tuning.merge_in_partial on the GPU: the last partial of each (b, g) to take its ticket merges, in
+    the combine task's fixed order, so the step equals the combine-task program's bit for bit (same
+    chunks), whichever SM finishes last; replayed to let a different one be last."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    spec, w = models("llama-3.2-1b", 3)
+    seq_lens = ([1, 0, 4095, 260, 3, 90, 1025, 31] * 2)[:bsz] if bsz > 1 else [777]
+    batch = gpu_batch(spec, seq_lens, seed=13)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    tasks = ScheduleTuning(attn_chunks=4)
+    ref_out = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks}),
+                      spec, w, batch, cs)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks.with_merge(True)})
+    assert "ATTN_COMBINE" not in {t.opcode.name for t in dec.program(bsz).taskset.tasks}
+    for _ in range(3):
+        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+        assert torch.equal(out, ref_out[0]) and torch.equal(logits, ref_out[1])
+        assert all(torch.equal(a, b) for a, b in zip(caches, ref_out[2]))

@@ -12,7 +12,8 @@ from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.encoding import Buf, Rounding
-from mk_plugin.persistent.schedule import build_program
+from mk_plugin.persistent.schedule import build_program, check_ordering
+from mk_plugin.persistent.tuning import DEFAULT_TUNING, ScheduleTuning
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import assert_matches, make_decode_batch
 from mk_plugin.weights import random_weights
@@ -29,8 +30,8 @@ def _setup(spec, seq_lens, dtype, seed=0, block_size=16):
 
 
 def _vm_step(spec, w, batch, cs, hidden, sms, *, lm_head=True, fallback=frozenset(), order="round_robin",
-             seed=0, stop_after=None):
-    p = build_program(spec, hidden.shape[0], sms, lm_head=lm_head, fallback=fallback)
+             seed=0, stop_after=None, tuning=DEFAULT_TUNING):
+    p = build_program(spec, hidden.shape[0], sms, lm_head=lm_head, fallback=fallback, tuning=tuning)
     caches = batch.clone_caches()
     st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
                         batch.slot_mapping, cs)
@@ -87,6 +88,38 @@ def test_interleaving_does_not_change_results():
     _, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=5, order="random", seed=11)
     assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
     assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
+def test_merge_in_partial_gives_the_combine_tasks_bits():
+    """tuning.merge_in_partial: no combine task; the last partial of each (b, g) merges. Whichever chunk
+    finishes last (round robin, random orders, a fallback segment around attention), the step's bits are
+    the combine tasks'; the program passes the ordering and deadlock checks."""
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [9, 40, 0, 17], torch.bfloat16, seed=7)
+    chunks = ScheduleTuning(attn_chunks=3)
+    merged = chunks.with_merge(True)
+    p0, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=6, tuning=chunks)
+    for order, seed, fb in (("round_robin", 0, frozenset()), ("random", 3, frozenset()), ("random", 8, frozenset()),
+                            ("random", 5, frozenset({"o_proj"}))):
+        p, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=6, tuning=merged, order=order, seed=seed, fallback=fb)
+        assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
+        assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+        check_ordering(p)
+        vm.check_deadlock_free(p)
+    ops = [t.opcode.name for t in p.taskset.tasks]
+    assert "ATTN_COMBINE" in [t.opcode.name for t in p0.taskset.tasks] and "ATTN_COMBINE" not in ops
+    parts = [t for t in p.taskset.tasks if t.opcode.name == "ATTN_PARTIAL"]
+    assert parts and all(t.ticket is not None and t.record()[-1] == t.ticket for t in parts)
+    assert len({t.ticket for t in parts}) == spec.num_layers * 4 * spec.num_kv_heads
+    assert all(t.record()[-1] == -1 for t in p0.taskset.tasks)
+
+
+def test_merge_in_partial_with_one_chunk_is_the_default_program():
+    spec = LlamaSpec.tiny()
+    one = ScheduleTuning(attn_chunks=1)
+    a = build_program(spec, 2, 5, tuning=one)
+    b = build_program(spec, 2, 5, tuning=one.with_merge(True))
+    assert all((x.encoded == y.encoded).all() for x, y in zip(a.segments, b.segments))
 
 
 def test_stop_after_exposes_intermediates():

@@ -62,6 +62,8 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     for c in chunks:
         if 1 <= c <= MAX_ATTN_CHUNKS and c != cur_c:
             out.append(("attn_chunks", base.with_chunks(0 if c == default_c else c)))
+    if (base.attn_chunks or default_c) > 1:   # with one chunk there is nothing to merge
+        out.append(("merge_in_partial", base.with_merge(not base.merge_in_partial)))
     for op in ops:
         if op == "lm_head" and not lm_head:
             continue
@@ -118,7 +120,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     for r in range(rounds):
         moved = False
         # the ring depth last: it is the one knob that compiles a kernel variant
-        knobs = ["attn_chunks", *[o for o in ops if lm_head or o != "lm_head"], "num_stages"]
+        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"], "num_stages"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head)

@@ -27,7 +27,9 @@ from ..spec import LlamaSpec
 MAGIC = 0x4D4B5031  # "MKP1"
 # 2: the kernel takes an error record and a watchdog budget (err, err_host, watchdog_ms) and exits
 #    cleanly on a stuck wait instead of trapping.
-VERSION = 2
+# 3: the last task word is ticket_ctr (was reserved, 0): a counter an ATTN_PARTIAL task increments
+#    once its partial is stored; the task that brings it to attn_chunks merges the chunks.
+VERSION = 3
 
 
 class Opcode(enum.IntEnum):
@@ -179,14 +181,15 @@ TRACE_WORDS = 8
 # Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
 #   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
 #     (a unit = 16 output columns; see tasks.py for the unit -> weight row map of each op)
-#   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c
+#   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c; ticket_ctr >= 0: merge in
+#     the partial (the task that brings counters[ticket_ctr] to attn_chunks merges; out_buf ATTN_O)
 #   ATTN_COMBINE: arg0 = request b, arg1 = kv head g
 # A wait is (counter, target): the task starts once counters[ctr] >= target; ctr -1 = no wait.
 # The signal adds signal_add to counters[signal_ctr] once the task's stores are visible.
 TASK_FIELDS: tuple[str, ...] = (
     "opcode", "layer", "arg0", "arg1", "arg2", "in_buf", "res_buf", "out_buf",
     "wait0_ctr", "wait0_target", "wait1_ctr", "wait1_target", "signal_ctr", "signal_add",
-    "tid", "reserved",
+    "tid", "ticket_ctr",
 )
 TASK_WORDS = 16
 NUM_WAITS = 2

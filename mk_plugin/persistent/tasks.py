@@ -14,7 +14,12 @@ A task covers a contiguous range of units; each op is split into about one task 
 Attention: one partial task per (request b, kv head g, chunk c), c < C chunks chosen so that
 B * nkv * C covers the SMs; chunk c of a request with L tokens covers tokens
 [min(L, c*cs), min(L, (c+1)*cs)) with cs = ceil(L / C) (read from seq_lens at run time). With C > 1
-one combine task per (b, g) merges the chunks; with C == 1 the partial writes ATTN_O directly.
+one combine task per (b, g) merges the chunks; with C == 1 the partial writes ATTN_O directly. With
+tuning.merge_in_partial there is no combine task: each partial, once its chunk is stored, increments a
+ticket counter of (b, g) (counters[ticket] is never waited on), and the one that brings it to C merges
+the C chunks in fixed order into ATTN_O before it signals attn[l] (target B * nkv * C): the counter's
+final value then implies every merge is done. The merge is the combine task's arithmetic, so the output
+is the same bit for bit whichever chunk is last.
 
 Dependencies are monotonic uint32 counters in global memory. A task waits until counter >= target
 and, once its stores are visible, adds signal_add to its signal counter. Every target equals the
@@ -48,6 +53,7 @@ HBM_BYTES_PER_NS = 4260.0
 TASK_FIXED_NS = 2500.0
 ATTN_PARTIAL_NS = 3300.0
 ATTN_COMBINE_NS = 2800.0
+ATTN_MERGE_NS = 1500.0   # the last partial's ticket round trip + merge (predicted; not yet fitted to a trace)
 FINAL_NORM_NS = 1500.0
 SIGNAL_NS = 500.0
 
@@ -81,6 +87,7 @@ class Task:
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
     phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
+    ticket: int | None = None  # merge-in-partial attention: the (b, g) ticket counter (encoding ticket_ctr)
 
     def record(self, waits: list[tuple[int, int]] | None = None) -> list[int]:
         """The TASK_WORDS int32 words of this task (encoding.TASK_FIELDS order)."""
@@ -93,7 +100,7 @@ class Task:
                int(self.out_buf)]
         for c, t in ws:
             rec += [c, t]
-        rec += [sig[0], sig[1], self.tid, 0]
+        rec += [sig[0], sig[1], self.tid, -1 if self.ticket is None else self.ticket]
         assert len(rec) == TASK_WORDS
         return rec
 
@@ -263,23 +270,31 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                                      reads=[(src.name, 0, B, 0, spec.hidden_size)], writes=writes))
                     pending.append((t, [f"L{L - 1}.down"] if L > 0 else []))
         elif name == "attention":
+            merge = C > 1 and tuning.merge_in_partial
             for b in range(B):
                 for g in range(nkv):
+                    ticket = bld.counter(f"L{L}.ticket.b{b}.g{g}", op.key) if merge else None
                     for c in range(C):
+                        o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
+                        reads = [("Q", b, b + 1, g * G * d, (g + 1) * G * d),
+                                 (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
+                                 (f"KV{L}", b, b + 1, spec.kv_size + g * d, spec.kv_size + (g + 1) * d)]
+                        cost = ATTN_PARTIAL_NS
                         if C == 1:
                             sig, out = bld.counter(f"L{L}.attn", op.key), Buf.ATTN_O
-                            w = [("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]
+                            w = [o_region]
+                        elif merge:   # whichever chunk finishes last merges: it may read every chunk's partial
+                            sig, out = bld.counter(f"L{L}.attn", op.key), Buf.ATTN_O
+                            w = [("PART", b, b + 1, g * C + c, g * C + c + 1), o_region]
+                            reads.append(("PART", b, b + 1, g * C, (g + 1) * C))
+                            cost += ATTN_MERGE_NS
                         else:
                             sig, out = bld.counter(f"L{L}.part.b{b}.g{g}", op.key), Buf.PART_O
                             w = [("PART", b, b + 1, g * C + c, g * C + c + 1)]
                         t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q, out_buf=out,
-                                         signal=(sig, 1), cost=ATTN_PARTIAL_NS,
-                                         reads=[("Q", b, b + 1, g * G * d, (g + 1) * G * d),
-                                                (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
-                                                (f"KV{L}", b, b + 1, spec.kv_size + g * d,
-                                                 spec.kv_size + (g + 1) * d)], writes=w))
+                                         signal=(sig, 1), cost=cost, reads=reads, writes=w, ticket=ticket))
                         pending.append((t, [f"L{L}.qkv.g{g}"]))
-            if C > 1:
+            if C > 1 and not merge:
                 for b in range(B):
                     for g in range(nkv):
                         t = bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), in_buf=Buf.PART_O,

@@ -52,10 +52,14 @@ class ScheduleTuning:
       unit). Ops not listed use factor 1.0 (about one task per SM).
     attn_chunks: KV chunks per (request, kv head); 0 = tasks.attention_chunks (one wave of partials).
     num_stages: weight ring depth (encoding.STAGE_CHOICES); 0 = the layout's default (6).
+    merge_in_partial: with more than one KV chunk, the last partial task of each (request, kv head) to
+      finish merges the chunks (a ticket counter says which is last) instead of a separate combine task:
+      one hand-off less per layer on the attention chain (tasks.py). False = combine tasks.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
     num_stages: int = 0
+    merge_in_partial: bool = False
 
     def __post_init__(self) -> None:
         seen = set()
@@ -75,6 +79,8 @@ class ScheduleTuning:
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
+        if not isinstance(self.merge_in_partial, bool):
+            raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -97,9 +103,12 @@ class ScheduleTuning:
     def with_stages(self, num_stages: int) -> ScheduleTuning:
         return replace(self, num_stages=num_stages)
 
+    def with_merge(self, merge_in_partial: bool) -> ScheduleTuning:
+        return replace(self, merge_in_partial=merge_in_partial)
+
     @property
     def is_default(self) -> bool:
-        return not self.split and self.attn_chunks == 0 and self.num_stages == 0
+        return not self.split and self.attn_chunks == 0 and self.num_stages == 0 and not self.merge_in_partial
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -107,19 +116,26 @@ class ScheduleTuning:
             parts.append(f"chunks{self.attn_chunks}")
         if self.num_stages:
             parts.append(f"stages{self.num_stages}")
+        if self.merge_in_partial:
+            parts.append("merge_in_partial")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
-        return {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks,
-                "num_stages": self.num_stages}
+        d = {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks,
+             "num_stages": self.num_stages}
+        if self.merge_in_partial:   # absent = False: tables written before the knob existed stay valid
+            d["merge_in_partial"] = True
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        unknown = set(d) - {"split", "attn_chunks", "num_stages"}
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial")
+        unknown = set(d) - set(known)
         if unknown:
-            raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: split, attn_chunks, num_stages")
+            raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
-        return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)))
+        return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
+                   d.get("merge_in_partial", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()

@@ -263,13 +263,17 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         m = torch.full((G,), float("-inf"))
         l_ = torch.zeros(G)
         o = torch.zeros(G, d)
-    if t["out_buf"] == Buf.ATTN_O:   # C == 1: normalise and store directly
+    if t["out_buf"] == Buf.ATTN_O and t["ticket_ctr"] < 0:   # C == 1: normalise and store directly
         res = torch.where(l_[:, None] > 0, o / l_.clamp_min(1e-30)[:, None], torch.zeros_like(o))
         st.bufs[Buf.ATTN_O][b, g * G * d:(g + 1) * G * d] = res.reshape(-1).to(st.dtype)
     else:
         st.bufs[Buf.PART_O][b, g, c] = o
         st.bufs[Buf.PART_ML][b, g, c, :, 0] = m
         st.bufs[Buf.PART_ML][b, g, c, :, 1] = l_
+    if t["ticket_ctr"] >= 0:   # merge in the partial: whoever completes the ticket merges (fixed order)
+        st.counters[t["ticket_ctr"]] += 1
+        if st.counters[t["ticket_ctr"]] == C:
+            op_attn_combine(st, t)
 
 
 def op_attn_combine(st: VMState, t: dict[str, int]) -> None:
