@@ -30,7 +30,7 @@ case $n in
      timeout 500 python3 bench/serve.py --models llama-3.1-8b --modes triton,megakernel --concurrency 1,8,16 \
        --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -24 ;;
   6) vllm_env   # issue 11/12: TBT inside vLLM, 8B, stock alternated with the plugin over fresh engines
-     timeout 560 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --modes megakernel,triton --rounds 3 \
+     timeout 560 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 --modes megakernel --rounds 3 \
        --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   7) vllm_env   # issue 13 part (c) at 8B
      timeout 560 python3 bench/vllm_correctness.py --parts c --models llama-3.1-8b --mode megakernel --outdir "$out" \
