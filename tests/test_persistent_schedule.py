@@ -15,6 +15,7 @@ from mk_plugin.ops import STEP_OPS
 from mk_plugin.persistent import encoding as enc
 from mk_plugin.persistent.schedule import Program, Segment, _encode_segment, build_program, check_ordering
 from mk_plugin.persistent.tasks import op_units
+from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.persistent.vm import DeadlockError, check_deadlock_free
 from mk_plugin.spec import LlamaSpec
 
@@ -23,9 +24,10 @@ MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
 @settings(max_examples=25, deadline=None)
 @given(small_specs(), st.integers(1, 16), st.integers(1, 20), st.booleans(),
-       st.sets(st.sampled_from(STEP_OPS), max_size=3))
-def test_random_programs_are_deadlock_free_and_ordered(spec, batch, sms, lm_head, fallback):
-    p = build_program(spec, batch, sms, lm_head=lm_head, fallback=frozenset(fallback))
+       st.sets(st.sampled_from(STEP_OPS), max_size=3), st.integers(0, 5), st.booleans())
+def test_random_programs_are_deadlock_free_and_ordered(spec, batch, sms, lm_head, fallback, chunks, merge):
+    tuning = ScheduleTuning(attn_chunks=chunks, merge_in_partial=merge)
+    p = build_program(spec, batch, sms, lm_head=lm_head, fallback=frozenset(fallback), tuning=tuning)
     check_deadlock_free(p)
     check_ordering(p)
     # every task of every op is somewhere: megakernel segments + fallback steps cover all tids
@@ -41,6 +43,10 @@ def test_big_models_deadlock_free(model, batches):
         p = build_program(spec, b, 132, lm_head=True)
         (rep,) = check_deadlock_free(p)
         assert rep.tasks == p.num_tids
+        pm = build_program(spec, b, 132, lm_head=True, tuning=ScheduleTuning(merge_in_partial=True))
+        (repm,) = check_deadlock_free(pm)   # no combine tasks where there are chunks to merge
+        assert repm.tasks == pm.num_tids == p.num_tids - (b * spec.num_kv_heads * spec.num_layers
+                                                          if p.attn_chunks > 1 else 0)
         seg = p.segments[0]
         assert len(seg.queues) == 132 and min(len(q) for q in seg.queues) > 0
         # the big linear ops give every SM a task ("fill the 132 SMs")

@@ -114,6 +114,20 @@ def test_merge_in_partial_gives_the_combine_tasks_bits():
     assert all(t.record()[-1] == -1 for t in p0.taskset.tasks)
 
 
+@settings(max_examples=6, deadline=None)
+@given(small_specs(), st.lists(st.integers(0, 70), min_size=1, max_size=5), st.integers(1, 9), st.integers(2, 5),
+       st.integers(0, 50))
+def test_merge_in_partial_random_specs(spec, seq_lens, sms, chunks, seed):
+    """Odd shapes (GQA groups, head sizes, contexts that are not multiples of a block, empty requests):
+    merging in the last partial gives the combine tasks' bits under a random interleaving."""
+    w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16, seed=seed % 7)
+    t = ScheduleTuning(attn_chunks=chunks)
+    _, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=t)
+    _, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=t.with_merge(True), order="random", seed=seed)
+    assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+
+
 def test_merge_in_partial_with_one_chunk_is_the_default_program():
     spec = LlamaSpec.tiny()
     one = ScheduleTuning(attn_chunks=1)
