@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 6, "Next"). Run from the project root on the GPU
-# host with .commit carried; output under $2 (default $OUT). Calls 1-2 need no vLLM; 3-5 carry one bundle
-# part each (.gpuhost/part.N; 5 also .gpuhost/unpack.sh); 6-8 need the unpacked bundle (/root/vsite).
+# host with .commit carried; output under $2 (default $OUT). Calls 1-2 need no vLLM; 3, 4 and 5 carry
+# bundle parts 0, 1, 2 (5 also .gpuhost/unpack.sh); 5-8 use the unpacked bundle (/root/vsite).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -16,15 +16,18 @@ vllm_env() {
 }
 {
 case $n in
-  1) # the merge-in-partial kernel: its tests, then the A/B against the default program, alternated
+  1) # the two unmeasured changes: their gpu tests (merge_in_partial in the default build; the residual
+     # prefetch as the MK_RES_PREFETCH=1 variant), then the 1B step table on the default build
      timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
        -k "merge or vs_vm or whole_step or tuned" 2>&1 | tail -4
-     for r in 1 2; do
-       echo "== default ($r)"; step --batch 1 4 8 --no-triton
-       echo "== merge_in_partial ($r)"; step --batch 1 4 8 --no-triton --merge-in-partial; done
+     timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step" --mk-define MK_RES_PREFETCH=1 2>&1 | tail -4
      step --batch 1 4 8 16 ;;
-  2) T=300 step --model bench/models/llama-3.1-8b --batch 1 8 16
-     T=300 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton --merge-in-partial ;;
+  2) # the A/B, alternated over two rounds (1B, no LM head), then 8B on the default build
+     for r in 1 2; do
+       for v in "" "--merge-in-partial" "--define MK_RES_PREFETCH=1" "--merge-in-partial --define MK_RES_PREFETCH=1"; do
+         echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v; done; done
+     T=300 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
   3|4) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   5) vllm_env   # issue 12: the real client, 8B (stock, triton, megakernel)
      timeout 500 python3 bench/serve.py --models llama-3.1-8b --modes triton,megakernel --concurrency 1,8,16 \

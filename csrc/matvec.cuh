@@ -171,7 +171,10 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 // sum for (row r_lo + 8*(e>>1), batch nt*8 + 2*(lane&3) + (e&1)) with r_lo = lane>>2; for gate_up,
 // vu[] holds the matching up tile (m + 1). Defined in megakernel.cu (one case per opcode).
 __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
-                                                int nt, int lane, const float (&v)[4], const float (&vu)[4]);
+                                                int nt, int lane, const float (&v)[4], const float (&vu)[4],
+                                                const unsigned (&rres)[4]);
+__device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t, int p0, int m, int nt, int lane,
+                                                  unsigned (&r)[4]);
 
 // ---- Column-group staging: activations that do not fit the scratch whole ---------------------
 // x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
@@ -341,6 +344,9 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
     if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
+    unsigned rres[4] = {0u, 0u, 0u, 0u};  // MK_RES_PREFETCH: this warp's epilogue residuals (o_proj.cuh)
+    if (MK_RES_PREFETCH && (t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
+      residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
     float acc[MT][NT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -423,7 +429,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
             vu[0] += c.x; vu[1] += c.y; vu[2] += c.z; vu[3] += c.w;
           }
         }
-        matvec_epilogue(S, P, t, p0, m, n, lane, v, vu);
+        matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
       }
     }
     consumer_sync();

@@ -24,6 +24,10 @@
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
+// MK_RES_PREFETCH=1 (A/B experiment): o_proj/down load their epilogue residuals at the start of a pass
+#ifndef MK_RES_PREFETCH
+#define MK_RES_PREFETCH 0
+#endif
 #include "matvec.cuh"
 #include "qkv_rope.cuh"
 #include "attention.cuh"
@@ -36,11 +40,12 @@
 namespace mk {
 
 __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m,
-                                                int nt, int lane, const float (&v)[4], const float (&vu)[4]) {
+                                                int nt, int lane, const float (&v)[4], const float (&vu)[4],
+                                                const unsigned (&rres)[4]) {
   switch (t.opcode) {
     case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v); break;
     case OP_O_PROJ:
-    case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v); break;
+    case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v, rres); break;
     case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
     case OP_LM_HEAD: lm_head_epilogue(P, t, p0, m, nt, lane, v); break;
     default: break;

@@ -5,8 +5,24 @@
 
 namespace mk {
 
+// MK_RES_PREFETCH=1 (an A/B experiment, default 0; defined in megakernel.cu): the residual values of a warp's epilogue tile are
+// loaded at the start of its pass (residual_prefetch), so their L2 round trip overlaps the staging and
+// the chunks instead of following the reduction (bench/NOTES.md session 6: o_proj takes 5.1 us at 1B
+// batch 1 with its weights resident). The residual is complete before the task starts (o_proj: down of
+// the previous layer, via attention and qkv; down: o_proj of its layer, via gate_up).
+__device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t, int p0, int m, int nt, int lane,
+                                                  unsigned (&r)[4]) {
+  const elem_t* res = buf_ptr(P, t.res_buf);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int b = nt * 8 + (lane & 3) * 2 + (e & 1);
+    const int row = (p0 + m) * UNIT + (lane >> 2) + (e >> 1) * 8;
+    r[e] = b < P.batch ? ld_cg_u16(res + (size_t)b * H + row) : 0u;
+  }
+}
+
 __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t, int p0, int m, int nt, int lane,
-                                                  const float (&v)[4]) {
+                                                  const float (&v)[4], const unsigned (&rres)[4]) {
   const elem_t* res = buf_ptr(P, t.res_buf);
   elem_t* out = buf_ptr(P, t.out_buf);
 #pragma unroll
@@ -15,8 +31,9 @@ __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t
     const int row = (p0 + m) * UNIT + (lane >> 2) + (e >> 1) * 8;
     if (b < P.batch) {
       const size_t i = (size_t)b * H + row;
+      const unsigned short r = MK_RES_PREFETCH ? (unsigned short)rres[e] : ld_cg_u16(res + i);
       // STOCK: vLLM's GEMM stores its output before the residual add
-      out[i] = from_f(bits_to_f(ld_cg_u16(res + i)) + stock_rnd(v[e]));  // same thread reads then writes (down)
+      out[i] = from_f(bits_to_f(r) + stock_rnd(v[e]));  // same thread reads then writes (down)
     }
   }
 }
