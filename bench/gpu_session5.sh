@@ -5,10 +5,7 @@
 #   call 3: mk_step at 8B batch 1/8 and 1B at ctx 4096, the DIAG decomposition again, a 1B batch-8 trace
 set -uo pipefail
 n=${1:?call number}; out=${2:?outdir}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-commit=$(python3 bench/common.py)
-echo "date $(date -u +%FT%TZ) call $n commit $commit"
-step() { timeout "${T:-240}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
+STEP_T=240; source bench/gpu_lib.sh   # header line, step() (240 s here), vllm_env()
 case $n in
   2) timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
        tests/test_decode_step.py 2>&1 | tail -6

@@ -7,10 +7,7 @@
 #           a batch-16 trace, the Triton op gpu tests
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-commit=$(python3 bench/common.py)
-echo "date $(date -u +%FT%TZ) call $n commit $commit"
-step() { timeout "${T:-200}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
   1) timeout 330 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
@@ -35,10 +32,7 @@ case $n in
      mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/
      step --batch 1 8 --ctx 4096 ;;
   5) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
-  6|7) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null
-     [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
-     export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
-     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+  6|7) vllm_env
      if [ "$n" = 6 ]; then  # issue 12: the real client, 8B, stock vs each decode path
        timeout 450 python3 bench/serve.py --models llama-3.1-8b --modes triton,megakernel --concurrency 1,8,16 \
          --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -24

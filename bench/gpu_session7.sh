@@ -4,16 +4,7 @@
 # bundle parts 0, 1, 2 (5 also .gpuhost/unpack.sh); 5-8 use the unpacked bundle (/root/vsite).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-commit=$(python3 bench/common.py)
-echo "date $(date -u +%FT%TZ) call $n commit $commit"
-step() { timeout "${T:-200}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
-vllm_env() {
-  mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null
-  [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
-  export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-}
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
   1) # the two unmeasured changes: their gpu tests (merge_in_partial in the default build; the residual
