@@ -73,14 +73,18 @@ def main() -> None:
     variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
     defines = variant.defines()
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
-    tuning = cfg.tuning
+    forced = None
     if args.stages or args.merge_in_partial:
         from mk_plugin.persistent.tuning import ScheduleTuning
         forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=args.merge_in_partial)  # validates N
-        tuning = {b: forced for b in range(1, max(args.batch) + 1)}
         defines = (*defines, forced.label())              # an A/B row: printed, not appended
+
+    def tuning_upto(n: int):
+        """The decoder's tuning for batch sizes 1..n: MK_TUNING's, or the forced one for every size."""
+        return cfg.tuning if forced is None else {b: forced for b in range(1, n + 1)}
+
     dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, variant=variant,
-                            tuning=tuning, watchdog_ms=cfg.watchdog_ms)
+                            tuning=tuning_upto(max(args.batch)), watchdog_ms=cfg.watchdog_ms)
     dec.prepare(args.batch)
     rows = []
     for bsz in args.batch:
@@ -97,8 +101,7 @@ def main() -> None:
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
         if args.trace:
             tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, variant=variant,
-                                     tuning=tuning if not isinstance(tuning, dict) else {b: tuning[b] for b in range(1, bsz + 1)},
-                                     watchdog_ms=cfg.watchdog_ms)
+                                     tuning=tuning_upto(bsz), watchdog_ms=cfg.watchdog_ms)
             for _ in range(3):
                 tdec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
             torch.cuda.synchronize()

@@ -5,9 +5,9 @@
 
 namespace mk {
 
-// MK_RES_PREFETCH=1 (an A/B experiment, default 0; defined in megakernel.cu): the residual values of a warp's epilogue tile are
-// loaded at the start of its pass (residual_prefetch), so their L2 round trip overlaps the staging and
-// the chunks instead of following the reduction (bench/NOTES.md session 6: o_proj takes 5.1 us at 1B
+// MK_RES_PREFETCH=1 (an A/B experiment, default 0; defined in megakernel.cu): the residual values of a
+// warp's epilogue tile are loaded at the start of its pass (residual_prefetch), so their L2 round trip
+// overlaps the staging and the chunks instead of following the reduction (bench/NOTES.md session 6: o_proj takes 5.1 us at 1B
 // batch 1 with its weights resident). The residual is complete before the task starts (o_proj: down of
 // the previous layer, via attention and qkv; down: o_proj of its layer, via gate_up).
 __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t, int p0, int m, int nt, int lane,

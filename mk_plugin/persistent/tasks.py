@@ -274,25 +274,24 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
             for b in range(B):
                 for g in range(nkv):
                     ticket = bld.counter(f"L{L}.ticket.b{b}.g{g}", op.key) if merge else None
+                    # C == 1 and merge-in-partial write ATTN_O (the latter: whichever chunk finishes last,
+                    # after reading every chunk's partial) and signal attn[l]; else PART and part[l][b][g]
+                    to_o = C == 1 or merge
+                    sig = bld.counter(f"L{L}.attn" if to_o else f"L{L}.part.b{b}.g{g}", op.key)
+                    o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
                     for c in range(C):
-                        o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
                         reads = [("Q", b, b + 1, g * G * d, (g + 1) * G * d),
                                  (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
                                  (f"KV{L}", b, b + 1, spec.kv_size + g * d, spec.kv_size + (g + 1) * d)]
-                        cost = ATTN_PARTIAL_NS
-                        if C == 1:
-                            sig, out = bld.counter(f"L{L}.attn", op.key), Buf.ATTN_O
-                            w = [o_region]
-                        elif merge:   # whichever chunk finishes last merges: it may read every chunk's partial
-                            sig, out = bld.counter(f"L{L}.attn", op.key), Buf.ATTN_O
-                            w = [("PART", b, b + 1, g * C + c, g * C + c + 1), o_region]
+                        w = [] if C == 1 else [("PART", b, b + 1, g * C + c, g * C + c + 1)]
+                        if to_o:
+                            w.append(o_region)
+                        if merge:
                             reads.append(("PART", b, b + 1, g * C, (g + 1) * C))
-                            cost += ATTN_MERGE_NS
-                        else:
-                            sig, out = bld.counter(f"L{L}.part.b{b}.g{g}", op.key), Buf.PART_O
-                            w = [("PART", b, b + 1, g * C + c, g * C + c + 1)]
-                        t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q, out_buf=out,
-                                         signal=(sig, 1), cost=cost, reads=reads, writes=w, ticket=ticket))
+                        t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q,
+                                         out_buf=Buf.ATTN_O if to_o else Buf.PART_O, signal=(sig, 1),
+                                         cost=ATTN_PARTIAL_NS + (ATTN_MERGE_NS if merge else 0.0), reads=reads,
+                                         writes=w, ticket=ticket))
                         pending.append((t, [f"L{L}.qkv.g{g}"]))
             if C > 1 and not merge:
                 for b in range(B):
