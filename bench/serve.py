@@ -33,8 +33,11 @@ CSV_HEADER = ("date", "gpu", "commit", "vllm", "shape", "mode", "concurrency", "
 METRICS = ("median_tpot_ms", "median_itl_ms", "median_ttft_ms", "output_throughput", "completed")
 
 
+UNK, BOS, EOS = "<|reserved_special_token_0|>", "<|begin_of_text|>", "<|end_of_text|>"
+
+
 def make_served_folder(model: Path, where: Path) -> Path:
-    """model's config.json plus a word-level tokenizer over its whole vocabulary ("<unk>", "<s>", "</s>",
+    """model's config.json plus a word-level tokenizer over its whole vocabulary (UNK, BOS, EOS,
     "w3" .. "w<V-1>", whitespace pre-tokenizer), saved the way transformers' AutoTokenizer loads it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -44,14 +47,16 @@ def make_served_folder(model: Path, where: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(model / "config.json", out / "config.json")
     # ids 0..2 are the special tokens, named so that no word contains them (an added token "w1" would
-    # also match inside "w11")
-    vocab = {f"w{i}": i for i in range(int(cfg["vocab_size"]))} | {"<unk>": 0, "<s>": 1, "</s>": 2}
+    # also match inside "w11"), and long, as Llama 3's are: vLLM 0.24 rejects (400, before tokenizing) a
+    # prompt of more characters than (max_model_len - max_tokens) x its longest token, and a random-dataset
+    # prompt of 512 seven-character words plus their spaces is 4095 characters (8 of 32 requests failed
+    # on the H200 with "<s>"/"</s>": 528 x 7 = 3696)
+    vocab = {f"w{i}": i for i in range(int(cfg["vocab_size"]))} | {UNK: 0, BOS: 1, EOS: 2}
     for i in range(3):
         del vocab[f"w{i}"]
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=UNK)
     fast.save_pretrained(out)
     return out
 

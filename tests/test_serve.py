@@ -68,3 +68,22 @@ def test_dry_run_writes_every_model_mode_and_concurrency(tmp_path):
                                                             for c in ("1", "8")}
     md = next(tmp_path.glob("serve_*_dryrun.md")).read_text()
     assert "| llama-3.2-1b-1layer | 8 |" in md and "x)" in md
+
+
+def test_random_dataset_prompts_pass_vllms_length_guard(tmp_path):
+    """vLLM 0.24 rejects a prompt longer than (max_model_len - max_tokens) x the tokenizer's longest
+    token in characters, before tokenizing it (renderers/params.py, _text_len_check): with two-letter
+    special tokens, 8 of 32 random-dataset prompts (those of seven-character words) failed with 400 on
+    the H200. The prompts `vllm bench serve` sends for the default 512 in / 128 out must all pass."""
+    from vllm.benchmarks.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    import common
+
+    folder = serve.make_served_folder(MODELS / "llama-3.1-8b", tmp_path)
+    tok = get_tokenizer(str(folder))
+    reqs = RandomDataset(random_seed=0).sample(tokenizer=tok, num_requests=64, input_len=512, output_len=128)
+    bound = (common.max_model_len_for(512, 128) - 128) * tok.max_chars_per_token
+    assert max(len(r.prompt) for r in reqs) >= 4000  # the long-word prompts are among them
+    assert [len(r.prompt) for r in reqs if len(r.prompt) > bound] == []
+    assert all(len(tok.encode(r.prompt)) == 512 for r in reqs)
