@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (bench/NOTES.md session 6, "Next"). Run from the project root on the GPU
+# Session 7's first machine, as it ran at b200d73 (calls 1, 2, 5 and 7; bench/NOTES.md session 7): its
+# --merge-in-partial and MK_RES_PREFETCH flags are that commit's (both became the default after it).
+# Planned in session 6 (NOTES, "Next"). Run from the project root on the GPU
 # host with .commit carried; output under $2 (default $OUT). Calls 1-2 need no vLLM; 3, 4 and 5 carry
 # bundle parts 0, 1, 2 (5 also .gpuhost/unpack.sh); 5-8 use the unpacked bundle (/root/vsite).
 set -uo pipefail

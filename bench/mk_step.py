@@ -48,9 +48,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=0, metavar="N",
                     help="ring depth N (4, 5, 6) for every batch size instead of each batch's default or tuned one "
                          "(an A/B experiment: rows are not appended to --csv)")
-    ap.add_argument("--merge-in-partial", action="store_true",
-                    help="attention without combine tasks (tuning.merge_in_partial) for every batch size (an A/B "
-                         "experiment like --stages: rows are not appended to --csv)")
+    ap.add_argument("--combine-tasks", action="store_true",
+                    help="attention with separate combine tasks (tuning.merge_in_partial=False, the default before "
+                         "session 7) for every batch size (an A/B experiment like --stages: rows are not appended)")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     ap.add_argument("--records-dir", type=Path, default=None,
@@ -74,9 +74,9 @@ def main() -> None:
     defines = variant.defines()
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
     forced = None
-    if args.stages or args.merge_in_partial:
+    if args.stages or args.combine_tasks:
         from mk_plugin.persistent.tuning import ScheduleTuning
-        forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=args.merge_in_partial)  # validates N
+        forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=not args.combine_tasks)  # validates N
         defines = (*defines, forced.label())              # an A/B row: printed, not appended
 
     def tuning_upto(n: int):
@@ -108,6 +108,9 @@ def main() -> None:
             recs = mktrace.annotate(tdec.trace_records(bsz), tdec.program(bsz), seq)
             print(f"\n[batch {bsz}] traced step: {mktrace.step_span_ns(recs) / 1e3:.1f} us over {len(recs)} tasks\n"
                   + mktrace.op_table_markdown(mktrace.op_table(recs)))
+            if variant.phases:   # MK_TRACE_PHASES=1: where a matvec task's time goes once it is ready
+                from mk_plugin.persistent import trace_phases
+                print("\nmedian per task (us):\n" + trace_phases.phase_table_markdown(trace_phases.phase_table(recs)))
             if args.records_dir is not None:
                 tag = "_".join(d.removeprefix("-D").replace("=", "") for d in defines) or "default"
                 meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),

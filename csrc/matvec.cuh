@@ -340,12 +340,16 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   if (!staged) group_issue(xs, x, wp.K, 0, B, KC);
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
+  // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
+  unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
+  const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
+    if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
     if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
-    unsigned rres[4] = {0u, 0u, 0u, 0u};  // MK_RES_PREFETCH: this warp's epilogue residuals (o_proj.cuh)
-    if (MK_RES_PREFETCH && (t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
+    unsigned rres[4] = {0u, 0u, 0u, 0u};  // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh)
+    if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
       residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
     float acc[MT][NT][4];
 #pragma unroll
@@ -359,6 +363,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
+    if (ph_on) {
+      const unsigned long long now = global_ns();
+      ph_stage += now - ph_mark;
+      ph_mark = now;
+    }
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
       unsigned xb[JMAX][NT][2];
@@ -407,6 +416,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       }
     }
     consumer_sync();  // every warp is done with the staged x before `red` overwrites it
+    if (ph_on) {
+      const unsigned long long now = global_ns();
+      ph_chunks += now - ph_mark;
+      ph_mark = now;
+    }
 
     // Cross-warp reduction: red[warp][m][n][lane] (float4), then warp w owns tile w = m*NT + n.
 #pragma unroll
@@ -433,6 +447,13 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       }
     }
     consumer_sync();
+    if (ph_on) ph_reduce += global_ns() - ph_mark;
+  }
+  if (ph_on) {
+    unsigned long long* tr = P.trace + (size_t)(*S.cur_task()) * TRACE_WORDS;
+    tr[TR_PH_STAGE] = ph_stage;
+    tr[TR_PH_CHUNKS] = ph_chunks;
+    tr[TR_PH_REDUCE] = ph_reduce;
   }
   *wait_out += wait_cycles;
   return it;

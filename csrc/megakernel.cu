@@ -24,9 +24,9 @@
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
-// MK_RES_PREFETCH=1 (A/B experiment): o_proj/down load their epilogue residuals at the start of a pass
-#ifndef MK_RES_PREFETCH
-#define MK_RES_PREFETCH 0
+// MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
+#ifndef MK_TRACE_PHASES
+#define MK_TRACE_PHASES 0
 #endif
 #include "matvec.cuh"
 #include "qkv_rope.cuh"

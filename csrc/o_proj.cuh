@@ -5,11 +5,11 @@
 
 namespace mk {
 
-// MK_RES_PREFETCH=1 (an A/B experiment, default 0; defined in megakernel.cu): the residual values of a
-// warp's epilogue tile are loaded at the start of its pass (residual_prefetch), so their L2 round trip
-// overlaps the staging and the chunks instead of following the reduction (bench/NOTES.md session 6: o_proj takes 5.1 us at 1B
-// batch 1 with its weights resident). The residual is complete before the task starts (o_proj: down of
-// the previous layer, via attention and qkv; down: o_proj of its layer, via gate_up).
+// The residual values of a warp's epilogue tile are loaded at the start of its pass (residual_prefetch),
+// so their L2 round trip overlaps the staging and the chunks instead of following the reduction: -13..-16
+// us per 1B step at batch 1/4/8 (bench/results/mk_ab_2026-12-01_b200d73.md; it was the MK_RES_PREFETCH
+// variant). The residual is complete before the task starts (o_proj: down of the previous layer, via
+// attention and qkv; down: o_proj of its layer, via gate_up).
 __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   unsigned (&r)[4]) {
   const elem_t* res = buf_ptr(P, t.res_buf);
@@ -31,7 +31,7 @@ __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t
     const int row = (p0 + m) * UNIT + (lane >> 2) + (e >> 1) * 8;
     if (b < P.batch) {
       const size_t i = (size_t)b * H + row;
-      const unsigned short r = MK_RES_PREFETCH ? (unsigned short)rres[e] : ld_cg_u16(res + i);
+      const unsigned short r = (unsigned short)rres[e];
       // STOCK: vLLM's GEMM stores its output before the residual add
       out[i] = from_f(bits_to_f(r) + stock_rnd(v[e]));  // same thread reads then writes (down)
     }

@@ -71,9 +71,10 @@ def test_tuning_json_label_and_helpers():
     assert ScheduleTuning().label() == "default" and ScheduleTuning().is_default
     with pytest.raises(ValueError, match="unknown tuning field"):
         ScheduleTuning.from_json({"splits": {}})
-    m = t.with_merge(True)
-    assert m.label().endswith(",merge_in_partial") and ScheduleTuning.from_json(json.loads(json.dumps(m.to_json()))) == m
-    assert "merge_in_partial" not in t.to_json() and not ScheduleTuning().with_merge(True).is_default
+    m = t.with_merge(False)   # combine tasks: no longer the default
+    assert m.label().endswith(",combine_tasks") and ScheduleTuning.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert "merge_in_partial" not in t.to_json() and not ScheduleTuning().with_merge(False).is_default
+    assert ScheduleTuning().merge_in_partial and ScheduleTuning.from_json({"split": {}}).merge_in_partial
 
 
 def test_tuned_program_has_the_asked_task_counts():
@@ -85,7 +86,9 @@ def test_tuned_program_has_the_asked_task_counts():
     assert nd["gate_up"] == SMS and nd["o_proj"] == SMS
     assert n["down"] == nd["down"] and n["qkv_rope"] == nd["qkv_rope"]
     assert p.attn_chunks == 3 and d.attn_chunks == attention_chunks(2, SPEC.num_kv_heads, SMS)
-    assert n["attention"] == 2 * SPEC.num_kv_heads * 3 + 2 * SPEC.num_kv_heads   # partials + combines
+    assert n["attention"] == 2 * SPEC.num_kv_heads * 3   # partials; the last of each (b, g) merges
+    nc = op_task_counts(build_program(SPEC, 2, SMS, lm_head=True, tuning=t.with_merge(False)))
+    assert nc["attention"] == 2 * SPEC.num_kv_heads * 3 + 2 * SPEC.num_kv_heads   # partials + combines
     assert p.tuning == t and p.predicted_ns > 0
 
 
@@ -228,7 +231,7 @@ def test_neighbours_drop_equivalent_values():
     c = [t.attn_chunks for k, t in cands if k == "attn_chunks"]
     assert c and all(1 <= x <= 32 for x in c)
     merge = [t for k, t in cands if k == "merge_in_partial"]
-    assert (merge == [base.with_merge(True)]) == (attention_chunks(2, SPEC.num_kv_heads, SMS) > 1)
+    assert (merge == [base.with_merge(False)]) == (attention_chunks(2, SPEC.num_kv_heads, SMS) > 1)
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

@@ -143,11 +143,8 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ROUNDING=7"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         KernelVariant.parse(["MK_NUM_STAGES"])
-    rp = KernelVariant.parse(["MK_RES_PREFETCH=1"])
-    assert rp.res_prefetch and rp.defines() == ("-DMK_RES_PREFETCH=1",) and rp.label() == "res_prefetch"
-    assert KernelVariant.parse(["MK_RES_PREFETCH=0"]) == KernelVariant()
-    with pytest.raises(ValueError, match="MK_RES_PREFETCH=2: bad value"):
-        KernelVariant.parse(["MK_RES_PREFETCH=2"])
+    with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):
+        KernelVariant.parse(["MK_RES_PREFETCH=1"])   # measured faster in session 7: always on, no switch
 
 
 def test_backend_takes_its_rounding_from_the_variant():

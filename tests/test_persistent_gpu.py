@@ -345,7 +345,7 @@ def test_merge_in_partial_is_bitwise_the_combine_tasks(models, mk_variant, bsz):
     seq_lens = ([1, 0, 4095, 260, 3, 90, 1025, 31] * 2)[:bsz] if bsz > 1 else [777]
     batch = gpu_batch(spec, seq_lens, seed=13)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    tasks = ScheduleTuning(attn_chunks=4)
+    tasks = ScheduleTuning(attn_chunks=4, merge_in_partial=False)   # combine tasks
     ref_out = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks}),
                       spec, w, batch, cs)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks.with_merge(True)})

@@ -96,7 +96,7 @@ def test_merge_in_partial_gives_the_combine_tasks_bits():
     the combine tasks'; the program passes the ordering and deadlock checks."""
     spec = LlamaSpec.tiny()
     w, batch, cs, hidden = _setup(spec, [9, 40, 0, 17], torch.bfloat16, seed=7)
-    chunks = ScheduleTuning(attn_chunks=3)
+    chunks = ScheduleTuning(attn_chunks=3, merge_in_partial=False)
     merged = chunks.with_merge(True)
     p0, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=6, tuning=chunks)
     for order, seed, fb in (("round_robin", 0, frozenset()), ("random", 3, frozenset()), ("random", 8, frozenset()),
@@ -121,7 +121,7 @@ def test_merge_in_partial_random_specs(spec, seq_lens, sms, chunks, seed):
     """Odd shapes (GQA groups, head sizes, contexts that are not multiples of a block, empty requests):
     merging in the last partial gives the combine tasks' bits under a random interleaving."""
     w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16, seed=seed % 7)
-    t = ScheduleTuning(attn_chunks=chunks)
+    t = ScheduleTuning(attn_chunks=chunks, merge_in_partial=False)
     _, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=t)
     _, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=t.with_merge(True), order="random", seed=seed)
     assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
@@ -130,7 +130,7 @@ def test_merge_in_partial_random_specs(spec, seq_lens, sms, chunks, seed):
 
 def test_merge_in_partial_with_one_chunk_is_the_default_program():
     spec = LlamaSpec.tiny()
-    one = ScheduleTuning(attn_chunks=1)
+    one = ScheduleTuning(attn_chunks=1, merge_in_partial=False)
     a = build_program(spec, 2, 5, tuning=one)
     b = build_program(spec, 2, 5, tuning=one.with_merge(True))
     assert all((x.encoded == y.encoded).all() for x, y in zip(a.segments, b.segments))

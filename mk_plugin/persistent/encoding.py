@@ -173,10 +173,13 @@ WATCHDOG_MS_MAX = 600_000
 # Per-task trace record (MK_TRACE / MegakernelDecoder(trace=True)), uint64 words: %globaltimer ns
 # when the consumers start the task (before its waits), are ready (waits done), end (before the
 # release); when the producer starts / finishes issuing the task's weight chunks; clock cycles the
-# first consumer warp spent waiting for weight chunks; the SM (block) index; the opcode.
+# first consumer warp spent waiting for weight chunks; the SM (block) index; the opcode; and, in the
+# MK_TRACE_PHASES=1 build only (else 0), a matvec task's ns in its phases, summed over its passes:
+# activation staging (pass start to the chunk loop), the chunk loop (to the barrier after it: all warps
+# done), the cross-warp reduction and epilogue (to the pass's last barrier).
 TRACE_FIELDS: tuple[str, ...] = ("start", "ready", "end", "prod_first", "prod_last", "wait_cycles", "sm",
-                                 "opcode")
-TRACE_WORDS = 8
+                                 "opcode", "ph_stage", "ph_chunks", "ph_reduce")
+TRACE_WORDS = 11
 
 # Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
 #   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
@@ -269,15 +272,15 @@ class KernelVariant:
     rounding: Rounding = Rounding.FUSED
     num_stages: int = LAYOUT.num_stages
     diag: int = 0
-    res_prefetch: bool = False   # MK_RES_PREFETCH: o_proj/down load epilogue residuals early (A/B, unmeasured)
+    phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
             raise TypeError(f"rounding={self.rounding!r} must be a Rounding ({', '.join(r.name for r in Rounding)})")
         if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
             raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
-        if not isinstance(self.res_prefetch, bool):
-            raise ValueError(f"res_prefetch={self.res_prefetch!r} must be true or false")
+        if not isinstance(self.phases, bool):
+            raise ValueError(f"phases={self.phases!r} must be true or false")
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
@@ -290,8 +293,8 @@ class KernelVariant:
             out.append(f"-DMK_NUM_STAGES={self.num_stages}")
         if self.diag:
             out.append(f"-DMK_DIAG={self.diag}")
-        if self.res_prefetch:
-            out.append("-DMK_RES_PREFETCH=1")
+        if self.phases:
+            out.append("-DMK_TRACE_PHASES=1")
         return tuple(out)
 
     @property
@@ -305,17 +308,17 @@ class KernelVariant:
     def label(self) -> str:
         parts = [f"{k}={v}" for k, v in (("rounding", self.rounding.name.lower()), ("stages", self.num_stages),
                                          ("diag", self.diag)) if v not in ("fused", LAYOUT.num_stages, 0)]
-        if self.res_prefetch:
-            parts.append("res_prefetch")
+        if self.phases:
+            parts.append("phases")
         return ",".join(parts) or "default"
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG,
-        MK_RES_PREFETCH (0/1); a "-D" prefix is allowed. Anything else is a ValueError naming it and the
+        MK_TRACE_PHASES (0/1); a "-D" prefix is allowed. Anything else is a ValueError naming it and the
         supported names."""
         fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag",
-                  "MK_RES_PREFETCH": "res_prefetch"}
+                  "MK_TRACE_PHASES": "phases"}
         kw: dict[str, object] = {}
         for item in items:
             name, sep, raw = item.removeprefix("-D").partition("=")
@@ -326,10 +329,10 @@ class KernelVariant:
             try:
                 if name == "MK_ROUNDING":
                     kw["rounding"] = Rounding(int(raw)) if raw.isdigit() else Rounding[raw.upper()]
-                elif name == "MK_RES_PREFETCH":
+                elif name == "MK_TRACE_PHASES":
                     if raw not in ("0", "1"):
                         raise ValueError(raw)
-                    kw["res_prefetch"] = raw == "1"
+                    kw["phases"] = raw == "1"
                 else:
                     kw[fields[name]] = int(raw, 0)
             except (KeyError, ValueError):

@@ -54,12 +54,14 @@ class ScheduleTuning:
     num_stages: weight ring depth (encoding.STAGE_CHOICES); 0 = the layout's default (6).
     merge_in_partial: with more than one KV chunk, the last partial task of each (request, kv head) to
       finish merges the chunks (a ticket counter says which is last) instead of a separate combine task:
-      one hand-off less per layer on the attention chain (tasks.py). False = combine tasks.
+      one hand-off less per layer on the attention chain (tasks.py). False = combine tasks. The default
+      since session 7 (measured -3..-7 us at 1B batch 1/4/8, bench/results/mk_ab_2026-12-01_b200d73.md);
+      tables written before then record the default program of their time, read as today's default.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
     num_stages: int = 0
-    merge_in_partial: bool = False
+    merge_in_partial: bool = True
 
     def __post_init__(self) -> None:
         seen = set()
@@ -108,7 +110,7 @@ class ScheduleTuning:
 
     @property
     def is_default(self) -> bool:
-        return not self.split and self.attn_chunks == 0 and self.num_stages == 0 and not self.merge_in_partial
+        return not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -116,15 +118,15 @@ class ScheduleTuning:
             parts.append(f"chunks{self.attn_chunks}")
         if self.num_stages:
             parts.append(f"stages{self.num_stages}")
-        if self.merge_in_partial:
-            parts.append("merge_in_partial")
+        if not self.merge_in_partial:
+            parts.append("combine_tasks")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
         d = {"split": {op: f for op, f in self.split}, "attn_chunks": self.attn_chunks,
              "num_stages": self.num_stages}
-        if self.merge_in_partial:   # absent = False: tables written before the knob existed stay valid
-            d["merge_in_partial"] = True
+        if not self.merge_in_partial:   # absent = the default (True)
+            d["merge_in_partial"] = False
         return d
 
     @classmethod
@@ -135,7 +137,7 @@ class ScheduleTuning:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
-                   d.get("merge_in_partial", False))
+                   d.get("merge_in_partial", True))
 
 
 DEFAULT_TUNING = ScheduleTuning()

@@ -1,0 +1,50 @@
+"""The MK_TRACE_PHASES table (mk_plugin.persistent.trace_phases) on synthetic records, and the variant
+that builds it: on a CPU (the phase stamps themselves need a GPU: bench/mk_step.py --trace)."""
+from __future__ import annotations
+
+import pytest
+
+from mk_plugin.persistent import trace_phases as tp
+from mk_plugin.persistent.encoding import TRACE_FIELDS, KernelVariant, Opcode
+from mk_plugin.persistent.trace import check_records
+
+
+def rec(tid: int, opcode: Opcode, ready: int, end: int, stage: int, chunks: int, reduce: int) -> dict:
+    r = {"tid": tid, "op": f"L0.{opcode.name.lower()}", **dict.fromkeys(TRACE_FIELDS, 0), "start": ready - 100,
+         "ready": ready, "end": end, "opcode": int(opcode), "ph_stage": stage, "ph_chunks": chunks,
+         "ph_reduce": reduce}
+    return r
+
+
+def test_phase_table_medians_and_remainder():
+    rs = [rec(0, Opcode.O_PROJ, 1000, 6000, 1000, 2000, 1500),     # busy 5.0 us, other 0.5
+          rec(1, Opcode.O_PROJ, 1000, 8000, 1000, 4000, 1500),     # busy 7.0, other 0.5
+          rec(2, Opcode.O_PROJ, 1000, 7000, 2000, 3000, 1500),     # busy 6.0, other -0.5 (clock granularity)
+          rec(3, Opcode.DOWN, 1000, 12000, 500, 9000, 1000),
+          rec(4, Opcode.ATTN_PARTIAL, 1000, 4000, 0, 0, 0)]        # not a matvec task: no row
+    check_records(rs)
+    rows = {r.op: r for r in tp.phase_table(rs)}
+    assert list(rows) == ["o_proj", "down"]
+    o = rows["o_proj"]
+    assert (o.tasks, o.busy_us, o.stage_us, o.chunks_us, o.reduce_us, o.other_us) == (3, 6.0, 1.0, 3.0, 1.5, 0.5)
+    assert rows["down"].other_us == pytest.approx(0.5)
+    md = tp.phase_table_markdown(tp.phase_table(rs))
+    assert md.splitlines()[2].startswith("| o_proj | 3 | 6.00 | 1.00 | 3.00 | 1.50 | 0.50 |")
+
+
+def test_records_without_phases_are_valid_but_have_no_table():
+    r = rec(0, Opcode.GATE_UP, 1000, 2000, 0, 0, 0)
+    for f in tp.PHASES:
+        del r[f]   # records saved before the phase fields existed
+    check_records([r])
+    assert not tp.has_phases([r])
+    with pytest.raises(ValueError, match="MK_TRACE_PHASES=1"):
+        tp.phase_table([r])
+
+
+def test_phase_variant_is_a_define():
+    v = KernelVariant.parse(["MK_TRACE_PHASES=1"])
+    assert v.phases and v.defines() == ("-DMK_TRACE_PHASES=1",) and v.label() == "phases"
+    assert KernelVariant.parse(["MK_TRACE_PHASES=0"]) == KernelVariant()
+    with pytest.raises(ValueError, match="MK_TRACE_PHASES=2: bad value"):
+        KernelVariant.parse(["MK_TRACE_PHASES=2"])
