@@ -108,6 +108,8 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       default: break;
     }
     consumer_sync();  // all of this task's stores precede the release below
+    unsigned long long t_rel = 0;
+    if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
     if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (P.trace != nullptr && threadIdx.x == 0) {
@@ -115,6 +117,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       tr[TR_START] = t_start;
       tr[TR_READY] = t_ready;
       tr[TR_END] = global_ns();
+      if (MK_TRACE_PHASES) tr[TR_PH_RELEASE] = tr[TR_END] - t_rel;
       tr[TR_WAIT_CYCLES] = wait_cycles;
       tr[TR_SM] = blockIdx.x;
       tr[TR_OPCODE] = (unsigned long long)t.opcode;

@@ -9,10 +9,11 @@ from mk_plugin.persistent.encoding import TRACE_FIELDS, KernelVariant, Opcode
 from mk_plugin.persistent.trace import check_records
 
 
-def rec(tid: int, opcode: Opcode, ready: int, end: int, stage: int, chunks: int, reduce: int) -> dict:
+def rec(tid: int, opcode: Opcode, ready: int, end: int, stage: int, chunks: int, reduce: int,
+        release: int = 0) -> dict:
     r = {"tid": tid, "op": f"L0.{opcode.name.lower()}", **dict.fromkeys(TRACE_FIELDS, 0), "start": ready - 100,
          "ready": ready, "end": end, "opcode": int(opcode), "ph_stage": stage, "ph_chunks": chunks,
-         "ph_reduce": reduce}
+         "ph_reduce": reduce, "ph_release": release}
     return r
 
 
@@ -20,16 +21,17 @@ def test_phase_table_medians_and_remainder():
     rs = [rec(0, Opcode.O_PROJ, 1000, 6000, 1000, 2000, 1500),     # busy 5.0 us, other 0.5
           rec(1, Opcode.O_PROJ, 1000, 8000, 1000, 4000, 1500),     # busy 7.0, other 0.5
           rec(2, Opcode.O_PROJ, 1000, 7000, 2000, 3000, 1500),     # busy 6.0, other -0.5 (clock granularity)
-          rec(3, Opcode.DOWN, 1000, 12000, 500, 9000, 1000),
-          rec(4, Opcode.ATTN_PARTIAL, 1000, 4000, 0, 0, 0)]        # not a matvec task: no row
+          rec(3, Opcode.DOWN, 1000, 12000, 500, 9000, 1000, 250),
+          rec(4, Opcode.ATTN_PARTIAL, 1000, 4000, 0, 0, 0, 600)]   # attention: release and other only
     check_records(rs)
     rows = {r.op: r for r in tp.phase_table(rs)}
-    assert list(rows) == ["o_proj", "down"]
+    assert list(rows) == ["attn_partial", "o_proj", "down"]
     o = rows["o_proj"]
     assert (o.tasks, o.busy_us, o.stage_us, o.chunks_us, o.reduce_us, o.other_us) == (3, 6.0, 1.0, 3.0, 1.5, 0.5)
-    assert rows["down"].other_us == pytest.approx(0.5)
+    assert rows["down"].other_us == pytest.approx(0.25) and rows["down"].release_us == pytest.approx(0.25)
+    assert rows["attn_partial"].release_us == pytest.approx(0.6) and rows["attn_partial"].other_us == pytest.approx(2.4)
     md = tp.phase_table_markdown(tp.phase_table(rs))
-    assert md.splitlines()[2].startswith("| o_proj | 3 | 6.00 | 1.00 | 3.00 | 1.50 | 0.50 |")
+    assert md.splitlines()[3].startswith("| o_proj | 3 | 6.00 | 1.00 | 3.00 | 1.50 | 0.00 | 0.50 |")
 
 
 def test_records_without_phases_are_valid_but_have_no_table():

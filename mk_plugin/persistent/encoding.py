@@ -176,10 +176,11 @@ WATCHDOG_MS_MAX = 600_000
 # first consumer warp spent waiting for weight chunks; the SM (block) index; the opcode; and, in the
 # MK_TRACE_PHASES=1 build only (else 0), a matvec task's ns in its phases, summed over its passes:
 # activation staging (pass start to the chunk loop), the chunk loop (to the barrier after it: all warps
-# done), the cross-warp reduction and epilogue (to the pass's last barrier).
+# done), the cross-warp reduction and epilogue (to the pass's last barrier); and for every task the ns of
+# its release (the signal's red.release, whose fence waits for the CTA's stores: end - this = its start).
 TRACE_FIELDS: tuple[str, ...] = ("start", "ready", "end", "prod_first", "prod_last", "wait_cycles", "sm",
-                                 "opcode", "ph_stage", "ph_chunks", "ph_reduce")
-TRACE_WORDS = 11
+                                 "opcode", "ph_stage", "ph_chunks", "ph_reduce", "ph_release")
+TRACE_WORDS = 12
 
 # Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
 #   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
