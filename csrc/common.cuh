@@ -130,8 +130,8 @@ constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
 constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
 constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
 constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
-constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task index
-constexpr int STEP_OFF = (FLAGS_OFF + 8 + 15) / 16 * 16;       // positions, slots, seq_lens (step_inputs)
+constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task, tasks released
+constexpr int STEP_OFF = (FLAGS_OFF + 12 + 15) / 16 * 16;      // positions, slots, seq_lens (step_inputs)
 constexpr int PARAMS_OFF = STEP_OFF + (8 + 8 + 4) * MAX_BATCH;
 static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc shared memory overflow");
 
@@ -149,6 +149,9 @@ struct Smem {
   __device__ __forceinline__ volatile int* abort_flag() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF); }
   // Index (in this launch's task array) of the task the consumers are running, for the record.
   __device__ __forceinline__ volatile int* cur_task() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 4); }
+  // MK_RELEASE_GATE: index + 1 of the last task whose signal thread 0 has released (the queue's start
+  // before the first): the producer reads it to hold weight copies back until a release is done.
+  __device__ __forceinline__ volatile int* released() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 8); }
   // This step's per-request inputs, copied once per launch (step_inputs): the qkv epilogue and the
   // attention read them from shared memory instead of paying a global round trip per task.
   __device__ __forceinline__ long long* pos() const { return reinterpret_cast<long long*>(base + STEP_OFF); }

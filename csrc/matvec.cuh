@@ -91,6 +91,16 @@ __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
 // ---- producer: stream the weights of every task of this SM's queue ----------------------------
+// MK_RELEASE_GATE (megakernel.cu): wait until the consumers have released task ti - 1. A hint, not a
+// dependency: it gives up when the CTA stops or after one watchdog budget (then the copies just go out).
+__device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int ti, int lane) {
+  if (lane == 0) {
+    const unsigned long long t0 = global_ns();
+    while (*S.released() < ti && !*S.abort_flag() && global_ns() - t0 < P.budget_ns) __nanosleep(32);
+  }
+  __syncwarp();
+}
+
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
 // (KC = chunk_cols_for(NT)).
@@ -102,10 +112,14 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
   unsigned it = 0;
   int ti = qbeg;
+  int prev_op = -1;  // opcode of the queue's previous task (MK_RELEASE_GATE)
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
+    const int gate_op = prev_op;
+    prev_op = t.opcode;
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
+    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;
     const int uend = t.arg0 + t.arg1;
@@ -343,6 +357,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
   unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
   const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
+  const unsigned long long ph_entry = ph_on ? global_ns() : 0ull;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
@@ -454,6 +469,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     tr[TR_PH_STAGE] = ph_stage;
     tr[TR_PH_CHUNKS] = ph_chunks;
     tr[TR_PH_REDUCE] = ph_reduce;
+    tr[TR_PH_ENTRY] = ph_entry;
   }
   *wait_out += wait_cycles;
   return it;

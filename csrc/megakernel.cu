@@ -24,6 +24,14 @@
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
+// MK_RELEASE_GATE=<mask of opcodes> (A/B experiment, default 0): the producer does not issue the weights
+// of the task that follows one of these opcodes in its queue until that task's signal is released. The
+// release's fence (MEMBAR.ALL.GPU, ERRBAR) waits for the SM's in-flight weight copies (session 7: gate_up's
+// release 3.3 us with the next task's copies in flight, 0.4-0.8 us without), and the release is on the
+// dependency chain; held copies delay the next task's weights instead.
+#ifndef MK_RELEASE_GATE
+#define MK_RELEASE_GATE 0
+#endif
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
 #ifndef MK_TRACE_PHASES
 #define MK_TRACE_PHASES 0
@@ -112,6 +120,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
     if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
+    if (MK_RELEASE_GATE && threadIdx.x == 0) *S.released() = ti + 1;  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {
       unsigned long long* tr = P.trace + (size_t)ti * TRACE_WORDS;
       tr[TR_START] = t_start;
@@ -166,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     P.chunks = prog[HDR_ATTN_CHUNKS];
     P.tasks_at = prog[HDR_TASKS_AT];
     *S.cur_task() = -1;
+    if (MK_RELEASE_GATE) *S.released() = __ldg(prog + HEADER_WORDS + blockIdx.x);  // none released yet
     // A program built for another model, batch limit or grid must never run: record which check
     // failed and exit (the host validates ProgramMeta before launching, so this is a last guard).
     int bad = 0;

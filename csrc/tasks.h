@@ -174,7 +174,7 @@ static_assert(SMEM_BYTES <= 232448, "dynamic shared memory over the sm_90 limit"
 static_assert(SLOT_BYTES % 128 == 0 && UNION_BYTES % 128 == 0, "128-byte aligned regions");
 static_assert(SLOT_BYTES == 16 * ROW_BYTES && ROW_BYTES == 2 * CHUNK_COLS + 16, "slot");
 static_assert((ROW_BYTES / 16) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
-constexpr int TRACE_WORDS = 12;
+constexpr int TRACE_WORDS = 13;
 constexpr int TR_START = 0;
 constexpr int TR_READY = 1;
 constexpr int TR_END = 2;
@@ -187,5 +187,6 @@ constexpr int TR_PH_STAGE = 8;
 constexpr int TR_PH_CHUNKS = 9;
 constexpr int TR_PH_REDUCE = 10;
 constexpr int TR_PH_RELEASE = 11;
+constexpr int TR_PH_ENTRY = 12;
 
 }  // namespace mk

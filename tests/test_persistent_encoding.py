@@ -143,6 +143,11 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ROUNDING=7"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         KernelVariant.parse(["MK_NUM_STAGES"])
+    g = KernelVariant.parse(["MK_RELEASE_GATE=96"])   # bits of GATE_UP and DOWN
+    assert g.release_gate == (1 << enc.Opcode.GATE_UP) | (1 << enc.Opcode.DOWN) and g.defines() == ("-DMK_RELEASE_GATE=96",)
+    assert g.label() == "release_gate=96" and KernelVariant.parse(["MK_RELEASE_GATE=0"]) == KernelVariant()
+    with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
+        KernelVariant(release_gate=512)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):
         KernelVariant.parse(["MK_RES_PREFETCH=1"])   # measured faster in session 7: always on, no switch
 

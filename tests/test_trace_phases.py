@@ -31,7 +31,10 @@ def test_phase_table_medians_and_remainder():
     assert rows["down"].other_us == pytest.approx(0.25) and rows["down"].release_us == pytest.approx(0.25)
     assert rows["attn_partial"].release_us == pytest.approx(0.6) and rows["attn_partial"].other_us == pytest.approx(2.4)
     md = tp.phase_table_markdown(tp.phase_table(rs))
-    assert md.splitlines()[3].startswith("| o_proj | 3 | 6.00 | 1.00 | 3.00 | 1.50 | 0.00 | 0.50 |")
+    assert md.splitlines()[3].startswith("| o_proj | 3 | 6.00 | 0.00 | 1.00 | 3.00 | 1.50 | 0.00 | 0.50 |")
+    rs[0]["ph_entry"] = rs[0]["ready"] + 300   # the call took 0.3 us: out of "other"
+    assert tp.phase_table(rs)[1].entry_us == 0.0 and tp.phase_table(rs[:1])[0].entry_us == pytest.approx(0.3)
+    assert tp.phase_table(rs[:1])[0].other_us == pytest.approx(0.2)
 
 
 def test_records_without_phases_are_valid_but_have_no_table():
@@ -50,3 +53,19 @@ def test_phase_variant_is_a_define():
     assert KernelVariant.parse(["MK_TRACE_PHASES=0"]) == KernelVariant()
     with pytest.raises(ValueError, match="MK_TRACE_PHASES=2: bad value"):
         KernelVariant.parse(["MK_TRACE_PHASES=2"])
+
+
+def test_release_by_lag_buckets_by_the_next_weights_start():
+    def r(tid, op, start, end, release, pf=0, sm=0):
+        x = rec(tid, op, start + 10, end, 0, 1, 0, release)
+        x.update(start=start, sm=sm, prod_first=pf)
+        return x
+    rs = [r(0, Opcode.GATE_UP, 1000, 10000, 3000, pf=500),            # next weights began 1.0 us before release
+          r(1, Opcode.DOWN, 10000, 20000, 1000, pf=6000),             # its next (qkv) began 7.0 us before: >= 5
+          r(2, Opcode.QKV_ROPE, 20000, 30000, 400, pf=12000),         # o_proj weights begin after: not started
+          r(3, Opcode.O_PROJ, 30000, 40000, 500, pf=39000),           # no later weights task on this SM
+          r(4, Opcode.GATE_UP, 1000, 5000, 800, pf=500, sm=1)]        # alone on its SM
+    got = tp.release_by_lag(rs)
+    assert got["gate_up"] == {"0-2 us": (1, 3.0), "no later weights": (1, 0.8)}
+    assert got["down"] == {">= 5 us": (1, 1.0)} and got["qkv_rope"] == {"not started": (1, 0.4)}
+    assert got["o_proj"] == {"no later weights": (1, 0.5)}

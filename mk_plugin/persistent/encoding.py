@@ -177,10 +177,11 @@ WATCHDOG_MS_MAX = 600_000
 # MK_TRACE_PHASES=1 build only (else 0), a matvec task's ns in its phases, summed over its passes:
 # activation staging (pass start to the chunk loop), the chunk loop (to the barrier after it: all warps
 # done), the cross-warp reduction and epilogue (to the pass's last barrier); and for every task the ns of
-# its release (the signal's red.release, whose fence waits for the CTA's stores: end - this = its start).
+# its release (the signal's red.release, whose fence waits for the CTA's stores: end - this = its start),
+# and a matvec task's %globaltimer on entering matvec_task (ph_entry - ready: the dispatch and the call).
 TRACE_FIELDS: tuple[str, ...] = ("start", "ready", "end", "prod_first", "prod_last", "wait_cycles", "sm",
-                                 "opcode", "ph_stage", "ph_chunks", "ph_reduce", "ph_release")
-TRACE_WORDS = 12
+                                 "opcode", "ph_stage", "ph_chunks", "ph_reduce", "ph_release", "ph_entry")
+TRACE_WORDS = 13
 
 # Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
 #   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
@@ -274,12 +275,17 @@ class KernelVariant:
     num_stages: int = LAYOUT.num_stages
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
+    release_gate: int = 0  # MK_RELEASE_GATE: opcode mask; hold the next task's weights until the release (A/B)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
             raise TypeError(f"rounding={self.rounding!r} must be a Rounding ({', '.join(r.name for r in Rounding)})")
         if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
             raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
+        if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
+                or not 0 <= self.release_gate < (1 << len(Opcode)):
+            raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
+                             f"0..{(1 << len(Opcode)) - 1}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -296,6 +302,8 @@ class KernelVariant:
             out.append(f"-DMK_DIAG={self.diag}")
         if self.phases:
             out.append("-DMK_TRACE_PHASES=1")
+        if self.release_gate:
+            out.append(f"-DMK_RELEASE_GATE={self.release_gate}")
         return tuple(out)
 
     @property
@@ -311,15 +319,17 @@ class KernelVariant:
                                          ("diag", self.diag)) if v not in ("fused", LAYOUT.num_stages, 0)]
         if self.phases:
             parts.append("phases")
+        if self.release_gate:
+            parts.append(f"release_gate={self.release_gate}")
         return ",".join(parts) or "default"
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG,
-        MK_TRACE_PHASES (0/1); a "-D" prefix is allowed. Anything else is a ValueError naming it and the
+        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask); a "-D" prefix is allowed. Anything else is a ValueError naming it and the
         supported names."""
         fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag",
-                  "MK_TRACE_PHASES": "phases"}
+                  "MK_TRACE_PHASES": "phases", "MK_RELEASE_GATE": "release_gate"}
         kw: dict[str, object] = {}
         for item in items:
             name, sep, raw = item.removeprefix("-D").partition("=")

@@ -3,14 +3,16 @@
 end each phase, summed over the task's passes), as a per-op table of medians.
 
     busy     ready -> end (the counter waits are done; the task's body and its final barrier)
+    entry    ready -> entering matvec_task (the dispatch and the out-of-line call; the norm-statistics
+             and first-group issue of column-group staging come after it, in "other")
     stage    activation staging: pass start to the chunk loop (stage_x and the norm statistics, or for
              column-group staging only the first group's issue; later groups overlap the chunks)
     chunks   the chunk loop to the barrier after it: ring waits, fragment loads and MMAs of all warps
     reduce   the cross-warp reduction and the op's epilogue (its L2 loads, stores) to the pass's barrier
     release  the signal's red.release.gpu (its fence waits until the CTA's stores are visible), every
              task type
-    other    busy - stage - chunks - reduce - release: the call into matvec_task, the row statistics of
-             column-group staging, the barrier before the release (for attention: the whole task)
+    other    busy - entry - stage - chunks - reduce - release: the row statistics of column-group
+             staging, the return and the barrier before the release (for attention: the whole task)
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class PhaseRow:
     op: str
     tasks: int
     busy_us: float     # medians over the op's tasks, all layers
+    entry_us: float
     stage_us: float
     chunks_us: float
     reduce_us: float
@@ -63,16 +66,76 @@ def phase_table(records: Sequence[dict]) -> list[PhaseRow]:
 
         busy = [r["end"] - r["ready"] for r in rs]
         ph = {p: [r.get(p, 0) for r in rs] for p in PHASES}
-        other = [b - sum(r.get(p, 0) for p in PHASES) for b, r in zip(busy, rs)]
-        rows.append(PhaseRow(typ, len(rs), med(busy), med(ph["ph_stage"]), med(ph["ph_chunks"]),
+        entry = [r["ph_entry"] - r["ready"] if r.get("ph_entry", 0) else 0 for r in rs]
+        other = [b - e - sum(r.get(p, 0) for p in PHASES) for b, e, r in zip(busy, entry, rs)]
+        rows.append(PhaseRow(typ, len(rs), med(busy), med(entry), med(ph["ph_stage"]), med(ph["ph_chunks"]),
                              med(ph["ph_reduce"]), med(ph["ph_release"]), med(other)))
     return rows
 
 
 def phase_table_markdown(rows: Sequence[PhaseRow]) -> str:
-    head = "| op | tasks | busy us | stage us | chunks us | reduce+epilogue us | release us | other us |"
-    out = [head, "|---|---|---|---|---|---|---|---|"]
+    head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
+    out = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:.2f} | {r.stage_us:.2f} | {r.chunks_us:.2f} | "
+        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:.2f} | {r.entry_us:.2f} | {r.stage_us:.2f} | {r.chunks_us:.2f} | "
                    f"{r.reduce_us:.2f} | {r.release_us:.2f} | {r.other_us:.2f} |")
     return "\n".join(out)
+
+
+LAG_BUCKETS_US = (0.0, 2.0, 5.0)   # edges: <0 (the next weights not started yet), 0-2, 2-5, >= 5 us
+
+
+def _lag_bucket(lag_us: float | None) -> str:
+    if lag_us is None:
+        return "no later weights"
+    if lag_us < LAG_BUCKETS_US[0]:
+        return "not started"
+    for lo, hi in zip(LAG_BUCKETS_US, LAG_BUCKETS_US[1:]):
+        if lag_us < hi:
+            return f"{lo:g}-{hi:g} us"
+    return f">= {LAG_BUCKETS_US[-1]:g} us"
+
+
+def release_by_lag(records: Sequence[dict]) -> dict[str, dict[str, tuple[int, float]]]:
+    """Median release time (us) per task type and per how long before the release this SM's producer
+    began issuing the weights of its next weight-streaming task ("no later weights": none follows):
+    {type: {bucket: (tasks, median us)}}. Recently issued copies still in flight make the release's
+    fence slow (bench/NOTES.md session 7)."""
+    if not any(r.get("ph_release", 0) > 0 for r in records):
+        raise ValueError("no release times in these records: trace an MK_TRACE_PHASES=1 build")
+    by_sm: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_sm[r["sm"]].append(r)
+    cells: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for rs in by_sm.values():
+        rs.sort(key=lambda r: r["start"])
+        for i, r in enumerate(rs):
+            t_rel = r["end"] - r.get("ph_release", 0)
+            nxt = next((x for x in rs[i + 1:] if x["prod_first"]), None)
+            lag = None if nxt is None else (t_rel - nxt["prod_first"]) / 1e3
+            typ = r.get("type") or task_type(r["opcode"])
+            cells[typ][_lag_bucket(lag)].append(r.get("ph_release", 0) / 1e3)
+    return {t: {b: (len(v), statistics.median(v)) for b, v in sorted(bs.items())} for t, bs in cells.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """python -m mk_plugin.persistent.trace_phases RECORDS.json...: both tables per records file."""
+    import argparse
+
+    from .trace import load_records
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("records", nargs="+")
+    args = ap.parse_args(argv)
+    for path in args.records:
+        recs, _ = load_records(path)
+        print(f"## {path}\n\nmedian per task (us):\n\n{phase_table_markdown(phase_table(recs))}\n")
+        print("release us by when the SM's next weights began (tasks, median):\n")
+        for typ, bs in release_by_lag(recs).items():
+            print(f"- {typ}: " + ", ".join(f"{b}: {m:.2f} ({n})" for b, (n, m) in bs.items()))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The next GPU session's calls (bench/NOTES.md session 7, "Next"). Run from the project root on the GPU
+# host with .commit carried; output under $2 (default $OUT). Calls 2 and 3 carry bundle parts 0 and 1;
+# call 4 carries part 2 and .gpuhost/unpack.sh; 4-7 use the unpacked bundle. Order: 1, 2, 3, 4, 5, 6, 7.
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  1) # MK_RELEASE_GATE: its gpu tests, the A/B alternated over two rounds (mask 32 = after gate_up, 96 =
+     # after gate_up and down), then the phase trace of the gated build (is gate_up's release ~0.8 us?)
+     timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or watchdog" --mk-define MK_RELEASE_GATE=96 2>&1 | tail -3
+     for r in 1 2; do
+       for v in "" "--define MK_RELEASE_GATE=32" "--define MK_RELEASE_GATE=96"; do
+         echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v; done; done
+     timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
+       --define MK_TRACE_PHASES=1 --define MK_RELEASE_GATE=96 2>&1 | grep -v "^tuning" | grep -A12 "median per task" ;;
+  2|3) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  4) vllm_env   # issue 12: the plugin's megakernel mode through the real client, 8B (stock alternated)
+     timeout 540 python3 bench/serve.py --models llama-3.1-8b --modes megakernel --concurrency 1,8,16 \
+       --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
+  5) vllm_env   # issue 12: 1B through the real client (stock, triton = default, auto)
+     timeout 560 python3 bench/serve.py --models llama-3.2-1b --modes triton,auto --concurrency 1,8,16 \
+       --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
+  6) vllm_env   # issue 13: the fp32-judged soak with preemption
+     timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | tail -16 ;;
+  7) vllm_env   # issue 11/12: TBT inside vLLM, 8B, stock alternated with the plugin over fresh engines
+     timeout 560 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 --modes megakernel --rounds 3 \
+       --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+esac
+} 2>&1 | tee "$out/gpu_s9_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
