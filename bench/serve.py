@@ -250,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['output_throughput']:.1f}", r["completed"]) for c, r in per.items()]
             # appended per mode: a later mode's failure keeps the rows measured before it
             common.append_csv(args.outdir / ("serve_dryrun.csv" if args.dry_run else "serve.csv"), CSV_HEADER, rows)
-    common.write_record(args.outdir, f"serve_{stamp}.md", render(results, modes, args.concurrency_list, meta))
-    png = plot(results, args.outdir / f"serve_{stamp}.png")
+            # table and plot rewritten after every mode: a run cut short (a call's timeout) keeps them
+            done = [m for m in modes if any(k[1] == m for k in results)]
+            common.write_record(args.outdir, f"serve_{stamp}.md", render(results, done, args.concurrency_list, meta))
+            png = plot(results, args.outdir / f"serve_{stamp}.png")
     print(f"plot: {png}" if png else "plot: matplotlib not importable")
     return 0
 
