@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 7, "Next"). Run from the project root on the GPU
 # host with .commit carried; output under $2 (default $OUT). Calls 2 and 3 carry bundle parts 0 and 1;
-# call 4 carries part 2 and .gpuhost/unpack.sh; 4-7 use the unpacked bundle. Order: 1, 2, 3, 4, 5, 6, 7.
+# call 4 carries part 2 and .gpuhost/unpack.sh; 4-7 use the unpacked bundle. Order: 1, 8, 2, 3, 4, 5, 6, 7.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
-  1) # MK_RELEASE_GATE: its gpu tests, the A/B alternated over two rounds (mask 32 = after gate_up, 96 =
-     # after gate_up and down), then the phase trace of the gated build (is gate_up's release ~0.8 us?)
+  1) # MK_RELEASE_GATE and MK_LDSM_BATCH: the gpu tests of a build with both, the A/B alternated over two
+     # rounds (gate mask 32 = after gate_up, 96 = after gate_up and down; two fragments per ldmatrix
+     # batch), then the phase trace of the gated build (is gate_up's release ~0.8 us?)
      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-       -k "vs_vm or whole_step or watchdog" --mk-define MK_RELEASE_GATE=96 2>&1 | tail -3
+       -k "vs_vm or whole_step or watchdog" --mk-define MK_RELEASE_GATE=96 --mk-define MK_LDSM_BATCH=2 2>&1 | tail -3
      for r in 1 2; do
-       for v in "" "--define MK_RELEASE_GATE=32" "--define MK_RELEASE_GATE=96"; do
+       for v in "" "--define MK_RELEASE_GATE=32" "--define MK_RELEASE_GATE=96" "--define MK_LDSM_BATCH=2"; do
          echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v; done; done
      timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
        --define MK_TRACE_PHASES=1 --define MK_RELEASE_GATE=96 2>&1 | grep -v "^tuning" | grep -A12 "median per task" ;;
+  8) # Nsight Compute's per-instruction stall samples of one default 1B batch-1 step (the chunk loop of
+     # one-M-tile tasks: ~0.93 us per 32 KB chunk with or without weight copies), read on a CPU
+     timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats --section SourceCounters \
+       -o "$out/ncu_b1" -f python3 bench/mk_step.py --batch 1 --reps 3 --no-triton --csv /dev/null > "$out/ncu_b1_run.log" 2>&1
+     timeout 120 ncu --import "$out/ncu_b1.ncu-rep" --page source --csv --print-source sass > "$out/ncu_b1_source.csv" 2>&1
+     ls -la "$out" | tail -4 ;;
   2|3) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   4) vllm_env   # issue 12: the plugin's megakernel mode through the real client, 8B (stock alternated)
      timeout 540 python3 bench/serve.py --models llama-3.1-8b --modes megakernel --concurrency 1,8,16 \

@@ -32,6 +32,11 @@
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 0
 #endif
+// MK_LDSM_BATCH=1|2|4 (A/B experiment, default 1): weight fragments loaded per group of k-steps before
+// their MMAs (matvec.cuh chunk loop)
+#ifndef MK_LDSM_BATCH
+#define MK_LDSM_BATCH 1
+#endif
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
 #ifndef MK_TRACE_PHASES
 #define MK_TRACE_PHASES 0

@@ -148,6 +148,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert g.label() == "release_gate=96" and KernelVariant.parse(["MK_RELEASE_GATE=0"]) == KernelVariant()
     with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
         KernelVariant(release_gate=512)
+    lb = KernelVariant.parse(["MK_LDSM_BATCH=2"])
+    assert lb.ldsm_batch == 2 and lb.defines() == ("-DMK_LDSM_BATCH=2",) and lb.label() == "ldsm_batch=2"
+    with pytest.raises(ValueError, match="ldsm_batch=4: choose one of 1, 2"):
+        KernelVariant(ldsm_batch=4)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):
         KernelVariant.parse(["MK_RES_PREFETCH=1"])   # measured faster in session 7: always on, no switch
 

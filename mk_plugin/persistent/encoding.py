@@ -262,6 +262,7 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 # 6 is the GPU-measured default; 5 gives the scratch 64.25 KiB, which stages batch-8 activations of
 # qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
 STAGE_CHOICES = (4, 5, 6)
+LDSM_BATCH_CHOICES = (1, 2)   # MK_LDSM_BATCH (4 spills at the 168-register cap)
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,7 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = 0  # MK_RELEASE_GATE: opcode mask; hold the next task's weights until the release (A/B)
+    ldsm_batch: int = 1    # MK_LDSM_BATCH: k-steps whose weight fragments load before their MMAs (A/B; 4 spills)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -286,6 +288,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        if isinstance(self.ldsm_batch, bool) or self.ldsm_batch not in LDSM_BATCH_CHOICES:
+            raise ValueError(f"ldsm_batch={self.ldsm_batch!r}: choose one of {', '.join(map(str, LDSM_BATCH_CHOICES))}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -304,6 +308,8 @@ class KernelVariant:
             out.append("-DMK_TRACE_PHASES=1")
         if self.release_gate:
             out.append(f"-DMK_RELEASE_GATE={self.release_gate}")
+        if self.ldsm_batch != 1:
+            out.append(f"-DMK_LDSM_BATCH={self.ldsm_batch}")
         return tuple(out)
 
     @property
@@ -321,15 +327,18 @@ class KernelVariant:
             parts.append("phases")
         if self.release_gate:
             parts.append(f"release_gate={self.release_gate}")
+        if self.ldsm_batch != 1:
+            parts.append(f"ldsm_batch={self.ldsm_batch}")
         return ",".join(parts) or "default"
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG,
-        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask); a "-D" prefix is allowed. Anything else is a ValueError naming it and the
+        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is allowed. Anything else is a ValueError naming it and the
         supported names."""
         fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag",
-                  "MK_TRACE_PHASES": "phases", "MK_RELEASE_GATE": "release_gate"}
+                  "MK_TRACE_PHASES": "phases", "MK_RELEASE_GATE": "release_gate",
+                  "MK_LDSM_BATCH": "ldsm_batch"}
         kw: dict[str, object] = {}
         for item in items:
             name, sep, raw = item.removeprefix("-D").partition("=")
