@@ -32,7 +32,7 @@
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 0
 #endif
-// MK_LDSM_BATCH=1|2|4 (A/B experiment, default 1): weight fragments loaded per group of k-steps before
+// MK_LDSM_BATCH=1|2 (A/B experiment, default 1; 4 spills): weight fragments loaded per group of k-steps before
 // their MMAs (matvec.cuh chunk loop)
 #ifndef MK_LDSM_BATCH
 #define MK_LDSM_BATCH 1

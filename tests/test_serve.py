@@ -75,10 +75,9 @@ def test_random_dataset_prompts_pass_vllms_length_guard(tmp_path):
     token in characters, before tokenizing it (renderers/params.py, _text_len_check): with two-letter
     special tokens, 8 of 32 random-dataset prompts (those of seven-character words) failed with 400 on
     the H200. The prompts `vllm bench serve` sends for the default 512 in / 128 out must all pass."""
+    import common
     from vllm.benchmarks.datasets import RandomDataset
     from vllm.tokenizers import get_tokenizer
-
-    import common
 
     folder = serve.make_served_folder(MODELS / "llama-3.1-8b", tmp_path)
     tok = get_tokenizer(str(folder))

@@ -289,9 +289,10 @@ class KernelVariant:
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
         if isinstance(self.ldsm_batch, bool) or self.ldsm_batch not in LDSM_BATCH_CHOICES:
-            raise ValueError(f"ldsm_batch={self.ldsm_batch!r}: choose one of {', '.join(map(str, LDSM_BATCH_CHOICES))}")
+            raise ValueError(f"ldsm_batch={self.ldsm_batch!r}: choose one of "
+                             f"{', '.join(map(str, LDSM_BATCH_CHOICES))}")
         if not isinstance(self.phases, bool):
-            raise ValueError(f"phases={self.phases!r} must be true or false")
+            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
@@ -334,7 +335,8 @@ class KernelVariant:
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG,
-        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is allowed. Anything else is a ValueError naming it and the
+        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is allowed.
+        Anything else is a ValueError naming it and the
         supported names."""
         fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag",
                   "MK_TRACE_PHASES": "phases", "MK_RELEASE_GATE": "release_gate",

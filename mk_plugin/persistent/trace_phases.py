@@ -16,6 +16,7 @@ end each phase, summed over the task's passes), as a per-op table of medians.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -77,8 +78,8 @@ def phase_table_markdown(rows: Sequence[PhaseRow]) -> str:
     head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
     out = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:.2f} | {r.entry_us:.2f} | {r.stage_us:.2f} | {r.chunks_us:.2f} | "
-                   f"{r.reduce_us:.2f} | {r.release_us:.2f} | {r.other_us:.2f} |")
+        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:.2f} | {r.entry_us:.2f} | {r.stage_us:.2f} | "
+                   f"{r.chunks_us:.2f} | {r.reduce_us:.2f} | {r.release_us:.2f} | {r.other_us:.2f} |")
     return "\n".join(out)
 
 
@@ -90,7 +91,7 @@ def _lag_bucket(lag_us: float | None) -> str:
         return "no later weights"
     if lag_us < LAG_BUCKETS_US[0]:
         return "not started"
-    for lo, hi in zip(LAG_BUCKETS_US, LAG_BUCKETS_US[1:]):
+    for lo, hi in itertools.pairwise(LAG_BUCKETS_US):
         if lag_us < hi:
             return f"{lo:g}-{hi:g} us"
     return f">= {LAG_BUCKETS_US[-1]:g} us"

@@ -82,7 +82,7 @@ class ScheduleTuning:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
         if not isinstance(self.merge_in_partial, bool):
-            raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")
+            raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")  # noqa: TRY004
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
