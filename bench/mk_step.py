@@ -115,7 +115,7 @@ def main() -> None:
                 tag = "_".join(d.removeprefix("-D").replace("=", "") for d in defines) or "default"
                 meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),
                                             gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
-                path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json"
+                path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json.gz"
                 print(f"records: {mktrace.save_records(path, recs, meta)}")
         if not args.no_triton:
             ws = DecodeWorkspace.allocate(spec, bsz, bt.shape[1], 16, "cuda")

@@ -188,7 +188,7 @@ def write_outputs(records: list[dict], meta: dict[str, Any], outdir: str | Path,
 
 def _stem_of(path: Path) -> str:
     name = path.name
-    for suffix in (".records.json", ".json"):
+    for suffix in (".records.json.gz", ".records.json", ".json"):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return path.stem

@@ -235,6 +235,11 @@ def test_records_file_round_trip_and_convert(big, tmp_path, capsys):
     # annotated records saved and loaded again are unchanged (no re-annotation)
     p2 = T.save_records(tmp_path / "y.records.json", recs, meta)
     assert T.load_records(p2) == (recs, meta)
+    # gzipped (what bench/mk_step.py --records-dir writes): the same content, several times smaller
+    p3 = T.save_records(tmp_path / "y.records.json.gz", recs, meta)
+    assert T.load_records(p3) == (recs, meta) and 4 * p3.stat().st_size < p2.stat().st_size
+    assert main(["convert", str(p3), "--outdir", str(tmp_path / "gz"), "--no-png"]) == 0
+    assert (tmp_path / "gz" / "y.md").is_file()
 
 
 def test_load_records_rejects_other_json(tmp_path):

@@ -30,6 +30,7 @@ Table definitions (one row per task type, all layers together):
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import random
@@ -175,19 +176,22 @@ def program_from_meta(meta: dict[str, Any]) -> Program:
 
 
 def save_records(path: str | Path, records: Sequence[dict], meta: dict[str, Any] | None = None) -> Path:
-    """Write {"format", "meta", "records"} as JSON (integers stay exact: timestamps are ns)."""
+    """Write {"format", "meta", "records"} as JSON (integers stay exact: timestamps are ns), gzipped when
+    the name ends in .gz (a 1B step's records: 3.3 MB of JSON, ~10x less compressed)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     # one record per line: readable, diffable, and half the size of an indented dump
     body = ",\n".join(json.dumps(r, separators=(",", ":")) for r in records)
-    p.write_text(f'{{"format": {json.dumps(FORMAT)},\n"meta": {json.dumps(meta or {})},\n"records": [\n{body}\n]}}\n')
+    text = f'{{"format": {json.dumps(FORMAT)},\n"meta": {json.dumps(meta or {})},\n"records": [\n{body}\n]}}\n'
+    p.write_bytes(gzip.compress(text.encode()) if p.suffix == ".gz" else text.encode())
     return p
 
 
 def load_records(path: str | Path) -> tuple[list[dict], dict[str, Any]]:
     """(records, meta) from save_records' file, or from a bare JSON list of trace_records rows.
     Records without bytes get them (annotate) when meta can rebuild the program."""
-    doc = json.loads(Path(path).read_text())
+    raw = Path(path).read_bytes()
+    doc = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
     if isinstance(doc, list):
         records, meta = doc, {}
     elif isinstance(doc, dict) and doc.get("format") == FORMAT:
