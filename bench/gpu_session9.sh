@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 7, "Next"). Run from the project root on the GPU
 # host with .commit carried; output under $2 (default $OUT). Calls 2 and 3 carry bundle parts 0 and 1;
-# call 4 carries part 2 and .gpuhost/unpack.sh; 4-7 use the unpacked bundle. Order: 1, 8, 2, 3, 4, 5, 6, 7.
+# call 4 carries part 2 and .gpuhost/unpack.sh; 4-7 use the unpacked bundle. Order: 1, 8, 9, 2, 3, 4, 5, 6, 7
+# (~30 min in all: cut 7, then 6, if the calls run long).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -23,6 +24,8 @@ case $n in
        -o "$out/ncu_b1" -f python3 bench/mk_step.py --batch 1 --reps 3 --no-triton --csv /dev/null > "$out/ncu_b1_run.log" 2>&1
      timeout 120 ncu --import "$out/ncu_b1.ncu-rep" --page source --csv --print-source sass > "$out/ncu_b1_source.csv" 2>&1
      ls -la "$out" | tail -4 ;;
+  9) # compute-sanitizer on the default kernel of session 7 (merge-in-partial tickets, early residual loads)
+     MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=120 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -12 ;;
   2|3) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   4) vllm_env   # issue 12: the plugin's megakernel mode through the real client, 8B (stock alternated)
      timeout 540 python3 bench/serve.py --models llama-3.1-8b --modes megakernel --concurrency 1,8,16 \
