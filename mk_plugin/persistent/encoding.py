@@ -16,6 +16,7 @@ Program layout (int32 words, one array per megakernel launch):
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass, replace
@@ -263,6 +264,10 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 # qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
 STAGE_CHOICES = (4, 5, 6)
 LDSM_BATCH_CHOICES = (1, 2)   # MK_LDSM_BATCH (4 spills at the 168-register cap)
+# KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
+VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
+                   ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_LDSM_BATCH", "ldsm_batch", "ldsm_batch"))
 
 
 @dataclass(frozen=True)
@@ -296,22 +301,14 @@ class KernelVariant:
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
+    def _changed(self) -> list[tuple[str, str, object]]:
+        """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [(name, key, getattr(self, f)) for name, f, key in VARIANT_DEFINES if getattr(self, f) != defaults[f]]
+
     def defines(self) -> tuple[str, ...]:
         """The -D options of this build (defaults are left out: the default build has none)."""
-        out = []
-        if self.rounding != Rounding.FUSED:
-            out.append(f"-DMK_ROUNDING={int(self.rounding)}")
-        if self.num_stages != LAYOUT.num_stages:
-            out.append(f"-DMK_NUM_STAGES={self.num_stages}")
-        if self.diag:
-            out.append(f"-DMK_DIAG={self.diag}")
-        if self.phases:
-            out.append("-DMK_TRACE_PHASES=1")
-        if self.release_gate:
-            out.append(f"-DMK_RELEASE_GATE={self.release_gate}")
-        if self.ldsm_batch != 1:
-            out.append(f"-DMK_LDSM_BATCH={self.ldsm_batch}")
-        return tuple(out)
+        return tuple(f"-D{name}={int(v)}" for name, _, v in self._changed())  # type: ignore[call-overload]
 
     @property
     def layout(self) -> KernelLayout:
@@ -322,25 +319,17 @@ class KernelVariant:
         return replace(self, num_stages=num_stages or LAYOUT.num_stages)
 
     def label(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("rounding", self.rounding.name.lower()), ("stages", self.num_stages),
-                                         ("diag", self.diag)) if v not in ("fused", LAYOUT.num_stages, 0)]
-        if self.phases:
-            parts.append("phases")
-        if self.release_gate:
-            parts.append(f"release_gate={self.release_gate}")
-        if self.ldsm_batch != 1:
-            parts.append(f"ldsm_batch={self.ldsm_batch}")
+        parts = [key if isinstance(v, bool) else f"{key}={v.name.lower() if isinstance(v, Rounding) else v}"
+                 for _, key, v in self._changed()]
         return ",".join(parts) or "default"
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
-        """From NAME=VALUE strings: MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES, MK_DIAG,
-        MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is allowed.
-        Anything else is a ValueError naming it and the
-        supported names."""
-        fields = {"MK_ROUNDING": "rounding", "MK_NUM_STAGES": "num_stages", "MK_DIAG": "diag",
-                  "MK_TRACE_PHASES": "phases", "MK_RELEASE_GATE": "release_gate",
-                  "MK_LDSM_BATCH": "ldsm_batch"}
+        """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
+        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is
+        allowed. Anything else is a ValueError naming it and the supported names."""
+        fields = {name: f for name, f, _ in VARIANT_DEFINES}
+        flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
         kw: dict[str, object] = {}
         for item in items:
             name, sep, raw = item.removeprefix("-D").partition("=")
@@ -351,10 +340,10 @@ class KernelVariant:
             try:
                 if name == "MK_ROUNDING":
                     kw["rounding"] = Rounding(int(raw)) if raw.isdigit() else Rounding[raw.upper()]
-                elif name == "MK_TRACE_PHASES":
+                elif fields[name] in flags:   # 0/1 switches
                     if raw not in ("0", "1"):
                         raise ValueError(raw)
-                    kw["phases"] = raw == "1"
+                    kw[fields[name]] = raw == "1"
                 else:
                     kw[fields[name]] = int(raw, 0)
             except (KeyError, ValueError):
