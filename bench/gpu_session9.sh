@@ -9,12 +9,13 @@ source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
   1) # MK_RELEASE_GATE and MK_LDSM_BATCH: the gpu tests of a build with both, the A/B alternated over two
-     # rounds (gate mask 32 = after gate_up, 96 = after gate_up and down; two fragments per ldmatrix
+     # rounds (gate mask 32 = after gate_up, 96 = after gate_up and down, 126 = after every op; two fragments per ldmatrix
      # batch), then the phase trace of the gated build (is gate_up's release ~0.8 us?)
      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
        -k "vs_vm or whole_step or watchdog" --mk-define MK_RELEASE_GATE=96 --mk-define MK_LDSM_BATCH=2 2>&1 | tail -3
      for r in 1 2; do
-       for v in "" "--define MK_RELEASE_GATE=32" "--define MK_RELEASE_GATE=96" "--define MK_LDSM_BATCH=2"; do
+       for v in "" "--define MK_RELEASE_GATE=32" "--define MK_RELEASE_GATE=96" \
+                "--define MK_RELEASE_GATE=126" "--define MK_LDSM_BATCH=2"; do
          echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v; done; done
      timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
        --define MK_TRACE_PHASES=1 --define MK_RELEASE_GATE=96 2>&1 | grep -v "^tuning" | grep -A12 "median per task" ;;
