@@ -415,7 +415,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
-#if MK_LDSM_BATCH == 1  // the measured default: one fragment at a time
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
@@ -426,29 +425,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
-#else
-          // MK_LDSM_BATCH k-steps' weight fragments are loaded before their MMAs: with 1 (the measured
-          // default, above) ptxas reuses one register quad, so each ldmatrix waits for the previous MMA to read it
-          // and a one-M-tile task (down, o_proj) runs one serial ldmatrix -> mma chain per chunk.
-          static_assert(JMAX % MK_LDSM_BATCH == 0, "MK_LDSM_BATCH divides the k-steps per warp");
-#pragma unroll
-          for (int j0 = 0; j0 < JMAX; j0 += MK_LDSM_BATCH) {
-            unsigned a[MK_LDSM_BATCH][4];
-#pragma unroll
-            for (int u = 0; u < MK_LDSM_BATCH; ++u) {
-              const int j = warp + (j0 + u) * CONSUMER_WARPS;
-              if (j < nsteps && !(MK_DIAG & 4)) ldmatrix_x4(a[u], sb + j * 32);
-            }
-#pragma unroll
-            for (int u = 0; u < MK_LDSM_BATCH; ++u) {
-              const int j = warp + (j0 + u) * CONSUMER_WARPS;
-              if (j < nsteps && !(MK_DIAG & 4)) {
-#pragma unroll
-                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[u], xb[j0 + u][n]);
-              }
-            }
-          }
-#endif
           if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
           ++it;
         }

@@ -24,19 +24,12 @@
 #ifndef MK_DIAG
 #define MK_DIAG 0
 #endif
-// MK_RELEASE_GATE=<mask of opcodes> (A/B experiment, default 0): the producer does not issue the weights
-// of the task that follows one of these opcodes in its queue until that task's signal is released. The
-// release's fence (MEMBAR.ALL.GPU, ERRBAR) waits for the SM's in-flight weight copies (session 7: gate_up's
-// release 3.3 us with the next task's copies in flight, 0.4-0.8 us without), and the release is on the
-// dependency chain; held copies delay the next task's weights instead.
-#ifndef MK_RELEASE_GATE
-#define MK_RELEASE_GATE 0
-#endif
-// MK_LDSM_BATCH=1|2 (A/B experiment, default 1; 4 spills): weight fragments loaded per group of k-steps before
-// their MMAs (matvec.cuh chunk loop)
-#ifndef MK_LDSM_BATCH
-#define MK_LDSM_BATCH 1
-#endif
+// MK_RELEASE_GATE=<mask of opcodes> (default in tasks.h, generated: after gate_up; 0 = off): the producer does
+// not issue the weights of the task that follows one of these opcodes in its queue until that task's signal
+// is released. The release's fence (MEMBAR.ALL.GPU, ERRBAR) waits for the SM's in-flight weight copies
+// (session 7: gate_up's release 3.3 us with the next task's copies in flight, 0.4-0.8 us without), and the
+// release is on the dependency chain; held copies delay the next task's weights instead (session 8: -29..-41
+// us at 1B batch 1/4/8 with the gate after gate_up; after down too, it delays qkv's weights: slower).
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
 #ifndef MK_TRACE_PHASES
 #define MK_TRACE_PHASES 0

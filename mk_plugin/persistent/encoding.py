@@ -263,11 +263,14 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 # 6 is the GPU-measured default; 5 gives the scratch 64.25 KiB, which stages batch-8 activations of
 # qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
 STAGE_CHOICES = (4, 5, 6)
-LDSM_BATCH_CHOICES = (1, 2)   # MK_LDSM_BATCH (4 spills at the 168-register cap)
+# MK_RELEASE_GATE's default (session 8, measured): hold the weights of the task after a gate_up until
+# gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
+# at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
+RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_LDSM_BATCH", "ldsm_batch", "ldsm_batch"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -281,8 +284,7 @@ class KernelVariant:
     num_stages: int = LAYOUT.num_stages
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
-    release_gate: int = 0  # MK_RELEASE_GATE: opcode mask; hold the next task's weights until the release (A/B)
-    ldsm_batch: int = 1    # MK_LDSM_BATCH: k-steps whose weight fragments load before their MMAs (A/B; 4 spills)
+    release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -293,9 +295,6 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.ldsm_batch, bool) or self.ldsm_batch not in LDSM_BATCH_CHOICES:
-            raise ValueError(f"ldsm_batch={self.ldsm_batch!r}: choose one of "
-                             f"{', '.join(map(str, LDSM_BATCH_CHOICES))}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -326,7 +325,7 @@ class KernelVariant:
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
-        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_LDSM_BATCH; a "-D" prefix is
+        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask); a "-D" prefix is
         allowed. Anything else is a ValueError naming it and the supported names."""
         fields = {name: f for name, f, _ in VARIANT_DEFINES}
         flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
