@@ -19,6 +19,23 @@ case $n in
          echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v; done; done
      timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
        --define MK_TRACE_PHASES=1 --define MK_RELEASE_GATE=96 2>&1 | grep -v "^tuning" | grep -A12 "median per task" ;;
+  10) # MK_ATTN_PREFETCH=1 (session 8): attention's first K/V rows in flight during its dependency wait. The
+      # gpu tests of the build, the A/B alternated over two rounds (1B batch 1/4/8/16, 8B batch 1/8), and
+      # the phase trace of the prefetch build
+     timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or watchdog or merge_in_partial" --mk-define MK_ATTN_PREFETCH=1 2>&1 | tail -3
+     for r in 1 2; do
+       for v in "" "--define MK_ATTN_PREFETCH=1"; do
+         echo "== round $r: ${v:-default}"; step --batch 1 4 8 16 --no-triton $v
+         T=240 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done
+     timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
+       --define MK_TRACE_PHASES=1 --define MK_ATTN_PREFETCH=1 2>&1 | grep -v "^tuning" | grep -B2 -A10 "traced step" ;;
+  11) # compute-sanitizer on the MK_ATTN_PREFETCH=1 build (memcheck, racecheck, synccheck; batch 1 and 8)
+     MK_SAN_DEFINES="MK_ATTN_PREFETCH=1" MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
+       | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;
+  12) # the default build at one commit, both paths: 1B batch 1/4/8/16, 8B batch 1/8/16 (ctx 512), 1B ctx 4096
+     step --batch 1 4 8 16; T=300 step --model bench/models/llama-3.1-8b --batch 1 8 16
+     step --batch 1 8 --ctx 4096 ;;
   8) # Nsight Compute's per-instruction stall samples of one default 1B batch-1 step (the chunk loop of
      # one-M-tile tasks: ~0.93 us per 32 KB chunk with or without weight copies), read on a CPU
      timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats --section SourceCounters \

@@ -34,7 +34,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="0: the model's own layer count")
     ap.add_argument("--watchdog-ms", type=int, default=120_000)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="kernel variant (encoding.KernelVariant) to check before it becomes the default; repeatable")
     args = ap.parse_args()
+    from mk_plugin.persistent.encoding import KernelVariant
+    variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
 
     from mk_plugin.persistent.backend import MegakernelDecoder
     from mk_plugin.triton_ops import DecodeWorkspace, decode_step
@@ -56,7 +60,8 @@ def main() -> int:
     tout = torch.empty_like(hidden)
     decode_step(spec, w, hidden, pos, tcaches, bt, sl, slots, cs, workspace=ws, out=tout)
 
-    dec = MegakernelDecoder(spec, w, args.batch, "cuda", lm_head=True, watchdog_ms=args.watchdog_ms)
+    dec = MegakernelDecoder(spec, w, args.batch, "cuda", lm_head=True, watchdog_ms=args.watchdog_ms,
+                            variant=variant)
     out = torch.full_like(hidden, float("nan"))
     logits = torch.full((args.batch, spec.vocab_size), float("nan"), device="cuda")
     dec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
@@ -69,7 +74,8 @@ def main() -> int:
     kvs = [compare(a, c, dt, "drift") for a, c in zip(caches, tcaches)]
     finite = bool(torch.isfinite(logits[live]).all())
     ok = finite and r["pass"] and all(k["pass"] for k in kvs)
-    print(f"sanitize-run {spec.name} layers={spec.num_layers} batch={args.batch} seq={seq}: "
+    print(f"sanitize-run {spec.name} layers={spec.num_layers} batch={args.batch} seq={seq} "
+          f"variant {variant.label()}: "
           f"hidden rel vs triton {r['rel_fro']:.2e}, worst kv rel {max(k['rel_fro'] for k in kvs):.2e}, "
           f"logits finite {finite} -> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) on one megakernel step, Llama-3.2-1B shape,
-# batch 1, 8 and 16 (MK_SAN_BATCHES; bench/sanitize.py checks the step's result afterwards). Only the megakernel is
+# batch 1, 8 and 16 (MK_SAN_BATCHES; bench/sanitize.py checks the step's result afterwards), the default build
+# or the kernel variant of MK_SAN_DEFINES ("NAME=VALUE ...", bench/sanitize.py --define). Only the megakernel is
 # instrumented (--kernel-name kns=mk_decode). Usage: bash bench/sanitize.sh [outdir] [layers]
 # Writes $outdir/sanitize_<date>.md with date, GPU, commit, each command and its summary lines.
 set -uo pipefail
@@ -14,6 +15,7 @@ for tool in memcheck racecheck synccheck; do
   for b in ${MK_SAN_BATCHES:-1 8 16}; do
     extra=""; [ "$tool" = racecheck ] && extra="--racecheck-report all"
     cmd="compute-sanitizer --tool $tool $extra --kernel-name kns=mk_decode --error-exitcode 3 python3 bench/sanitize.py --batch $b --layers $layers"
+    for d in ${MK_SAN_DEFINES:-}; do cmd="$cmd --define $d"; done
     echo "## \`$cmd\`" >> "$rec"; echo '```' >> "$rec"
     t0=$(date +%s)
     timeout ${MK_SAN_TIMEOUT:-150} $cmd > /tmp/san.log 2>&1; rc=$?
