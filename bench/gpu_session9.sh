@@ -30,6 +30,15 @@ case $n in
          T=240 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done
      timeout 150 python3 bench/mk_step.py --reps 20 --batch 1 8 --no-triton --trace --records-dir "$out/records" \
        --define MK_TRACE_PHASES=1 --define MK_ATTN_PREFETCH=1 2>&1 | grep -v "^tuning" | grep -B2 -A10 "traced step" ;;
+  13) # the release gate after qkv too (34: o_proj's weights wait for qkv's release; they have ~15 us of
+      # slack during attention) and 50 (also after o_proj: 45 us faster at 8B batch 1 in call 1d) against
+      # the default 32, two rounds; then compute-sanitizer on the new default (its released() hint word)
+     for r in 1 2; do
+       for v in "" "--define MK_RELEASE_GATE=34" "--define MK_RELEASE_GATE=50"; do
+         echo "== round $r: ${v:-default}"; step --batch 1 4 8 --no-triton $v
+         T=240 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done
+     MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
+       | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;
   11) # compute-sanitizer on the MK_ATTN_PREFETCH=1 build (memcheck, racecheck, synccheck; batch 1 and 8)
      MK_SAN_DEFINES="MK_ATTN_PREFETCH=1" MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
        | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;

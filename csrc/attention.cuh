@@ -16,9 +16,6 @@
 // its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
-#ifndef MK_ATTN_PREFETCH
-#define MK_ATTN_PREFETCH 0   // A/B (bench --define MK_ATTN_PREFETCH=1): attn_prefetch before the wait
-#endif
 
 namespace mk {
 
@@ -70,72 +67,16 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   }
 }
 
-// Token range [lo, hi) of ATTN_PARTIAL (b, g, c) (tasks.py: cs = ceil(L / C)).
-__device__ __forceinline__ void attn_range(const Smem& S, const Params& P, const Task& t, int& lo, int& hi) {
-  const int C = P.chunks;
-  const int L = S.seq_len()[t.arg0];
-  lo = hi = 0;
-  if (L > 0) {
-    const int cs = (L + C - 1) / C;
-    lo = min(L, t.arg2 * cs);
-    hi = min(L, lo + cs);
-  }
-}
-
-// MK_ATTN_PREFETCH=1: the K/V rows of a warp's first load step, loaded into registers before the task's
-// dependency wait (and the block-table entries staged), so that only q's round trip follows the wait.
-// Only cache rows that no qkv_rope task of this step writes may be read early: a row whose slot is any
-// request's slot_mapping entry of this step is "late" (bit u) and loaded after the wait.
-// Load slots of the first step prefetched: their registers live across the wait (all ATT_AU spill 48
-// bytes at the 168-register cap; 2 do not). Batch 1 at ctx 512 uses one slot per lane group anyway.
-constexpr int ATT_PF = ATT_AU < 2 ? ATT_AU : 2;
-struct AttnPrefetch {
-  uint4 k[ATT_PF], v[ATT_PF];
-  unsigned late;
-};
-
-__device__ __forceinline__ void attn_prefetch(const Smem& S, const Params& P, const Task& t, int warp, int lane,
-                                              AttnPrefetch& pf) {
-  int lo, hi;
-  attn_range(S, P, t, lo, hi);
-  const int bs = P.block_size;
-  const int* bt = P.block_table + (size_t)t.arg0 * P.bt_stride;
-  const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
-  const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
-  int* bts = reinterpret_cast<int*>(S.scratch() + ATT_SCRATCH_FLOATS);
-  const int blk0 = lo / bs;
-  const int nblk = hi > lo ? (hi - 1) / bs - blk0 + 1 : 0;
-  if (nblk <= ATT_BT_CAP)
-    for (int i = threadIdx.x; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
-  pf.late = 0u;
-#pragma unroll
-  for (int u = 0; u < ATT_PF; ++u) {
-    const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    pf.k[u] = pf.v[u] = make_uint4(0u, 0u, 0u, 0u);
-    if (tok < hi) {
-      const int bi = tok / bs;
-      const long long blk = ld_nc_s32(bt + bi);
-      const int off = tok - bi * bs;
-      const long long slot = blk * bs + off;
-      bool written = false;
-      for (int j = 0; j < P.batch; ++j) written |= S.slot()[j] == slot;
-      if (written) {
-        pf.late |= 1u << u;
-      } else {
-        const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + t.arg1 * D + e * 8;
-        pf.k[u] = ld_cg_v4(kp);
-        pf.v[u] = ld_cg_v4(kp + (size_t)bs * KVS);
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane,
-                                                  const AttnPrefetch& pf) {
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
-  int lo, hi;
-  attn_range(S, P, t, lo, hi);
+  const int L = S.seq_len()[b];
+  int lo = 0, hi = 0;
+  if (L > 0) {
+    const int cs = (L + C - 1) / C;
+    lo = min(L, c * cs);
+    hi = min(L, lo + cs);
+  }
   const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
   const int bs = P.block_size;
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
@@ -153,7 +94,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   const int blk0 = lo / bs;
   const int nblk = hi > lo ? (hi - 1) / bs - blk0 + 1 : 0;
   const bool bt_staged = nblk <= ATT_BT_CAP;
-  if (bt_staged && !MK_ATTN_PREFETCH)  // (with MK_ATTN_PREFETCH, staged before the wait: attn_prefetch)
+  if (bt_staged)
     for (int i = threadIdx.x; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
@@ -172,14 +113,15 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       m[hh] = NEG_INF;
       l[hh] = 0.f;
     }
-    constexpr int STEP = CONSUMER_WARPS * ATT_TPW * ATT_AU;   // tokens per load step of the CTA
-    // One load step's K/V rows (token u of this lane group when bit u of `which` is set), and the
-    // online-softmax update with them (rows past hi were left zero and are skipped).
-    auto load = [&](uint4 (&kr)[ATT_AU], uint4 (&vr)[ATT_AU], int base, unsigned which) {
+    for (int base = lo + warp * ATT_TPW; base < hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
+      uint4 kr[ATT_AU], vr[ATT_AU];
+      bool valid[ATT_AU];
 #pragma unroll
       for (int u = 0; u < ATT_AU; ++u) {
         const int tok = base + u * CONSUMER_WARPS * ATT_TPW + sub;
-        if (tok < hi && ((which >> u) & 1u)) {
+        valid[u] = tok < hi;
+        kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid[u]) {
           const int bi = tok / bs;
           const long long blk = bt_staged ? bts[bi - blk0] : ld_nc_s32(bt + bi);
           const int off = tok - bi * bs;
@@ -188,11 +130,6 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
           vr[u] = ld_cg_v4(kp + (size_t)bs * KVS);
         }
       }
-    };
-    auto update = [&](const uint4 (&kr)[ATT_AU], const uint4 (&vr)[ATT_AU], int base) {
-      bool valid[ATT_AU];
-#pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) valid[u] = base + u * CONSUMER_WARPS * ATT_TPW + sub < hi;
 #pragma unroll
       for (int u = 0; u < ATT_AU; ++u) {
         float kf[8];
@@ -231,25 +168,6 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
           }
         }
       }
-    };
-    int base = lo + warp * ATT_TPW;
-    if (MK_ATTN_PREFETCH && h0 == 0 && base < hi) {  // the step attn_prefetch began before the wait
-      uint4 kr[ATT_AU], vr[ATT_AU];
-#pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) {
-        kr[u] = u < ATT_PF ? pf.k[u < ATT_PF ? u : 0] : make_uint4(0u, 0u, 0u, 0u);
-        vr[u] = u < ATT_PF ? pf.v[u < ATT_PF ? u : 0] : make_uint4(0u, 0u, 0u, 0u);
-      }
-      load(kr, vr, base, pf.late | (~0u << ATT_PF));  // + the rows this step's qkv_rope tasks wrote
-      update(kr, vr, base);
-      base += STEP;
-    }
-    for (; base < hi; base += STEP) {
-      uint4 kr[ATT_AU], vr[ATT_AU];
-#pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-      load(kr, vr, base, ~0u);
-      update(kr, vr, base);
     }
     // Merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
 #pragma unroll

@@ -81,9 +81,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     const Task t = load_task(P, ti);
     unsigned long long t_start = 0, t_ready = 0, wait_cycles = 0;
     if (P.trace != nullptr && threadIdx.x == 0) t_start = global_ns();
-    AttnPrefetch pf;  // MK_ATTN_PREFETCH: this attention task's first K/V rows, in flight during the wait
-    pf.late = ~0u;
-    if (MK_ATTN_PREFETCH && t.opcode == OP_ATTN_PARTIAL) attn_prefetch(S, P, t, warp, lane, pf);
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;
@@ -111,7 +108,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_GATE_UP:
       case OP_DOWN:
       case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles); break;
-      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane, pf); break;
+      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
       default: break;

@@ -152,10 +152,8 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert KernelVariant.parse(["MK_RELEASE_GATE=0"]).defines() == ("-DMK_RELEASE_GATE=0",)
     with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
         KernelVariant(release_gate=512)
-    ap = KernelVariant.parse(["MK_ATTN_PREFETCH=1"])
-    assert ap.attn_prefetch is True and ap.defines() == ("-DMK_ATTN_PREFETCH=1",) and ap.label() == "attn_prefetch"
-    with pytest.raises(ValueError, match="attn_prefetch=1 must be true or false"):
-        KernelVariant(attn_prefetch=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown kernel variant 'MK_ATTN_PREFETCH'"):
+        KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

@@ -270,8 +270,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_ATTN_PREFETCH", "attn_prefetch", "attn_prefetch"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -286,7 +285,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    attn_prefetch: bool = False  # MK_ATTN_PREFETCH: attention's first K/V rows loaded before the wait (A/B)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -297,9 +295,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        for flag in ("phases", "attn_prefetch"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if not isinstance(self.phases, bool):
+            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
@@ -328,7 +325,7 @@ class KernelVariant:
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
-        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_ATTN_PREFETCH (0/1); a "-D" prefix is
+        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask); a "-D" prefix is
         allowed. Anything else is a ValueError naming it and the supported names."""
         fields = {name: f for name, f, _ in VARIANT_DEFINES}
         flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
