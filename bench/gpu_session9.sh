@@ -39,6 +39,12 @@ case $n in
          T=240 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done
      MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
        | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;
+  14) # the default with the gate's word on shared-memory atomics (racecheck-clean?): the gpu tests, the
+      # sanitizers at batch 1 and 8, then call 12's table (both paths at one commit)
+     timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -2
+     MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
+       | grep -E "SUMMARY|exit code|sanitize-run" | head -16
+     bash bench/gpu_session9.sh 12 "$out" ;;
   11) # compute-sanitizer on the MK_ATTN_PREFETCH=1 build (memcheck, racecheck, synccheck; batch 1 and 8)
      MK_SAN_DEFINES="MK_ATTN_PREFETCH=1" MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
        | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;

@@ -151,7 +151,9 @@ struct Smem {
   __device__ __forceinline__ volatile int* cur_task() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 4); }
   // MK_RELEASE_GATE: index + 1 of the last task whose signal thread 0 has released (the queue's start
   // before the first): the producer reads it to hold weight copies back until a release is done.
-  __device__ __forceinline__ volatile int* released() const { return reinterpret_cast<volatile int*>(base + FLAGS_OFF + 8); }
+  // Written and polled with shared-memory atomics after the start barrier (a volatile word is the same
+  // hint, but racecheck reports every write/poll pair of it as a hazard: 8449 at batch 8, session 8).
+  __device__ __forceinline__ int* released() const { return reinterpret_cast<int*>(base + FLAGS_OFF + 8); }
   // This step's per-request inputs, copied once per launch (step_inputs): the qkv epilogue and the
   // attention read them from shared memory instead of paying a global round trip per task.
   __device__ __forceinline__ long long* pos() const { return reinterpret_cast<long long*>(base + STEP_OFF); }

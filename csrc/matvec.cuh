@@ -96,7 +96,7 @@ static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_
 __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int ti, int lane) {
   if (lane == 0) {
     const unsigned long long t0 = global_ns();
-    while (*S.released() < ti && !*S.abort_flag() && global_ns() - t0 < P.budget_ns) __nanosleep(32);
+    while (atomicAdd(S.released(), 0) < ti && !*S.abort_flag() && global_ns() - t0 < P.budget_ns) __nanosleep(32);
   }
   __syncwarp();
 }
