@@ -93,10 +93,25 @@ static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_
 // ---- producer: stream the weights of every task of this SM's queue ----------------------------
 // MK_RELEASE_GATE (megakernel.cu): wait until the consumers have released task ti - 1. A hint, not a
 // dependency: it gives up when the CTA stops or after one watchdog budget (then the copies just go out).
+#ifndef MK_GATE_WORD
+#define MK_GATE_WORD 1   // A/B (session 8): 0 volatile word, 1 shared atomics, 2 ld/st.relaxed.cta.shared
+#endif
+__device__ __forceinline__ int gate_word_read(int* p) {
+  if (MK_GATE_WORD == 0) return *reinterpret_cast<volatile int*>(p);
+  if (MK_GATE_WORD == 1) return atomicAdd(p, 0);
+  int v;
+  asm volatile("ld.relaxed.cta.shared.s32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+  return v;
+}
+__device__ __forceinline__ void gate_word_write(int* p, int v) {
+  if (MK_GATE_WORD == 0) *reinterpret_cast<volatile int*>(p) = v;
+  else if (MK_GATE_WORD == 1) atomicExch(p, v);
+  else asm volatile("st.relaxed.cta.shared.s32 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(p)), "r"(v) : "memory");
+}
 __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int ti, int lane) {
   if (lane == 0) {
     const unsigned long long t0 = global_ns();
-    while (atomicAdd(S.released(), 0) < ti && !*S.abort_flag() && global_ns() - t0 < P.budget_ns) __nanosleep(32);
+    while (gate_word_read(S.released()) < ti && !*S.abort_flag() && global_ns() - t0 < P.budget_ns) __nanosleep(32);
   }
   __syncwarp();
 }

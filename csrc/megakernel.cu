@@ -118,7 +118,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
     if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
-    if (MK_RELEASE_GATE && threadIdx.x == 0) atomicExch(S.released(), ti + 1);  // after the release's fence
+    if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {
       unsigned long long* tr = P.trace + (size_t)ti * TRACE_WORDS;
       tr[TR_START] = t_start;

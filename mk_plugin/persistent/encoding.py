@@ -270,7 +270,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_GATE_WORD", "gate_word", "gate_word"))
 
 
 @dataclass(frozen=True)
@@ -285,6 +285,7 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
+    gate_word: int = 1  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
