@@ -165,6 +165,10 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
 #endif
+// -DMK_GATE_WORD: the gate's word as 0 volatile, 1 shared atomics (racecheck-clean), 2 relaxed ld/st
+#ifndef MK_GATE_WORD
+#define MK_GATE_WORD 1
+#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

@@ -154,6 +154,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant(release_gate=512)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_ATTN_PREFETCH'"):
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
+    gw = KernelVariant.parse(["MK_GATE_WORD=2"])
+    assert gw.gate_word == 2 and gw.defines() == ("-DMK_GATE_WORD=2",) and KernelVariant().gate_word == 1
+    with pytest.raises(ValueError, match="gate_word=3: choose one of 0, 1, 2"):
+        KernelVariant(gate_word=3)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

@@ -267,6 +267,10 @@ STAGE_CHOICES = (4, 5, 6)
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
+# MK_GATE_WORD: how the gate's shared word is written and polled (matvec.cuh gate_word_read). 1 (atomics)
+# is racecheck-clean; 0 (the volatile word of the measured A/B) is not; 2 is the A/B candidate.
+GATE_WORD_CHOICES = (0, 1, 2)
+GATE_WORD_DEFAULT = 1
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
@@ -285,7 +289,7 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    gate_word: int = 1  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
+    gate_word: int = GATE_WORD_DEFAULT  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -296,6 +300,9 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        if isinstance(self.gate_word, bool) or self.gate_word not in GATE_WORD_CHOICES:
+            raise ValueError(f"gate_word={self.gate_word!r}: choose one of {', '.join(map(str, GATE_WORD_CHOICES))} "
+                             "(0 volatile, 1 shared atomics, 2 relaxed ld/st)")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:

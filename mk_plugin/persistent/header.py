@@ -9,6 +9,7 @@ from .encoding import (
     COUNTER_STRIDE,
     ERROR_FIELDS,
     ERROR_WORDS,
+    GATE_WORD_DEFAULT,
     HEADER_FIELDS,
     HEADER_WORDS,
     KERNEL_PARAMS,
@@ -120,6 +121,10 @@ def generate_header() -> str:
         "// weights of a task that follows one of these opcodes until that opcode's release (megakernel.cu).",
         "#ifndef MK_RELEASE_GATE",
         f"#define MK_RELEASE_GATE {RELEASE_GATE_DEFAULT}",
+        "#endif",
+        "// -DMK_GATE_WORD: the gate's word as 0 volatile, 1 shared atomics (racecheck-clean), 2 relaxed ld/st",
+        "#ifndef MK_GATE_WORD",
+        f"#define MK_GATE_WORD {GATE_WORD_DEFAULT}",
         "#endif",
         "static_assert(" + " || ".join(f"NUM_STAGES == {n}" for n in STAGE_CHOICES) + ", \"MK_NUM_STAGES: "
         + ", ".join(map(str, STAGE_CHOICES)) + "\");",
