@@ -67,6 +67,9 @@ __device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const unsigned* p) {
 // L2 from SMs that wait long (a whole op). WAIT_ABORTED as soon as *err != 0 (a wait somewhere in
 // this launch has failed: nothing here can finish), WAIT_TIMEOUT after budget_ns (both checked every
 // 16 polls). v: the last value read; waited_ns: time spent here.
+#ifndef MK_POLL_ACQUIRE
+#define MK_POLL_ACQUIRE 0  // A/B (bench --define MK_POLL_ACQUIRE=1; session 8, not yet measured)
+#endif
 constexpr unsigned SPIN_POLLS = 4096;  // sleeping from the first poll measured +16 us (1B batch 1, NOTES session 5)
 
 __device__ __forceinline__ int counter_wait_slow(const unsigned* p, unsigned target, const int* err,
@@ -75,9 +78,12 @@ __device__ __forceinline__ int counter_wait_slow(const unsigned* p, unsigned tar
   const unsigned long long t0 = global_ns();
   for (unsigned polls = 1;; ++polls) {
     if (polls > SPIN_POLLS) __nanosleep(256);
-    v = ld_relaxed_gpu_u32(p);
+    // MK_POLL_ACQUIRE: the spinning polls are acquires themselves, so the poll that sees the target is
+    // the acquire: no second L2 round trip between seeing a hand-off and starting on it.
+    const bool acq = MK_POLL_ACQUIRE && polls <= SPIN_POLLS;
+    v = acq ? ld_acquire_gpu(p) : ld_relaxed_gpu_u32(p);
     if (v >= target) {
-      v = ld_acquire_gpu(p);  // orders this CTA's later reads after the signallers' releases
+      if (!acq) v = ld_acquire_gpu(p);  // orders this CTA's later reads after the signallers' releases
       return WAIT_OK;
     }
     if ((polls & 15) == 0) {

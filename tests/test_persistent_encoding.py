@@ -158,6 +158,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert gw.gate_word == 2 and gw.defines() == ("-DMK_GATE_WORD=2",) and KernelVariant().gate_word == 1
     with pytest.raises(ValueError, match="gate_word=3: choose one of 0, 1, 2"):
         KernelVariant(gate_word=3)
+    pa = KernelVariant.parse(["MK_POLL_ACQUIRE=1"])
+    assert pa.poll_acquire is True and pa.defines() == ("-DMK_POLL_ACQUIRE=1",) and pa.label() == "poll_acquire"
+    with pytest.raises(ValueError, match="poll_acquire=1 must be true or false"):
+        KernelVariant(poll_acquire=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):
