@@ -12,11 +12,14 @@ case $n in
      # L2 round trip (predicted -25..-50 us at 1B batch 1, -50..-100 at 8B batch 1: ~0.6 us off each of the
      # five hand-offs per layer); its gpu tests first. (b) the gate's shared word: 0 volatile (racecheck
      # hazards), 1 atomics (the default), 2 ld/st.relaxed.cta (8B batch 1 was ~50 us apart across jobs).
+     # (c) MK_PTR_EARLY=1: no weight-pointer load (an L1 miss after the wait's acquire, ~0.5 us: the
+     # "entry" phase) between a matvec task's wait and its staging; predicted -15..-35 us at 1B batch 1.
      # All alternated over two rounds in one job.
      timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-       -k "vs_vm or whole_step or watchdog" --mk-define MK_POLL_ACQUIRE=1 2>&1 | tail -2
+       -k "vs_vm or whole_step or watchdog" --mk-define MK_POLL_ACQUIRE=1 --mk-define MK_PTR_EARLY=1 2>&1 | tail -2
      for r in 1 2; do
-       for v in "" "--define MK_POLL_ACQUIRE=1" "--define MK_GATE_WORD=0" "--define MK_GATE_WORD=2"; do
+       for v in "" "--define MK_POLL_ACQUIRE=1" "--define MK_PTR_EARLY=1" \
+                "--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1" "--define MK_GATE_WORD=0" "--define MK_GATE_WORD=2"; do
          echo "== round $r: ${v:-default}"; T=60 step --batch 1 8 --no-triton $v
          T=90 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done ;;
   2) # racecheck at batch 1 with room to finish (150 s cut it in session 8), then the batch-16 phase traces

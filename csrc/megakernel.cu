@@ -30,6 +30,11 @@
 // (session 7: gate_up's release 3.3 us with the next task's copies in flight, 0.4-0.8 us without), and the
 // release is on the dependency chain; held copies delay the next task's weights instead (session 8: -29..-41
 // us at 1B batch 1/4/8 with the gate after gate_up; after down too, it delays qkv's weights: slower).
+// MK_PTR_EARLY=1 (A/B, session 8; default 0): consumers take a matvec task's shape without its weight
+// pointer and load the norm weight's pointer before the dependency wait (matvec_dispatch).
+#ifndef MK_PTR_EARLY
+#define MK_PTR_EARLY 0
+#endif
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
 #ifndef MK_TRACE_PHASES
 #define MK_TRACE_PHASES 0
@@ -58,14 +63,28 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
   }
 }
 
+// The norm weight of a norm-fused op (qkv_rope, gate_up: their K is H), else null.
+__device__ __forceinline__ const elem_t* norm_weight(const Params& P, const Task& t) {
+  if (t.opcode != OP_QKV_ROPE && t.opcode != OP_GATE_UP) return nullptr;
+  return weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
+}
+
+// early_nw (MK_PTR_EARLY): norm_weight(P, t), read before the task's dependency wait.
 __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
-                                             int lane, unsigned long long& wait_cycles) {
+                                             int lane, unsigned long long& wait_cycles, const elem_t* early_nw) {
   WeightPlan wp;
-  weight_plan(P, t.opcode, t.layer, wp);
+  const elem_t* nw;
+  if (MK_PTR_EARLY) {
+    // The consumers use only the plan's shape: no weight pointer load (an L1 miss after the wait's
+    // acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) on the critical path.
+    weight_plan(P, t.opcode, t.layer, wp);
+    wp.w = nullptr;  // unused here: the pointer's load is dead code
+    nw = early_nw;
+  } else {
+    weight_plan(P, t.opcode, t.layer, wp);
+    nw = norm_weight(P, t);
+  }
   const elem_t* x = buf_ptr(P, t.in_buf);
-  const elem_t* nw = nullptr;
-  if (t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP)  // norm-fused (their K is H)
-    nw = weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
@@ -81,6 +100,9 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     const Task t = load_task(P, ti);
     unsigned long long t_start = 0, t_ready = 0, wait_cycles = 0;
     if (P.trace != nullptr && threadIdx.x == 0) t_start = global_ns();
+    // MK_PTR_EARLY: the norm weight's pointer (an immutable table in global memory) is loaded before the
+    // wait, so its round trip overlaps the wait instead of following it.
+    const elem_t* early_nw = MK_PTR_EARLY ? norm_weight(P, t) : nullptr;
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;
@@ -107,7 +129,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_O_PROJ:
       case OP_GATE_UP:
       case OP_DOWN:
-      case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles); break;
+      case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles, early_nw); break;
       case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;

@@ -160,6 +160,8 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant(gate_word=3)
     pa = KernelVariant.parse(["MK_POLL_ACQUIRE=1"])
     assert pa.poll_acquire is True and pa.defines() == ("-DMK_POLL_ACQUIRE=1",) and pa.label() == "poll_acquire"
+    both = KernelVariant.parse(["MK_POLL_ACQUIRE=1", "MK_PTR_EARLY=1"])
+    assert both.defines() == ("-DMK_POLL_ACQUIRE=1", "-DMK_PTR_EARLY=1") and both.label() == "poll_acquire,ptr_early"
     with pytest.raises(ValueError, match="poll_acquire=1 must be true or false"):
         KernelVariant(poll_acquire=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
