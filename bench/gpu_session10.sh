@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 8, "Next"). Run from the project root on the GPU
-# host with .commit carried; output under $2 (default $OUT). Order: 1, 2, then the vLLM calls 11, 12,
+# host with .commit carried; output under $2 (default $OUT). Order: 1, 2, 4, then the vLLM calls 11, 12,
 # 13 (bundle parts; 13 = serve.py 8B megakernel), 14 (1B), 15 (soak), 16 (tbt rounds) -- gpu_session9.sh's
 # calls 2..7 --, and 3 (autotune) last, as the device time allows (~30 min in all: cut 3, then 16, then 15).
+# After 1 and 2: make the winners the default (one commit), then 4 runs on it.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
-  1) # (a) MK_POLL_ACQUIRE=1: counter polls are acquires, so the poll that sees a hand-off needs no second
-     # L2 round trip (predicted -25..-50 us at 1B batch 1, -50..-100 at 8B batch 1: ~0.6 us off each of the
-     # five hand-offs per layer); its gpu tests first. (b) the gate's shared word: 0 volatile (racecheck
-     # hazards), 1 atomics (the default), 2 ld/st.relaxed.cta (8B batch 1 was ~50 us apart across jobs).
-     # (c) MK_PTR_EARLY=1: no weight-pointer load (an L1 miss after the wait's acquire, ~0.5 us: the
-     # "entry" phase) between a matvec task's wait and its staging; predicted -15..-35 us at 1B batch 1.
-     # All alternated over two rounds in one job.
-     timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-       -k "vs_vm or whole_step or watchdog" --mk-define MK_POLL_ACQUIRE=1 --mk-define MK_PTR_EARLY=1 2>&1 | tail -2
+  1|2) # Session 8's A/B builds (default SASS unchanged by each; predictions in bench/NOTES.md session 8):
+     # MK_POLL_ACQUIRE=1 (counter polls are acquires: no second L2 round trip after seeing a hand-off),
+     # MK_PTR_EARLY=1 (no weight-pointer load between a matvec task's wait and its staging), both,
+     # MK_GROUP_NONORM=1 (o_proj/down stream x by column groups at batch 1 too), MK_ROPE_EARLY=1 (qkv's
+     # cos|sin at the pass start), all four, and the gate word (MK_GATE_WORD 0 volatile / 2 relaxed vs
+     # 1 atomics = default; 8B batch 1 was ~50 us apart across jobs). Call 1: the gpu tests of the build
+     # with all four, then 1B batch 1/8; call 2: 8B batch 1/8. Builds alternated over two rounds.
+     all4="--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1 --define MK_GROUP_NONORM=1 --define MK_ROPE_EARLY=1"
+     if [ "$n" = 1 ]; then
+       timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+         -k "vs_vm or whole_step or watchdog" ${all4//--define/--mk-define} 2>&1 | tail -2
+       model=bench/models/llama-3.2-1b; T=60
+     else
+       model=bench/models/llama-3.1-8b; T=100
+     fi
      for r in 1 2; do
        for v in "" "--define MK_POLL_ACQUIRE=1" "--define MK_PTR_EARLY=1" \
-                "--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1" "--define MK_GATE_WORD=0" "--define MK_GATE_WORD=2"; do
-         echo "== round $r: ${v:-default}"; T=60 step --batch 1 8 --no-triton $v
-         T=90 step --model bench/models/llama-3.1-8b --batch 1 8 --no-triton $v; done; done ;;
-  2) # racecheck at batch 1 with room to finish (150 s cut it in session 8), then the batch-16 phase traces
+                "--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1" "--define MK_GROUP_NONORM=1" \
+                "--define MK_ROPE_EARLY=1" "$all4" "--define MK_GATE_WORD=0" "--define MK_GATE_WORD=2"; do
+         echo "== round $r: ${v:-default}"; step --model $model --batch 1 8 --no-triton $v; done; done ;;
+  4) # racecheck at batch 1 with room to finish (150 s cut it in session 8), then the batch-16 phase traces
      # (1B and 8B: where 1.33x / 1.50x of the Triton step goes)
      MK_SAN_BATCHES="1" MK_SAN_TIMEOUT=300 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6
      for m in llama-3.2-1b llama-3.1-8b; do

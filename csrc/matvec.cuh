@@ -204,6 +204,8 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
                                                 const unsigned (&rres)[4]);
 __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   unsigned (&r)[4]);
+__device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, int p0, int m, int nt, int lane,
+                                              unsigned (&cs)[4]);
 
 // ---- Column-group staging: activations that do not fit the scratch whole ---------------------
 // x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
@@ -378,9 +380,13 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
     if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
-    unsigned rres[4] = {0u, 0u, 0u, 0u};  // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh)
+    // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope with MK_ROPE_EARLY:
+    // its cos|sin values (qkv_rope.cuh)
+    unsigned rres[4] = {0u, 0u, 0u, 0u};
     if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
       residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
+    else if (MK_ROPE_EARLY && t.opcode == OP_QKV_ROPE && warp / NT < mt)
+      rope_prefetch(S, P, p0, warp / NT, warp % NT, lane, rres);
     float acc[MT][NT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)

@@ -35,6 +35,17 @@
 #ifndef MK_PTR_EARLY
 #define MK_PTR_EARLY 0
 #endif
+// MK_GROUP_NONORM=1 (A/B, session 8; default 0): o_proj and down use column-group staging at every batch
+// (session 7's trace: down's whole-task staging of 16 KB takes 2.1 us at 1B batch 1, 132 SMs reading the
+// same lines; one 2 KB group is the first chunk's only wait).
+#ifndef MK_GROUP_NONORM
+#define MK_GROUP_NONORM 0
+#endif
+// MK_ROPE_EARLY=1 (A/B, session 8; default 0): qkv_rope's cos|sin values loaded at the start of the pass
+// (rope_prefetch) instead of in the epilogue (session 7: qkv's reduce+epilogue 1.0 us vs o_proj's 0.5).
+#ifndef MK_ROPE_EARLY
+#define MK_ROPE_EARLY 0
+#endif
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
 #ifndef MK_TRACE_PHASES
 #define MK_TRACE_PHASES 0
@@ -54,7 +65,7 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
                                                 int nt, int lane, const float (&v)[4], const float (&vu)[4],
                                                 const unsigned (&rres)[4]) {
   switch (t.opcode) {
-    case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v); break;
+    case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v, rres); break;
     case OP_O_PROJ:
     case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v, rres); break;
     case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
@@ -85,7 +96,9 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     nw = norm_weight(P, t);
   }
   const elem_t* x = buf_ptr(P, t.in_buf);
-  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
+  // MK_GROUP_NONORM: an op without a fused norm (o_proj, down) streams its activations one column group at
+  // a time even when they fit the scratch whole: its first chunk waits for one group instead of all of x.
+  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr) && (nw != nullptr || !MK_GROUP_NONORM);
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else
