@@ -13,13 +13,15 @@ case $n in
      # MK_POLL_ACQUIRE=1 (counter polls are acquires: no second L2 round trip after seeing a hand-off),
      # MK_PTR_EARLY=1 (no weight-pointer load between a matvec task's wait and its staging), both,
      # MK_GROUP_NONORM=1 (o_proj/down stream x by column groups at batch 1 too), MK_ROPE_EARLY=1 (qkv's
-     # cos|sin at the pass start), all four, and the gate word (MK_GATE_WORD 0 volatile / 2 relaxed vs
+     # cos|sin at the pass start), MK_ATTN_OVERLAP=1 (attention's block-table and q loads in one round
+     # trip), all five, and the gate word (MK_GATE_WORD 0 volatile / 2 relaxed vs
      # 1 atomics = default; 8B batch 1 was ~50 us apart across jobs). Call 1: the gpu tests of the build
-     # with all four, then 1B batch 1/8; call 2: 8B batch 1/8. Builds alternated over two rounds.
-     all4="--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1 --define MK_GROUP_NONORM=1 --define MK_ROPE_EARLY=1"
+     # with all five, then 1B batch 1/8; call 2: 8B batch 1/8. Builds alternated over two rounds.
+     all5="--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1 --define MK_GROUP_NONORM=1 --define MK_ROPE_EARLY=1"
+     all5="$all5 --define MK_ATTN_OVERLAP=1"
      if [ "$n" = 1 ]; then
        timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-         -k "vs_vm or whole_step or watchdog" ${all4//--define/--mk-define} 2>&1 | tail -2
+         -k "vs_vm or whole_step or watchdog" ${all5//--define/--mk-define} 2>&1 | tail -2
        model=bench/models/llama-3.2-1b; T=60
      else
        model=bench/models/llama-3.1-8b; T=100
@@ -27,7 +29,8 @@ case $n in
      for r in 1 2; do
        for v in "" "--define MK_POLL_ACQUIRE=1" "--define MK_PTR_EARLY=1" \
                 "--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1" "--define MK_GROUP_NONORM=1" \
-                "--define MK_ROPE_EARLY=1" "$all4" "--define MK_GATE_WORD=0" "--define MK_GATE_WORD=2"; do
+                "--define MK_ROPE_EARLY=1" "--define MK_ATTN_OVERLAP=1" "$all5" "--define MK_GATE_WORD=0" \
+                "--define MK_GATE_WORD=2"; do
          echo "== round $r: ${v:-default}"; step --model $model --batch 1 8 --no-triton $v; done; done ;;
   4) # racecheck at batch 1 with room to finish (150 s cut it in session 8), then the batch-16 phase traces
      # (1B and 8B: where 1.33x / 1.50x of the Triton step goes)

@@ -16,6 +16,9 @@
 // its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
+#ifndef MK_ATTN_OVERLAP
+#define MK_ATTN_OVERLAP 0   // A/B (session 8): block-table entries and q in one round trip
+#endif
 
 namespace mk {
 
@@ -94,7 +97,11 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   const int blk0 = lo / bs;
   const int nblk = hi > lo ? (hi - 1) / bs - blk0 + 1 : 0;
   const bool bt_staged = nblk <= ATT_BT_CAP;
-  if (bt_staged)
+  // MK_ATTN_OVERLAP: this thread's first entry is loaded into a register and stored after q's loads, so
+  // the two round trips overlap (otherwise the store of the entry waits for it before q's loads issue).
+  const bool bt_mine = MK_ATTN_OVERLAP && bt_staged && threadIdx.x < nblk;
+  const int bt_first = bt_mine ? ld_nc_s32(bt + blk0 + threadIdx.x) : 0;
+  if (bt_staged && !MK_ATTN_OVERLAP)
     for (int i = threadIdx.x; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
@@ -103,6 +110,10 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       unpack8(ld_cg_v4(qbuf + (g * G + h0) * D + idx * 8), qf);
 #pragma unroll
       for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
+    }
+    if (MK_ATTN_OVERLAP && h0 == 0 && bt_staged) {
+      if (bt_mine) bts[threadIdx.x] = bt_first;
+      for (int i = threadIdx.x + CONSUMER_THREADS; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
     }
     consumer_sync();
     float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];

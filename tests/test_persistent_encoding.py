@@ -162,8 +162,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert pa.poll_acquire is True and pa.defines() == ("-DMK_POLL_ACQUIRE=1",) and pa.label() == "poll_acquire"
     both = KernelVariant.parse(["MK_POLL_ACQUIRE=1", "MK_PTR_EARLY=1"])
     assert both.defines() == ("-DMK_POLL_ACQUIRE=1", "-DMK_PTR_EARLY=1") and both.label() == "poll_acquire,ptr_early"
-    four = KernelVariant.parse(["MK_ROPE_EARLY=1", "MK_GROUP_NONORM=1", "MK_PTR_EARLY=1", "MK_POLL_ACQUIRE=1"])
-    assert four.defines() == ("-DMK_POLL_ACQUIRE=1", "-DMK_PTR_EARLY=1", "-DMK_GROUP_NONORM=1", "-DMK_ROPE_EARLY=1")
+    five = KernelVariant.parse(["MK_ATTN_OVERLAP=1", "MK_ROPE_EARLY=1", "MK_GROUP_NONORM=1", "MK_PTR_EARLY=1",
+                                "MK_POLL_ACQUIRE=1"])
+    assert five.defines() == ("-DMK_POLL_ACQUIRE=1", "-DMK_PTR_EARLY=1", "-DMK_GROUP_NONORM=1", "-DMK_ROPE_EARLY=1",
+                              "-DMK_ATTN_OVERLAP=1")
     with pytest.raises(ValueError, match="poll_acquire=1 must be true or false"):
         KernelVariant(poll_acquire=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):

@@ -276,7 +276,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_GATE_WORD", "gate_word", "gate_word"),
                    ("MK_POLL_ACQUIRE", "poll_acquire", "poll_acquire"), ("MK_PTR_EARLY", "ptr_early", "ptr_early"),
-                   ("MK_GROUP_NONORM", "group_nonorm", "group_nonorm"), ("MK_ROPE_EARLY", "rope_early", "rope_early"))
+                   ("MK_GROUP_NONORM", "group_nonorm", "group_nonorm"), ("MK_ROPE_EARLY", "rope_early", "rope_early"),
+                   ("MK_ATTN_OVERLAP", "attn_overlap", "attn_overlap"))
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ class KernelVariant:
     ptr_early: bool = False  # MK_PTR_EARLY: no weight-pointer load after a matvec task's wait (A/B)
     group_nonorm: bool = False  # MK_GROUP_NONORM: o_proj/down stream x by column groups at every batch (A/B)
     rope_early: bool = False  # MK_ROPE_EARLY: qkv_rope's cos|sin loaded at the pass start (A/B)
+    attn_overlap: bool = False  # MK_ATTN_OVERLAP: attention's block-table and q loads in one round trip (A/B)
     gate_word: int = GATE_WORD_DEFAULT  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
 
     def __post_init__(self) -> None:
@@ -309,7 +311,7 @@ class KernelVariant:
         if isinstance(self.gate_word, bool) or self.gate_word not in GATE_WORD_CHOICES:
             raise ValueError(f"gate_word={self.gate_word!r}: choose one of {', '.join(map(str, GATE_WORD_CHOICES))} "
                              "(0 volatile, 1 shared atomics, 2 relaxed ld/st)")
-        for flag in ("phases", "poll_acquire", "ptr_early", "group_nonorm", "rope_early"):
+        for flag in ("phases", "poll_acquire", "ptr_early", "group_nonorm", "rope_early", "attn_overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -341,7 +343,7 @@ class KernelVariant:
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
         """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
         MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_GATE_WORD (0..2),
-        MK_POLL_ACQUIRE, MK_PTR_EARLY, MK_GROUP_NONORM, MK_ROPE_EARLY (0/1); a "-D" prefix is
+        MK_POLL_ACQUIRE, MK_PTR_EARLY, MK_GROUP_NONORM, MK_ROPE_EARLY, MK_ATTN_OVERLAP (0/1); a "-D" prefix is
         allowed. Anything else is a ValueError naming it and the supported names."""
         fields = {name: f for name, f, _ in VARIANT_DEFINES}
         flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
