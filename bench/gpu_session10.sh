@@ -9,19 +9,20 @@ n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
-  1|2) # Session 8's A/B builds (default SASS unchanged by each; predictions in bench/NOTES.md session 8):
-     # MK_POLL_ACQUIRE=1 (counter polls are acquires: no second L2 round trip after seeing a hand-off),
-     # MK_PTR_EARLY=1 (no weight-pointer load between a matvec task's wait and its staging), both,
-     # MK_GROUP_NONORM=1 (o_proj/down stream x by column groups at batch 1 too), MK_ROPE_EARLY=1 (qkv's
-     # cos|sin at the pass start), MK_ATTN_OVERLAP=1 (attention's block-table and q loads in one round
-     # trip), all five, and the gate word (MK_GATE_WORD 0 volatile / 2 relaxed vs
-     # 1 atomics = default; 8B batch 1 was ~50 us apart across jobs). Call 1: the gpu tests of the build
-     # with all five, then 1B batch 1/8; call 2: 8B batch 1/8. Builds alternated over two rounds.
+  1|2) # Session 8's A/B builds (each leaves the default SASS unchanged; predictions in bench/NOTES.md
+     # session 8): MK_POLL_ACQUIRE (counter polls are acquires: no second L2 round trip after a hand-off is
+     # seen), MK_PTR_EARLY (no weight-pointer load between a matvec task's wait and its staging), both,
+     # MK_GROUP_NONORM (o_proj/down stream x by column groups at batch 1 too), MK_ROPE_EARLY (qkv's cos|sin
+     # at the pass start), MK_ATTN_OVERLAP (attention's block-table and q loads in one round trip),
+     # MK_MERGE_BATCH (the attention merge's loads 16 chunks at a time), all six; and the gate word
+     # (MK_GATE_WORD 0 volatile / 2 relaxed vs 1 atomics = default; 8B batch 1 was ~50 us apart across
+     # jobs). Call 1: the gpu tests of the build with all six, then 1B batch 1/8; call 2: 8B batch 1/8.
+     # Builds alternated over two rounds.
      all5="--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1 --define MK_GROUP_NONORM=1 --define MK_ROPE_EARLY=1"
-     all5="$all5 --define MK_ATTN_OVERLAP=1"
+     all6="$all5 --define MK_ATTN_OVERLAP=1 --define MK_MERGE_BATCH=1"
      if [ "$n" = 1 ]; then
        timeout 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-         -k "vs_vm or whole_step or watchdog" ${all5//--define/--mk-define} 2>&1 | tail -2
+         -k "vs_vm or whole_step or watchdog or merge_in_partial" ${all6//--define/--mk-define} 2>&1 | tail -2
        model=bench/models/llama-3.2-1b; T=60
      else
        model=bench/models/llama-3.1-8b; T=100
@@ -29,7 +30,8 @@ case $n in
      for r in 1 2; do
        for v in "" "--define MK_POLL_ACQUIRE=1" "--define MK_PTR_EARLY=1" \
                 "--define MK_POLL_ACQUIRE=1 --define MK_PTR_EARLY=1" "--define MK_GROUP_NONORM=1" \
-                "--define MK_ROPE_EARLY=1" "--define MK_ATTN_OVERLAP=1" "$all5" "--define MK_GATE_WORD=0" \
+                "--define MK_ROPE_EARLY=1" "--define MK_ATTN_OVERLAP=1" "--define MK_MERGE_BATCH=1" "$all6" \
+                "--define MK_GATE_WORD=0" \
                 "--define MK_GATE_WORD=2"; do
          echo "== round $r: ${v:-default}"; step --model $model --batch 1 8 --no-triton $v; done; done ;;
   4) # racecheck at batch 1 with room to finish (150 s cut it in session 8), then the batch-16 phase traces

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     wc = w.to("cpu")
     b = make_decode_batch(spec, [a.ctx] * a.batch, seed=1)   # N(0, 1) caches drawn on the CPU
     cs = ref.rope_cos_sin_cache(spec, a.ctx + 16).to(spec.torch_dtype)  # vLLM's table, model dtype
-    from mk_plugin.persistent.encoding import KernelVariant
+    from mk_plugin.persistent.variant import KernelVariant
 
     variant = KernelVariant.parse(a.define)
     defines = variant.defines()

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--lm-head", action="store_true", help="fuse the LM head into the megakernel step")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="kernel variant (encoding.KernelVariant: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG) for A/B runs; repeatable")
+                    help="kernel variant (variant.KernelVariant: MK_ROUNDING, MK_NUM_STAGES, MK_DIAG and the A/B switches) for A/B runs; repeatable")
     ap.add_argument("--stages", type=int, default=0, metavar="N",
                     help="ring depth N (4, 5, 6) for every batch size instead of each batch's default or tuned one "
                          "(an A/B experiment: rows are not appended to --csv)")
@@ -68,7 +68,7 @@ def main() -> None:
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     from mk_plugin.config import get_config
-    from mk_plugin.persistent.encoding import KernelVariant
+    from mk_plugin.persistent.variant import KernelVariant
 
     variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
     defines = variant.defines()

@@ -35,9 +35,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="0: the model's own layer count")
     ap.add_argument("--watchdog-ms", type=int, default=120_000)
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="kernel variant (encoding.KernelVariant) to check before it becomes the default; repeatable")
+                    help="kernel variant (variant.KernelVariant) to check before it becomes the default; repeatable")
     args = ap.parse_args()
-    from mk_plugin.persistent.encoding import KernelVariant
+    from mk_plugin.persistent.variant import KernelVariant
     variant = KernelVariant.parse(args.define)   # the command line's NAME=VALUE, read once here
 
     from mk_plugin.persistent.backend import MegakernelDecoder

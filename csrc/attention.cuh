@@ -19,6 +19,10 @@
 #ifndef MK_ATTN_OVERLAP
 #define MK_ATTN_OVERLAP 0   // A/B (session 8): block-table entries and q in one round trip
 #endif
+#ifndef MK_MERGE_BATCH
+#define MK_MERGE_BATCH 0    // A/B (session 8): attn_merge's loads issued ATT_MCB chunks at a time
+#endif
+constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (MK_MERGE_BATCH; no spills at 16)
 
 namespace mk {
 
@@ -53,6 +57,46 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   for (int idx = threadIdx.x; idx < G * D; idx += CONSUMER_THREADS) {
     const int h = idx / D, j = idx - h * D;
     const size_t p0 = (size_t)(b * NKV + g) * C * G + h;   // index of chunk 0; chunk c adds c * G
+#if MK_MERGE_BATCH
+    // The same sums in the same order, with the loads issued ATT_MCB chunks at a time (the loops of the
+    // #else branch wait for each chunk's loads in turn: a dependent L2 round trip per chunk). Chunks
+    // 0..ATT_MCB-1 load (m, l, o) at once and are kept for the second pass: one round trip at C <= ATT_MCB.
+    float mv[ATT_MCB], lv[ATT_MCB], ov[ATT_MCB];
+    auto load = [&](int c0) {
+#pragma unroll
+      for (int u = 0; u < ATT_MCB; ++u) {
+        const size_t pi = p0 + (size_t)(c0 + u) * G;
+        const bool in = c0 + u < C;
+        mv[u] = in ? ld_cg_f32(pml + pi * 2) : NEG_INF;
+        lv[u] = in ? ld_cg_f32(pml + pi * 2 + 1) : 0.f;
+        ov[u] = in ? ld_cg_f32(po + pi * D + j) : 0.f;
+      }
+    };
+    load(0);
+    float M = NEG_INF;
+#pragma unroll
+    for (int u = 0; u < ATT_MCB; ++u) M = fmaxf(M, mv[u]);
+    for (int c0 = ATT_MCB; c0 < C; c0 += ATT_MCB) {
+      float mb[ATT_MCB];
+#pragma unroll
+      for (int u = 0; u < ATT_MCB; ++u) mb[u] = c0 + u < C ? ld_cg_f32(pml + (p0 + (size_t)(c0 + u) * G) * 2) : NEG_INF;
+#pragma unroll
+      for (int u = 0; u < ATT_MCB; ++u) M = fmaxf(M, mb[u]);
+    }
+    float ls = 0.f, os = 0.f;
+    if (M != NEG_INF) {
+      for (int c0 = 0; c0 < C; c0 += ATT_MCB) {
+        if (c0 > 0) load(c0);
+#pragma unroll
+        for (int u = 0; u < ATT_MCB; ++u) {
+          if (mv[u] == NEG_INF) continue;
+          const float w = __expf(mv[u] - M);
+          ls = fmaf(lv[u], w, ls);
+          os = fmaf(ov[u], w, os);
+        }
+      }
+    }
+#else
     float M = NEG_INF;
     for (int c = 0; c < C; ++c) M = fmaxf(M, ld_cg_f32(pml + (p0 + (size_t)c * G) * 2));
     float ls = 0.f, os = 0.f;
@@ -66,6 +110,7 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
         os = fmaf(ld_cg_f32(po + pi * D + j), w, os);
       }
     }
+#endif
     out[h * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
   }
 }

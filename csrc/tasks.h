@@ -160,7 +160,7 @@ constexpr int CONSUMER_THREADS = 256;
 #define MK_NUM_STAGES 6
 #endif
 constexpr int NUM_STAGES = MK_NUM_STAGES;
-// -DMK_RELEASE_GATE=<opcode mask> (encoding.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the
+// -DMK_RELEASE_GATE=<opcode mask> (variant.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the
 // weights of a task that follows one of these opcodes until that opcode's release (megakernel.cu).
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32

@@ -49,8 +49,8 @@ def device() -> str:
 
 @pytest.fixture(scope="session")
 def mk_variant(pytestconfig):
-    """The megakernel variant of the GPU tests (encoding.KernelVariant) from --mk-define NAME=VALUE."""
-    from mk_plugin.persistent.encoding import KernelVariant
+    """The megakernel variant of the GPU tests (variant.KernelVariant) from --mk-define NAME=VALUE."""
+    from mk_plugin.persistent.variant import KernelVariant
 
     return KernelVariant.parse(pytestconfig.getoption("--mk-define"))
 

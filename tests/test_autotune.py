@@ -187,18 +187,19 @@ def test_resolve_order_and_config(tmp_path, monkeypatch):
 # ---- the search --------------------------------------------------------------------------------------
 def test_ring_depth_variants_share_the_shared_memory():
     from mk_plugin.persistent import encoding as enc
-    six = enc.KernelVariant().layout
+    from mk_plugin.persistent.variant import KernelVariant
+    six = KernelVariant().layout
     assert six == enc.LAYOUT and six.num_stages == 6
     for n in enc.STAGE_CHOICES:
-        lay = enc.KernelVariant(rounding=enc.Rounding.STOCK, num_stages=n).layout
+        lay = KernelVariant(rounding=enc.Rounding.STOCK, num_stages=n).layout
         assert lay.num_stages == n and lay.smem_bytes == six.smem_bytes
         assert lay.union_bytes == six.union_bytes + (6 - n) * six.slot_bytes
     # 5 stages stage batch-8 activations of K = 2048 norm-fused ops ((8 + 1) rows of 2 K + 16 bytes,
     # csrc/matvec.cuh staged_fits, with its 512 bytes of per-warp sums); 6 do not
     need = 9 * (2 * 2048 + 16) + 4 * 8 * 16
-    assert enc.KernelVariant(num_stages=5).layout.union_bytes >= need > six.union_bytes
+    assert KernelVariant(num_stages=5).layout.union_bytes >= need > six.union_bytes
     with pytest.raises(ValueError, match="num_stages=3: choose one of 4, 5, 6"):
-        enc.KernelVariant(num_stages=3)
+        KernelVariant(num_stages=3)
     h = generate_header()
     assert "#ifndef MK_NUM_STAGES" in h and "constexpr int NUM_STAGES = MK_NUM_STAGES;" in h
     assert f"UNION_BYTES = {six.union_bytes} + (6 - NUM_STAGES) * SLOT_BYTES" in h
@@ -209,7 +210,8 @@ def test_decoder_keeps_one_kernel_per_ring_depth(monkeypatch):
     modules are built lazily and shared between batch sizes (checked here without a GPU)."""
     from mk_plugin.persistent import runtime
     w = random_weights(SPEC, seed=1)
-    from mk_plugin.persistent.encoding import KernelVariant, Rounding
+    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.persistent.variant import KernelVariant
     dec = MegakernelDecoder(SPEC, w, 4, "cpu", num_sms=SMS, tuning={2: ScheduleTuning(num_stages=5),
                                                                     3: ScheduleTuning(num_stages=5)},
                             variant=KernelVariant(rounding=Rounding.STOCK))

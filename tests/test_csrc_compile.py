@@ -58,7 +58,7 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_GATE_WORD=0",), ("-DMK_GATE_WORD=2",),
             ("-DMK_POLL_ACQUIRE=1",), ("-DMK_PTR_EARLY=1",),
             ("-DMK_GROUP_NONORM=1",), ("-DMK_ROPE_EARLY=1",),
-            ("-DMK_ATTN_OVERLAP=1",)]
+            ("-DMK_ATTN_OVERLAP=1",), ("-DMK_MERGE_BATCH=1",)]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -107,7 +107,7 @@ def test_nvrtc_compiles_the_runtime_source():
     builds = [(spec, ()) for spec in _specs()[:2]]
     builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_POLL_ACQUIRE=1",
                                   "-DMK_PTR_EARLY=1", "-DMK_GROUP_NONORM=1", "-DMK_ROPE_EARLY=1",
-                                  "-DMK_ATTN_OVERLAP=1")))
+                                  "-DMK_ATTN_OVERLAP=1", "-DMK_MERGE_BATCH=1")))
     for spec, extra in builds:
         opts = [o.encode() for o in (*compile_options(spec), *extra)]
         prog = ctypes.c_void_p()

@@ -113,8 +113,9 @@ def test_kernel_params_generate_the_signature_and_pack_in_order():
 
 
 def test_kernel_variant_is_typed_and_renders_its_defines():
-    from mk_plugin.persistent.encoding import KernelVariant, Rounding
+    from mk_plugin.persistent.encoding import Rounding
     from mk_plugin.persistent.runtime import MegakernelModule
+    from mk_plugin.persistent.variant import KernelVariant
     from mk_plugin.spec import LlamaSpec
 
     assert KernelVariant().defines() == () and KernelVariant().label() == "default"
@@ -132,7 +133,8 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
 
 
 def test_kernel_variant_parse_is_the_command_line_boundary():
-    from mk_plugin.persistent.encoding import KernelVariant, Rounding
+    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
 
     assert KernelVariant.parse(["MK_ROUNDING=stock", "-DMK_NUM_STAGES=4", "MK_DIAG=3"]) == \
         KernelVariant(Rounding.STOCK, 4, 3)
@@ -148,7 +150,7 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert g.label() == "release_gate=96"
     # the default gates after gate_up (measured): naming it is the default build; 0 (off) is a variant
     assert KernelVariant.parse(["MK_RELEASE_GATE=32"]) == KernelVariant() and KernelVariant().defines() == ()
-    assert KernelVariant().release_gate == 1 << enc.Opcode.GATE_UP == enc.RELEASE_GATE_DEFAULT
+    assert KernelVariant().release_gate == 1 << enc.Opcode.GATE_UP == RELEASE_GATE_DEFAULT
     assert KernelVariant.parse(["MK_RELEASE_GATE=0"]).defines() == ("-DMK_RELEASE_GATE=0",)
     with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
         KernelVariant(release_gate=512)
@@ -178,7 +180,8 @@ def test_backend_takes_its_rounding_from_the_variant():
     import torch
 
     from mk_plugin.persistent.backend import MegakernelDecoder
-    from mk_plugin.persistent.encoding import KernelVariant, Rounding
+    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.persistent.variant import KernelVariant
     from mk_plugin.spec import LlamaSpec
     from mk_plugin.weights import random_weights
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mk_plugin.persistent import trace_phases as tp
-from mk_plugin.persistent.encoding import TRACE_FIELDS, KernelVariant, Opcode
+from mk_plugin.persistent.encoding import TRACE_FIELDS, Opcode
 from mk_plugin.persistent.trace import check_records
+from mk_plugin.persistent.variant import KernelVariant
 
 
 def rec(tid: int, opcode: Opcode, ready: int, end: int, stage: int, chunks: int, reduce: int,

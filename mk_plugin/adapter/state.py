@@ -184,7 +184,8 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     if cfg.mode in ("megakernel", "auto"):
         try:
             from ..persistent.backend import MegakernelDecoder
-            from ..persistent.encoding import KernelVariant, Rounding
+            from ..persistent.encoding import Rounding
+            from ..persistent.variant import KernelVariant
 
             mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,

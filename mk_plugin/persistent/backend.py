@@ -49,7 +49,6 @@ from .encoding import (
     VERSION,
     WATCHDOG_MS_MAX,
     Buf,
-    KernelVariant,
     LayerPtr,
     ModelPtr,
     spec_hash,
@@ -61,6 +60,7 @@ from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks
 from .tuning import DEFAULT_TUNING, ScheduleTuning, resolve, spec_tuning_key
+from .variant import KernelVariant
 from .watchdog import WatchdogMixin
 
 EXECUTORS = ("cuda", "vm")
@@ -78,7 +78,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                  executor: str | None = None, trace: bool = False, watchdog_ms: int = DEFAULT_WATCHDOG_MS,
                  variant: KernelVariant | None = None, tuning: str | dict[int, ScheduleTuning] = "auto",
                  verbose: bool = False):
-        """variant: what the kernel compiles in (rounding points, ring depth; encoding.KernelVariant);
+        """variant: what the kernel compiles in (rounding points, ring depth; variant.KernelVariant);
         a tuning's ring depth replaces the variant's for its batch sizes. tuning: per padded batch
         size, how the step is cut into tasks (persistent.tuning): a dict {batch: ScheduleTuning}
         (missing batches: default), or an MK_TUNING setting ("auto", "off", a table file). The

@@ -16,7 +16,6 @@ Program layout (int32 words, one array per megakernel launch):
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass, replace
@@ -263,109 +262,6 @@ SMEM_LIMIT = 232448  # sm_90 max dynamic shared memory per block (227 KiB)
 # 6 is the GPU-measured default; 5 gives the scratch 64.25 KiB, which stages batch-8 activations of
 # qkv_rope, o_proj and gate_up (K = 2048: (8 + 1) x 4112 B) that 32 KiB cannot; 4 gives 96.5 KiB.
 STAGE_CHOICES = (4, 5, 6)
-# MK_RELEASE_GATE's default (session 8, measured): hold the weights of the task after a gate_up until
-# gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
-# at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
-RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
-# MK_GATE_WORD: how the gate's shared word is written and polled (matvec.cuh gate_word_read). 1 (atomics)
-# is racecheck-clean; 0 (the volatile word of the measured A/B) is not; 2 is the A/B candidate.
-GATE_WORD_CHOICES = (0, 1, 2)
-GATE_WORD_DEFAULT = 1
-# KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
-VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
-                   ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_GATE_WORD", "gate_word", "gate_word"),
-                   ("MK_POLL_ACQUIRE", "poll_acquire", "poll_acquire"), ("MK_PTR_EARLY", "ptr_early", "ptr_early"),
-                   ("MK_GROUP_NONORM", "group_nonorm", "group_nonorm"), ("MK_ROPE_EARLY", "rope_early", "rope_early"),
-                   ("MK_ATTN_OVERLAP", "attn_overlap", "attn_overlap"))
-
-
-@dataclass(frozen=True)
-class KernelVariant:
-    """What one build of the megakernel compiles in, as typed values: its rounding points, its weight
-    ring's depth (the per-task scratch takes the rest of the shared memory) and, for bench only, the
-    timing-only MK_DIAG mask (1 no counter waits, 2 no weight copies, 4 no MMAs: wrong results).
-    defines() renders the -D options; nothing reads a variant back from option strings: parse() is the
-    command-line boundary (bench --define, pytest --mk-define), used once where the values come in."""
-    rounding: Rounding = Rounding.FUSED
-    num_stages: int = LAYOUT.num_stages
-    diag: int = 0
-    phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
-    release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    poll_acquire: bool = False  # MK_POLL_ACQUIRE: counter polls are acquires (no reload on success; A/B)
-    ptr_early: bool = False  # MK_PTR_EARLY: no weight-pointer load after a matvec task's wait (A/B)
-    group_nonorm: bool = False  # MK_GROUP_NONORM: o_proj/down stream x by column groups at every batch (A/B)
-    rope_early: bool = False  # MK_ROPE_EARLY: qkv_rope's cos|sin loaded at the pass start (A/B)
-    attn_overlap: bool = False  # MK_ATTN_OVERLAP: attention's block-table and q loads in one round trip (A/B)
-    gate_word: int = GATE_WORD_DEFAULT  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rounding, Rounding):
-            raise TypeError(f"rounding={self.rounding!r} must be a Rounding ({', '.join(r.name for r in Rounding)})")
-        if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
-            raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
-        if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
-                or not 0 <= self.release_gate < (1 << len(Opcode)):
-            raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
-                             f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.gate_word, bool) or self.gate_word not in GATE_WORD_CHOICES:
-            raise ValueError(f"gate_word={self.gate_word!r}: choose one of {', '.join(map(str, GATE_WORD_CHOICES))} "
-                             "(0 volatile, 1 shared atomics, 2 relaxed ld/st)")
-        for flag in ("phases", "poll_acquire", "ptr_early", "group_nonorm", "rope_early", "attn_overlap"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
-            raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
-
-    def _changed(self) -> list[tuple[str, str, object]]:
-        """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [(name, key, getattr(self, f)) for name, f, key in VARIANT_DEFINES if getattr(self, f) != defaults[f]]
-
-    def defines(self) -> tuple[str, ...]:
-        """The -D options of this build (defaults are left out: the default build has none)."""
-        return tuple(f"-D{name}={int(v)}" for name, _, v in self._changed())  # type: ignore[call-overload]
-
-    @property
-    def layout(self) -> KernelLayout:
-        return LAYOUT.with_stages(self.num_stages)
-
-    def with_stages(self, num_stages: int) -> KernelVariant:
-        """The same build with another ring depth (0: the layout's default)."""
-        return replace(self, num_stages=num_stages or LAYOUT.num_stages)
-
-    def label(self) -> str:
-        parts = [key if isinstance(v, bool) else f"{key}={v.name.lower() if isinstance(v, Rounding) else v}"
-                 for _, key, v in self._changed()]
-        return ",".join(parts) or "default"
-
-    @classmethod
-    def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
-        """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
-        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_GATE_WORD (0..2),
-        MK_POLL_ACQUIRE, MK_PTR_EARLY, MK_GROUP_NONORM, MK_ROPE_EARLY, MK_ATTN_OVERLAP (0/1); a "-D" prefix is
-        allowed. Anything else is a ValueError naming it and the supported names."""
-        fields = {name: f for name, f, _ in VARIANT_DEFINES}
-        flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
-        kw: dict[str, object] = {}
-        for item in items:
-            name, sep, raw = item.removeprefix("-D").partition("=")
-            if not sep:
-                raise ValueError(f"kernel variant {item!r} must look like NAME=VALUE")
-            if name not in fields:
-                raise ValueError(f"unknown kernel variant {name!r}; supported: {', '.join(fields)}")
-            try:
-                if name == "MK_ROUNDING":
-                    kw["rounding"] = Rounding(int(raw)) if raw.isdigit() else Rounding[raw.upper()]
-                elif fields[name] in flags:   # 0/1 switches
-                    if raw not in ("0", "1"):
-                        raise ValueError(raw)
-                    kw[fields[name]] = raw == "1"
-                else:
-                    kw[fields[name]] = int(raw, 0)
-            except (KeyError, ValueError):
-                raise ValueError(f"{item}: bad value {raw!r} for {name}") from None
-        return cls(**kw)  # type: ignore[arg-type]
 
 
 def _check_layout() -> None:

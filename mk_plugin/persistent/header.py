@@ -9,7 +9,6 @@ from .encoding import (
     COUNTER_STRIDE,
     ERROR_FIELDS,
     ERROR_WORDS,
-    GATE_WORD_DEFAULT,
     HEADER_FIELDS,
     HEADER_WORDS,
     KERNEL_PARAMS,
@@ -23,7 +22,6 @@ from .encoding import (
     NUM_BUFS,
     NUM_WAITS,
     PRODUCER_BUDGET_MULT,
-    RELEASE_GATE_DEFAULT,
     SMEM_LIMIT,
     STAGE_CHOICES,
     TASK_FIELDS,
@@ -43,6 +41,7 @@ from .encoding import (
     Opcode,
     Rounding,
 )
+from .variant import GATE_WORD_DEFAULT, RELEASE_GATE_DEFAULT
 
 
 def _enum_cpp(name: str, prefix: str, e: type[enum.IntEnum]) -> str:
@@ -117,7 +116,7 @@ def generate_header() -> str:
         f"#define MK_NUM_STAGES {lay.num_stages}",
         "#endif",
         "constexpr int NUM_STAGES = MK_NUM_STAGES;",
-        "// -DMK_RELEASE_GATE=<opcode mask> (encoding.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the",
+        "// -DMK_RELEASE_GATE=<opcode mask> (variant.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the",
         "// weights of a task that follows one of these opcodes until that opcode's release (megakernel.cu).",
         "#ifndef MK_RELEASE_GATE",
         f"#define MK_RELEASE_GATE {RELEASE_GATE_DEFAULT}",

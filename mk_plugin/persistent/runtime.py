@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from ..spec import LlamaSpec
-from .encoding import KERNEL_PARAMS, KernelVariant, kernel_defines
+from .encoding import KERNEL_PARAMS, kernel_defines
 from .header import generate_header
+from .variant import KernelVariant
 
 ENTRY = "megakernel.cu"
 KERNEL_NAME = "mk_decode"
@@ -99,7 +100,7 @@ _MODULES: dict[tuple[str, int], object] = {}
 class MegakernelModule:
     """Loader of the megakernel for one model spec and kernel variant: source, options, arch, cache
     key; the CuPy RawModule is compiled on first use per device and cached in-process (and by CuPy on
-    disk). The variant's -D options (encoding.KernelVariant.defines) are part of the cache key."""
+    disk). The variant's -D options (variant.KernelVariant.defines) are part of the cache key."""
     spec: LlamaSpec
     arch: str = DEFAULT_ARCH
     variant: KernelVariant = field(default_factory=KernelVariant)

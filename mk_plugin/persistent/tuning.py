@@ -2,7 +2,7 @@
 
 A `ScheduleTuning` sets how the decode step is cut into tasks -- units (16 output columns) per task
 of each weight-streaming op, and the attention's KV chunks -- and the ring depth the kernel is
-compiled with (`num_stages`, encoding.KernelVariant.num_stages: the one compile-time knob; the per-task scratch takes
+compiled with (`num_stages`, variant.KernelVariant.num_stages: the one compile-time knob; the per-task scratch takes
 the shared memory the ring gives up, so fewer stages stage larger activations). The task split
 changes only the program, so a tuned program is as correct as the default one (the VM and the
 deadlock/ordering checks run on any of them); the autotuner also compares each candidate's output
