@@ -84,17 +84,11 @@ __device__ __forceinline__ const elem_t* norm_weight(const Params& P, const Task
 __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
                                              int lane, unsigned long long& wait_cycles, const elem_t* early_nw) {
   WeightPlan wp;
-  const elem_t* nw;
-  if (MK_PTR_EARLY) {
-    // The consumers use only the plan's shape: no weight pointer load (an L1 miss after the wait's
-    // acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) on the critical path.
-    weight_plan(P, t.opcode, t.layer, wp);
-    wp.w = nullptr;  // unused here: the pointer's load is dead code
-    nw = early_nw;
-  } else {
-    weight_plan(P, t.opcode, t.layer, wp);
-    nw = norm_weight(P, t);
-  }
+  weight_plan(P, t.opcode, t.layer, wp);
+  // MK_PTR_EARLY: the consumers use only the plan's shape, so the weight pointer's load (an L1 miss after
+  // the wait's acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) becomes dead code.
+  if (MK_PTR_EARLY) wp.w = nullptr;
+  const elem_t* nw = MK_PTR_EARLY ? early_nw : norm_weight(P, t);
   const elem_t* x = buf_ptr(P, t.in_buf);
   // MK_GROUP_NONORM: an op without a fused norm (o_proj, down) streams its activations one column group at
   // a time even when they fit the scratch whole: its first chunk waits for one group instead of all of x.
