@@ -16,12 +16,6 @@
 // its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
-#ifndef MK_ATTN_OVERLAP
-#define MK_ATTN_OVERLAP 0   // A/B (session 8): block-table entries and q in one round trip
-#endif
-#ifndef MK_MERGE_BATCH
-#define MK_MERGE_BATCH 0    // A/B (session 8): attn_merge's loads issued ATT_MCB chunks at a time
-#endif
 constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (MK_MERGE_BATCH; no spills at 16)
 
 namespace mk {

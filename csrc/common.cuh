@@ -10,9 +10,6 @@
 
 // Rounding points (encoding.Rounding, mirrored by vm.py): 0 = FUSED (the GPU-measured kernel,
 // one rounding per fused op), 1 = STOCK (also round where vLLM's unfused ops store).
-#ifndef MK_ROUNDING
-#define MK_ROUNDING 0
-#endif
 
 namespace mk {
 

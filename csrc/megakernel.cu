@@ -21,9 +21,6 @@
 #pragma nv_diag_suppress 177  // generated constants that this translation unit does not use
 #include "common.cuh"
 // MK_DIAG (timing diagnostics only, wrong results): 1 no counter waits, 2 no weight copies, 4 no MMAs
-#ifndef MK_DIAG
-#define MK_DIAG 0
-#endif
 // MK_RELEASE_GATE=<mask of opcodes> (default in tasks.h, generated: after gate_up; 0 = off): the producer does
 // not issue the weights of the task that follows one of these opcodes in its queue until that task's signal
 // is released. The release's fence (MEMBAR.ALL.GPU, ERRBAR) waits for the SM's in-flight weight copies
@@ -32,24 +29,13 @@
 // us at 1B batch 1/4/8 with the gate after gate_up; after down too, it delays qkv's weights: slower).
 // MK_PTR_EARLY=1 (A/B, session 8; default 0): consumers take a matvec task's shape without its weight
 // pointer and load the norm weight's pointer before the dependency wait (matvec_dispatch).
-#ifndef MK_PTR_EARLY
-#define MK_PTR_EARLY 0
-#endif
 // MK_GROUP_NONORM=1 (A/B, session 8; default 0): o_proj and down use column-group staging at every batch
 // (session 7's trace: down's whole-task staging of 16 KB takes 2.1 us at 1B batch 1, 132 SMs reading the
 // same lines; one 2 KB group is the first chunk's only wait).
-#ifndef MK_GROUP_NONORM
-#define MK_GROUP_NONORM 0
-#endif
 // MK_ROPE_EARLY=1 (A/B, session 8; default 0): qkv_rope's cos|sin values loaded at the start of the pass
 // (rope_prefetch) instead of in the epilogue (session 7: qkv's reduce+epilogue 1.0 us vs o_proj's 0.5).
-#ifndef MK_ROPE_EARLY
-#define MK_ROPE_EARLY 0
-#endif
-// MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py)
-#ifndef MK_TRACE_PHASES
-#define MK_TRACE_PHASES 0
-#endif
+// MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py
+// TRACE_FIELDS); the defaults of all these switches are generated into tasks.h from variant.KernelVariant
 #include "matvec.cuh"
 #include "qkv_rope.cuh"
 #include "attention.cuh"

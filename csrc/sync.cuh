@@ -67,9 +67,6 @@ __device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const unsigned* p) {
 // L2 from SMs that wait long (a whole op). WAIT_ABORTED as soon as *err != 0 (a wait somewhere in
 // this launch has failed: nothing here can finish), WAIT_TIMEOUT after budget_ns (both checked every
 // 16 polls). v: the last value read; waited_ns: time spent here.
-#ifndef MK_POLL_ACQUIRE
-#define MK_POLL_ACQUIRE 0  // A/B (bench --define MK_POLL_ACQUIRE=1; session 8, not yet measured)
-#endif
 constexpr unsigned SPIN_POLLS = 4096;  // sleeping from the first poll measured +16 us (1B batch 1, NOTES session 5)
 
 __device__ __forceinline__ int counter_wait_slow(const unsigned* p, unsigned target, const int* err,

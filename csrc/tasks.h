@@ -160,14 +160,40 @@ constexpr int CONSUMER_THREADS = 256;
 #define MK_NUM_STAGES 6
 #endif
 constexpr int NUM_STAGES = MK_NUM_STAGES;
-// -DMK_RELEASE_GATE=<opcode mask> (variant.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the
-// weights of a task that follows one of these opcodes until that opcode's release (megakernel.cu).
+// The other compile-time switches' defaults (variant.KernelVariant's field defaults; a build passes
+// -D only for the fields it changes). What each one does is said where csrc/ uses it.
+#ifndef MK_ROUNDING
+#define MK_ROUNDING 0
+#endif
+#ifndef MK_DIAG
+#define MK_DIAG 0
+#endif
+#ifndef MK_TRACE_PHASES
+#define MK_TRACE_PHASES 0
+#endif
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
 #endif
-// -DMK_GATE_WORD: the gate's word as 0 volatile, 1 shared atomics (racecheck-clean), 2 relaxed ld/st
 #ifndef MK_GATE_WORD
 #define MK_GATE_WORD 1
+#endif
+#ifndef MK_POLL_ACQUIRE
+#define MK_POLL_ACQUIRE 0
+#endif
+#ifndef MK_PTR_EARLY
+#define MK_PTR_EARLY 0
+#endif
+#ifndef MK_GROUP_NONORM
+#define MK_GROUP_NONORM 0
+#endif
+#ifndef MK_ROPE_EARLY
+#define MK_ROPE_EARLY 0
+#endif
+#ifndef MK_ATTN_OVERLAP
+#define MK_ATTN_OVERLAP 0
+#endif
+#ifndef MK_MERGE_BATCH
+#define MK_MERGE_BATCH 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

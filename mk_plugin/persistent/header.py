@@ -41,7 +41,17 @@ from .encoding import (
     Opcode,
     Rounding,
 )
-from .variant import GATE_WORD_DEFAULT, RELEASE_GATE_DEFAULT
+from .variant import VARIANT_DEFINES, KernelVariant
+
+
+def _variant_defaults() -> list[str]:
+    """#ifndef/#define lines of every VARIANT_DEFINES switch but MK_NUM_STAGES (rendered with its checks)."""
+    default = KernelVariant()
+    lines = []
+    for name, fld, _ in VARIANT_DEFINES:
+        if name != "MK_NUM_STAGES":
+            lines += [f"#ifndef {name}", f"#define {name} {int(getattr(default, fld))}", "#endif"]
+    return lines
 
 
 def _enum_cpp(name: str, prefix: str, e: type[enum.IntEnum]) -> str:
@@ -116,15 +126,9 @@ def generate_header() -> str:
         f"#define MK_NUM_STAGES {lay.num_stages}",
         "#endif",
         "constexpr int NUM_STAGES = MK_NUM_STAGES;",
-        "// -DMK_RELEASE_GATE=<opcode mask> (variant.RELEASE_GATE_DEFAULT; 0 = off): the producer holds the",
-        "// weights of a task that follows one of these opcodes until that opcode's release (megakernel.cu).",
-        "#ifndef MK_RELEASE_GATE",
-        f"#define MK_RELEASE_GATE {RELEASE_GATE_DEFAULT}",
-        "#endif",
-        "// -DMK_GATE_WORD: the gate's word as 0 volatile, 1 shared atomics (racecheck-clean), 2 relaxed ld/st",
-        "#ifndef MK_GATE_WORD",
-        f"#define MK_GATE_WORD {GATE_WORD_DEFAULT}",
-        "#endif",
+        "// The other compile-time switches' defaults (variant.KernelVariant's field defaults; a build passes",
+        "// -D only for the fields it changes). What each one does is said where csrc/ uses it.",
+        *_variant_defaults(),
         "static_assert(" + " || ".join(f"NUM_STAGES == {n}" for n in STAGE_CHOICES) + ", \"MK_NUM_STAGES: "
         + ", ".join(map(str, STAGE_CHOICES)) + "\");",
         f"constexpr int CHUNK_COLS = {lay.chunk_cols};",

@@ -1,9 +1,10 @@
 """What one build of the megakernel compiles in: the compile-time switches of csrc/ as typed values.
 
-The default build has no -D options; every switch here is either a measured default (the release gate,
-the gate's word) or an A/B experiment waiting for its GPU measurement (bench/NOTES.md). The C defaults
-of the measured ones are generated into csrc/tasks.h (header.py) from the constants below, and the
-experiments' C defaults are 0, which the field defaults mirror.
+The field defaults are the default build: header.py renders them as the switches' #ifndef defaults in
+csrc/tasks.h, and defines() passes -D only for the fields a build changes, so the default build has none.
+Besides the rounding points, the ring depth and the bench-only diagnostics, a switch is either a measured
+default (the release gate, the gate's word) or an A/B experiment waiting for its GPU measurement
+(bench/NOTES.md).
 """
 from __future__ import annotations
 
