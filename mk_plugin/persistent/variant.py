@@ -93,11 +93,9 @@ class KernelVariant:
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...]) -> KernelVariant:
-        """From NAME=VALUE strings (VARIANT_DEFINES): MK_ROUNDING (0/1 or fused/stock), MK_NUM_STAGES,
-        MK_DIAG, MK_TRACE_PHASES (0/1), MK_RELEASE_GATE (opcode mask), MK_GATE_WORD (0..2),
-        MK_POLL_ACQUIRE, MK_PTR_EARLY, MK_GROUP_NONORM, MK_ROPE_EARLY, MK_ATTN_OVERLAP, MK_MERGE_BATCH (0/1);
-        a "-D" prefix is
-        allowed. Anything else is a ValueError naming it and the supported names."""
+        """From NAME=VALUE strings, NAME one of VARIANT_DEFINES (a "-D" prefix is allowed): MK_ROUNDING takes
+        0/1 or fused/stock, the boolean fields' switches 0/1, the others an int (MK_RELEASE_GATE an opcode
+        mask). Anything else is a ValueError naming it and the supported names."""
         fields = {name: f for name, f, _ in VARIANT_DEFINES}
         flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
         kw: dict[str, object] = {}
