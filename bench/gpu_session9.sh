@@ -45,9 +45,6 @@ case $n in
      MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
        | grep -E "SUMMARY|exit code|sanitize-run" | head -16
      bash bench/gpu_session9.sh 12 "$out" ;;
-  11) # compute-sanitizer on the MK_ATTN_PREFETCH=1 build (memcheck, racecheck, synccheck; batch 1 and 8)
-     MK_SAN_DEFINES="MK_ATTN_PREFETCH=1" MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=150 bash bench/sanitize.sh "$out" 16 2>&1 \
-       | grep -E "SUMMARY|exit code|sanitize-run" | head -16 ;;
   12) # the default build at one commit, both paths: 1B batch 1/4/8/16, 8B batch 1/8/16 (ctx 512), 1B ctx 4096
      step --batch 1 4 8 16; T=300 step --model bench/models/llama-3.1-8b --batch 1 8 16
      step --batch 1 8 --ctx 4096 ;;
