@@ -40,6 +40,13 @@ case $n in
      for m in llama-3.2-1b llama-3.1-8b; do
        timeout 120 python3 bench/mk_step.py --model bench/models/$m --reps 20 --batch 16 --no-triton --trace \
          --records-dir "$out/records" --define MK_TRACE_PHASES=1 2>&1 | grep -v "^tuning" | grep -A12 "traced step"; done ;;
+  5) # session 9: the A/B winners as the default (MK_POLL_ACQUIRE, MK_PTR_EARLY, MK_ROPE_EARLY,
+     # MK_ATTN_OVERLAP, MK_MERGE_BATCH): gpu tests, both paths at one commit, then racecheck at batch 1
+     timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or watchdog or merge_in_partial" 2>&1 | tail -2
+     T=130 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+     T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16
+     MK_SAN_BATCHES="1" MK_SAN_TIMEOUT=230 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
   3) # the autotuner on the gated kernel where the gap is largest (8B batch 16: 1.50x Triton; 1B batch 16:
      # 1.33x): task splits, attention chunks, ring depth
      timeout 560 python3 bench/autotune.py --models 8b 1b --batch 16 --lm-head off --rounds 1 --reps 50 \

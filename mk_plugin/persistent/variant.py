@@ -42,12 +42,12 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    poll_acquire: bool = False  # MK_POLL_ACQUIRE: counter polls are acquires (no reload on success; A/B)
-    ptr_early: bool = False  # MK_PTR_EARLY: no weight-pointer load after a matvec task's wait (A/B)
+    poll_acquire: bool = True  # MK_POLL_ACQUIRE: counter polls are acquires (no reload on success; session 9 A/B: default)
+    ptr_early: bool = True  # MK_PTR_EARLY: no weight-pointer load after a matvec task's wait (session 9 A/B: default)
     group_nonorm: bool = False  # MK_GROUP_NONORM: o_proj/down stream x by column groups at every batch (A/B)
-    rope_early: bool = False  # MK_ROPE_EARLY: qkv_rope's cos|sin loaded at the pass start (A/B)
-    attn_overlap: bool = False  # MK_ATTN_OVERLAP: attention's block-table and q loads in one round trip (A/B)
-    merge_batch: bool = False  # MK_MERGE_BATCH: the attention merge's loads issued 16 chunks at a time (A/B)
+    rope_early: bool = True  # MK_ROPE_EARLY: qkv_rope's cos|sin loaded at the pass start (session 9 A/B: default)
+    attn_overlap: bool = True  # MK_ATTN_OVERLAP: attention's block-table and q loads in one round trip (session 9 A/B: default)
+    merge_batch: bool = True  # MK_MERGE_BATCH: the attention merge's loads issued 16 chunks at a time (session 9 A/B: default)
     gate_word: int = GATE_WORD_DEFAULT  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
 
     def __post_init__(self) -> None:
@@ -87,7 +87,9 @@ class KernelVariant:
         return replace(self, num_stages=num_stages or LAYOUT.num_stages)
 
     def label(self) -> str:
-        parts = [key if isinstance(v, bool) else f"{key}={v.name.lower() if isinstance(v, Rounding) else v}"
+        # a boolean switch reads as its name when on, name=0 when a default-on switch is turned off
+        parts = [(key if v else f"{key}=0") if isinstance(v, bool)
+                 else f"{key}={v.name.lower() if isinstance(v, Rounding) else v}"
                  for _, key, v in self._changed()]
         return ",".join(parts) or "default"
 
