@@ -4,6 +4,9 @@
 # 13 (bundle parts; 13 = serve.py 8B megakernel), 14 (1B), 15 (soak), 16 (tbt rounds) -- gpu_session9.sh's
 # calls 2..7 --, and 3 (autotune) last, as the device time allows (~30 min in all: cut 3, then 16, then 15).
 # After 1 and 2: make the winners the default (one commit), then 4 runs on it.
+# Ran in session 9: calls 1 and 2 at a444019 (their switches have since left the kernel: rerun them only at
+# that commit), 5 at f83d309, 13 (cut by its limit after stock), and 4's traces by hand; gpu_session11.sh
+# has the next session's calls.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()

@@ -16,7 +16,7 @@
 // its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
-constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (MK_MERGE_BATCH; no spills at 16)
+constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (no spills at 16)
 
 namespace mk {
 
@@ -51,10 +51,10 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   for (int idx = threadIdx.x; idx < G * D; idx += CONSUMER_THREADS) {
     const int h = idx / D, j = idx - h * D;
     const size_t p0 = (size_t)(b * NKV + g) * C * G + h;   // index of chunk 0; chunk c adds c * G
-#if MK_MERGE_BATCH
-    // The same sums in the same order, with the loads issued ATT_MCB chunks at a time (the loops of the
-    // #else branch wait for each chunk's loads in turn: a dependent L2 round trip per chunk). Chunks
-    // 0..ATT_MCB-1 load (m, l, o) at once and are kept for the second pass: one round trip at C <= ATT_MCB.
+    // Two passes (the maximum, then the weighted sums in chunk order), with the loads issued ATT_MCB chunks
+    // at a time: one loop per chunk waited for each chunk's loads in turn, a dependent L2 round trip per
+    // chunk (session 9: -16 / -71 us at 1B / 8B batch 1). Chunks 0..ATT_MCB-1 load (m, l, o) at once and
+    // are kept for the second pass: one round trip at C <= ATT_MCB.
     float mv[ATT_MCB], lv[ATT_MCB], ov[ATT_MCB];
     auto load = [&](int c0) {
 #pragma unroll
@@ -90,21 +90,6 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
         }
       }
     }
-#else
-    float M = NEG_INF;
-    for (int c = 0; c < C; ++c) M = fmaxf(M, ld_cg_f32(pml + (p0 + (size_t)c * G) * 2));
-    float ls = 0.f, os = 0.f;
-    if (M != NEG_INF) {
-      for (int c = 0; c < C; ++c) {
-        const size_t pi = p0 + (size_t)c * G;
-        const float mc = ld_cg_f32(pml + pi * 2);
-        if (mc == NEG_INF) continue;
-        const float w = __expf(mc - M);
-        ls = fmaf(ld_cg_f32(pml + pi * 2 + 1), w, ls);
-        os = fmaf(ld_cg_f32(po + pi * D + j), w, os);
-      }
-    }
-#endif
     out[h * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
   }
 }
@@ -136,12 +121,10 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   const int blk0 = lo / bs;
   const int nblk = hi > lo ? (hi - 1) / bs - blk0 + 1 : 0;
   const bool bt_staged = nblk <= ATT_BT_CAP;
-  // MK_ATTN_OVERLAP: this thread's first entry is loaded into a register and stored after q's loads, so
-  // the two round trips overlap (otherwise the store of the entry waits for it before q's loads issue).
-  const bool bt_mine = MK_ATTN_OVERLAP && bt_staged && threadIdx.x < nblk;
+  // This thread's first entry is loaded into a register and stored after q's loads, so the two round
+  // trips overlap (storing it at once would wait for it before q's loads issue).
+  const bool bt_mine = bt_staged && threadIdx.x < nblk;
   const int bt_first = bt_mine ? ld_nc_s32(bt + blk0 + threadIdx.x) : 0;
-  if (bt_staged && !MK_ATTN_OVERLAP)
-    for (int i = threadIdx.x; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
     for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
@@ -150,7 +133,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
 #pragma unroll
       for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
     }
-    if (MK_ATTN_OVERLAP && h0 == 0 && bt_staged) {
+    if (h0 == 0 && bt_staged) {
       if (bt_mine) bts[threadIdx.x] = bt_first;
       for (int i = threadIdx.x + CONSUMER_THREADS; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
     }

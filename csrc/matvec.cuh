@@ -93,21 +93,10 @@ static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_
 // ---- producer: stream the weights of every task of this SM's queue ----------------------------
 // MK_RELEASE_GATE (megakernel.cu): wait until the consumers have released task ti - 1. A hint, not a
 // dependency: it gives up when the CTA stops or after one watchdog budget (then the copies just go out).
-// MK_GATE_WORD (tasks.h; A/B of session 8): how the gate's word is written and polled. The atomics are
-// racecheck-clean; the volatile word measured fast (8B batch 1 ~4200 us vs ~4250 with atomics, but in
-// different jobs on different machines: unresolved).
-__device__ __forceinline__ int gate_word_read(int* p) {
-  if (MK_GATE_WORD == 0) return *reinterpret_cast<volatile int*>(p);
-  if (MK_GATE_WORD == 1) return atomicOr(p, 0);   // an atomic read (racecheck follows atomics)
-  int v;
-  asm volatile("ld.relaxed.cta.shared.s32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
-  return v;
-}
-__device__ __forceinline__ void gate_word_write(int* p, int v) {
-  if (MK_GATE_WORD == 0) *reinterpret_cast<volatile int*>(p) = v;
-  else if (MK_GATE_WORD == 1) atomicExch(p, v);
-  else asm volatile("st.relaxed.cta.shared.s32 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(p)), "r"(v) : "memory");
-}
+// The gate's word is written and polled with shared atomics: racecheck follows them (a volatile word had
+// 8449 hazards reported), and session 9's A/B measured the volatile and relaxed ld/st forms no faster.
+__device__ __forceinline__ int gate_word_read(int* p) { return atomicOr(p, 0); }
+__device__ __forceinline__ void gate_word_write(int* p, int v) { atomicExch(p, v); }
 __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int ti, int lane) {
   if (lane == 0) {
     const unsigned long long t0 = global_ns();
@@ -380,12 +369,12 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
     if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
-    // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope with MK_ROPE_EARLY:
-    // its cos|sin values (qkv_rope.cuh)
+    // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
+    // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
     if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
       residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
-    else if (MK_ROPE_EARLY && t.opcode == OP_QKV_ROPE && warp / NT < mt)
+    else if (t.opcode == OP_QKV_ROPE && warp / NT < mt)
       rope_prefetch(S, P, p0, warp / NT, warp % NT, lane, rres);
     float acc[MT][NT][4];
 #pragma unroll

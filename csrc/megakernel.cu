@@ -27,13 +27,11 @@
 // (session 7: gate_up's release 3.3 us with the next task's copies in flight, 0.4-0.8 us without), and the
 // release is on the dependency chain; held copies delay the next task's weights instead (session 8: -29..-41
 // us at 1B batch 1/4/8 with the gate after gate_up; after down too, it delays qkv's weights: slower).
-// MK_PTR_EARLY=1 (A/B, session 8; default 0): consumers take a matvec task's shape without its weight
-// pointer and load the norm weight's pointer before the dependency wait (matvec_dispatch).
-// MK_GROUP_NONORM=1 (A/B, session 8; default 0): o_proj and down use column-group staging at every batch
-// (session 7's trace: down's whole-task staging of 16 KB takes 2.1 us at 1B batch 1, 132 SMs reading the
-// same lines; one 2 KB group is the first chunk's only wait).
-// MK_ROPE_EARLY=1 (A/B, session 8; default 0): qkv_rope's cos|sin values loaded at the start of the pass
-// (rope_prefetch) instead of in the epilogue (session 7: qkv's reduce+epilogue 1.0 us vs o_proj's 0.5).
+// Hand-off costs removed in session 9 (A/B in bench/NOTES.md; each was a switch, the measured winners are the
+// code): consumers take a matvec task's shape without its weight pointer and load the norm weight's pointer
+// before the dependency wait (matvec_dispatch); qkv_rope's cos|sin values are loaded at the start of the pass
+// (rope_prefetch). o_proj/down stream x by column groups only when it does not fit the scratch whole (the
+// column groups at batch 1 too measured +36 us at 1B batch 1).
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py
 // TRACE_FIELDS); the defaults of all these switches are generated into tasks.h from variant.KernelVariant
 #include "matvec.cuh"
@@ -66,19 +64,16 @@ __device__ __forceinline__ const elem_t* norm_weight(const Params& P, const Task
   return weight_ptr(P, t.layer, t.opcode == OP_QKV_ROPE ? LP_IN_NORM : LP_POST_NORM);
 }
 
-// early_nw (MK_PTR_EARLY): norm_weight(P, t), read before the task's dependency wait.
+// nw: norm_weight(P, t), read before the task's dependency wait.
 __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
-                                             int lane, unsigned long long& wait_cycles, const elem_t* early_nw) {
+                                             int lane, unsigned long long& wait_cycles, const elem_t* nw) {
   WeightPlan wp;
   weight_plan(P, t.opcode, t.layer, wp);
-  // MK_PTR_EARLY: the consumers use only the plan's shape, so the weight pointer's load (an L1 miss after
-  // the wait's acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) becomes dead code.
-  if (MK_PTR_EARLY) wp.w = nullptr;
-  const elem_t* nw = MK_PTR_EARLY ? early_nw : norm_weight(P, t);
+  // the consumers use only the plan's shape, so the weight pointer's load (an L1 miss after the wait's
+  // acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) becomes dead code
+  wp.w = nullptr;
   const elem_t* x = buf_ptr(P, t.in_buf);
-  // MK_GROUP_NONORM: an op without a fused norm (o_proj, down) streams its activations one column group at
-  // a time even when they fit the scratch whole: its first chunk waits for one group instead of all of x.
-  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr) && (nw != nullptr || !MK_GROUP_NONORM);
+  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else
@@ -93,9 +88,9 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     const Task t = load_task(P, ti);
     unsigned long long t_start = 0, t_ready = 0, wait_cycles = 0;
     if (P.trace != nullptr && threadIdx.x == 0) t_start = global_ns();
-    // MK_PTR_EARLY: the norm weight's pointer (an immutable table in global memory) is loaded before the
-    // wait, so its round trip overlaps the wait instead of following it.
-    const elem_t* early_nw = MK_PTR_EARLY ? norm_weight(P, t) : nullptr;
+    // the norm weight's pointer (an immutable table in global memory) is loaded before the wait, so its
+    // round trip overlaps the wait instead of following it
+    const elem_t* early_nw = norm_weight(P, t);
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;

@@ -22,7 +22,7 @@ __device__ __forceinline__ void rope_cos_sin(const Params& P, long long pos, int
   }
 }
 
-// MK_ROPE_EARLY: cos|sin of this thread's two (request, rotary index) pairs of its warp's epilogue tile
+// cos|sin of this thread's two (request, rotary index) pairs of its warp's epilogue tile
 // (m, nt), loaded at the start of the pass like residual_prefetch, so the table's L2 round trip overlaps
 // the staging and the chunks instead of following the reduction. cs = {cos, sin} of e = 0, then of e = 1
 // (float bits; 0 where unused: v rows, padded requests).
@@ -41,7 +41,7 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
   }
 }
 
-// cs: rope_prefetch's values (MK_ROPE_EARLY), else unused.
+// cs: rope_prefetch's values.
 __device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   const float (&v)[4], const unsigned (&cs)[4]) {
   int g, hl, s;
@@ -53,13 +53,7 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P
     if (b >= P.batch) continue;
     float y1 = stock_rnd(v[e]), y2 = stock_rnd(v[e + 2]);  // STOCK: vLLM's qkv GEMM stores before RoPE
     if (hl <= G) {  // q or k: rotate the pair (j, j + D/2)
-      float c, sn;
-      if (MK_ROPE_EARLY) {
-        c = __uint_as_float(cs[2 * e]);
-        sn = __uint_as_float(cs[2 * e + 1]);
-      } else {
-        rope_cos_sin(P, S.pos()[b], j, c, sn);
-      }
+      const float c = __uint_as_float(cs[2 * e]), sn = __uint_as_float(cs[2 * e + 1]);
       const float x1 = y1, x2 = y2;
       y1 = x1 * c - x2 * sn;
       y2 = x2 * c + x1 * sn;

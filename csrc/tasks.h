@@ -174,27 +174,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
 #endif
-#ifndef MK_GATE_WORD
-#define MK_GATE_WORD 1
-#endif
-#ifndef MK_POLL_ACQUIRE
-#define MK_POLL_ACQUIRE 1
-#endif
-#ifndef MK_PTR_EARLY
-#define MK_PTR_EARLY 1
-#endif
-#ifndef MK_GROUP_NONORM
-#define MK_GROUP_NONORM 0
-#endif
-#ifndef MK_ROPE_EARLY
-#define MK_ROPE_EARLY 1
-#endif
-#ifndef MK_ATTN_OVERLAP
-#define MK_ATTN_OVERLAP 1
-#endif
-#ifndef MK_MERGE_BATCH
-#define MK_MERGE_BATCH 1
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

@@ -3,8 +3,10 @@
 The field defaults are the default build: header.py renders them as the switches' #ifndef defaults in
 csrc/tasks.h, and defines() passes -D only for the fields a build changes, so the default build has none.
 Besides the rounding points, the ring depth and the bench-only diagnostics, a switch is either a measured
-default (the release gate, the gate's word) or an A/B experiment waiting for its GPU measurement
-(bench/NOTES.md).
+default (the release gate) or an A/B experiment waiting for its GPU measurement (bench/NOTES.md). A
+switch whose A/B is measured leaves: the winner becomes the code, the loser's record stays in the notes
+(session 9: the poll acquires, the early pointers, the early RoPE table loads, the attention overlap and
+the batched merge won; the column groups at batch 1 and the gate word's volatile/relaxed forms lost).
 """
 from __future__ import annotations
 
@@ -17,17 +19,10 @@ from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
-# MK_GATE_WORD: how the gate's shared word is written and polled (matvec.cuh gate_word_read). 1 (atomics)
-# is racecheck-clean; 0 (the volatile word of the measured A/B) is not; 2 is the A/B candidate.
-GATE_WORD_CHOICES = (0, 1, 2)
-GATE_WORD_DEFAULT = 1
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_GATE_WORD", "gate_word", "gate_word"),
-                   ("MK_POLL_ACQUIRE", "poll_acquire", "poll_acquire"), ("MK_PTR_EARLY", "ptr_early", "ptr_early"),
-                   ("MK_GROUP_NONORM", "group_nonorm", "group_nonorm"), ("MK_ROPE_EARLY", "rope_early", "rope_early"),
-                   ("MK_ATTN_OVERLAP", "attn_overlap", "attn_overlap"), ("MK_MERGE_BATCH", "merge_batch", "merge_batch"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -42,13 +37,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    poll_acquire: bool = True  # MK_POLL_ACQUIRE: counter polls are acquires (no reload on success; session 9 A/B: default)
-    ptr_early: bool = True  # MK_PTR_EARLY: no weight-pointer load after a matvec task's wait (session 9 A/B: default)
-    group_nonorm: bool = False  # MK_GROUP_NONORM: o_proj/down stream x by column groups at every batch (A/B)
-    rope_early: bool = True  # MK_ROPE_EARLY: qkv_rope's cos|sin loaded at the pass start (session 9 A/B: default)
-    attn_overlap: bool = True  # MK_ATTN_OVERLAP: attention's block-table and q loads in one round trip (session 9 A/B: default)
-    merge_batch: bool = True  # MK_MERGE_BATCH: the attention merge's loads issued 16 chunks at a time (session 9 A/B: default)
-    gate_word: int = GATE_WORD_DEFAULT  # MK_GATE_WORD (A/B): the gate's word as 0 volatile, 1 shared atomics, 2 relaxed ld/st
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -59,13 +47,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.gate_word, bool) or self.gate_word not in GATE_WORD_CHOICES:
-            raise ValueError(f"gate_word={self.gate_word!r}: choose one of {', '.join(map(str, GATE_WORD_CHOICES))} "
-                             "(0 volatile, 1 shared atomics, 2 relaxed ld/st)")
-        for flag in ("phases", "poll_acquire", "ptr_early", "group_nonorm", "rope_early", "attn_overlap",
-                     "merge_batch"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if not isinstance(self.phases, bool):
+            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
