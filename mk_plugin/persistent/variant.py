@@ -19,10 +19,24 @@ from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
+# MK_NT2_SLOTS (A/B, session 9): at batch 9..16 (two n-tiles) a chunk is 16 rows x 512 columns and fills
+# half of a ring slot. N > 0 packs the ring as N half-size slots and gives the ring memory they leave to
+# the matvec scratch (whole-task staging, activations kept across passes, deeper column-group prefetch:
+# matvec.cuh). 0 = the ring of full slots at every batch (the default).
+HALF_SLOT_BYTES = 16 * (LAYOUT.chunk_cols + 16)
+NT2_SLOTS_CAP = 10   # the mbarriers of 11 slots overflow the misc region (static_assert in common.cuh)
+
+
+def nt2_slots_max(num_stages: int) -> int:
+    """The most half-size slots a ring of num_stages full slots holds (and the misc region's barriers)."""
+    return min(NT2_SLOTS_CAP, num_stages * LAYOUT.slot_bytes // HALF_SLOT_BYTES)
+
+
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
+                   ("MK_NT2_SLOTS", "nt2_slots", "nt2_slots"))
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
+    nt2_slots: int = 0  # MK_NT2_SLOTS (A/B): half-size ring slots at batch 9..16, 0 = full slots
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -47,6 +62,11 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        hi = nt2_slots_max(self.num_stages)
+        if isinstance(self.nt2_slots, bool) or not isinstance(self.nt2_slots, int) \
+                or not (self.nt2_slots == 0 or 4 <= self.nt2_slots <= hi):
+            raise ValueError(f"nt2_slots={self.nt2_slots!r}: 0 (full slots) or 4..{hi} half-size slots "
+                             f"with a {self.num_stages}-stage ring")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
