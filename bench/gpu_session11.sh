@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The next GPU session's calls (bench/NOTES.md session 9, "Next"). Run from the project root on the GPU
+# host with .commit carried; output under $2 (default $OUT). Order: 1, then (winner made the default, one
+# commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
+# carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 1B rounds), 16 (soak),
+# 3 (autotune b16) last, as the device time allows (~30 min in all: cut 3, then 16, then 15).
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  1) # MK_NT2_SLOTS (session 9, predictions in bench/NOTES.md): at batch 9..16 the ring as N half-size
+     # slots and the freed ring memory as matvec scratch. 6 = today's ring bytes (96 KB) with a 128 KB
+     # scratch (x staged whole and kept across passes at 1B, groups 3 ahead), 8 = 130 KB of ring with a
+     # 95 KB scratch, 10 = 162 KB of ring with a 63 KB scratch (groups 2 ahead). Gpu tests of 8 and of 6
+     # (batch 16 goes through the packed ring), then 1B batch 12/16 and 8B batch 16, builds alternated
+     # over two rounds; batch 8 of 8 as the control (NT = 1: must not move).
+     for v in 8 6; do
+       timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+         -k "vs_vm or whole_step or watchdog or merge_in_partial" --mk-define MK_NT2_SLOTS=$v 2>&1 | tail -1; done
+     for r in 1 2; do
+       for v in "" "--define MK_NT2_SLOTS=6" "--define MK_NT2_SLOTS=8" "--define MK_NT2_SLOTS=10"; do
+         echo "== round $r 1b: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 12 16 --no-triton $v
+         echo "== round $r 8b: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 16 --no-triton $v
+       done; done
+     echo "== control 1b batch 8: MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
+  2) # the default after call 1, both paths at one commit (README table, paths table), then racecheck at
+     # batch 16 (the packed ring's first sanitizer run if it became the default)
+     T=150 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+     T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16
+     MK_SAN_BATCHES="16" MK_SAN_TIMEOUT=200 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
+  3) # the autotuner at batch 16 on the new default (task splits, attention chunks, ring depth)
+     timeout 560 python3 bench/autotune.py --models 8b 1b --batch 16 --lm-head off --rounds 1 --reps 50 \
+       --outdir "$out" 2>&1 | grep -E "^\| llama|Winners" | head -12 ;;
+  11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  13) vllm_env && echo "vLLM bundle unpacked" ;;
+  14) vllm_env   # issue 12: the megakernel mode through the real client, 8B (stock first, same job; ~9 min)
+     timeout 580 python3 bench/serve.py --models llama-3.1-8b --modes megakernel --concurrency 1,8,16 \
+       --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
+  15) vllm_env   # issue 12: 1B TBT with its one-layer host floor, stock alternated with the plugin
+     timeout 560 python3 bench/tbt.py --models llama-3.2-1b-1layer,llama-3.2-1b --batches 1,8 --prompts 512 \
+       --modes megakernel --rounds 2 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  16) vllm_env   # issue 13: the fp32-judged soak with preemption
+     timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | tail -16 ;;
+  *) echo "no call $n" ;;
+esac
+} 2>&1 | tee "$out/gpu_s11_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
