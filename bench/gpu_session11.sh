@@ -2,8 +2,9 @@
 # The next GPU session's calls (bench/NOTES.md session 9, "Next"). Run from the project root on the GPU
 # host with .commit carried; output under $2 (default $OUT). Order: 1, then (winner made the default, one
 # commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
-# carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 1B rounds), 16 (soak),
-# 3 (autotune b16) last, as the device time allows (~30 min in all: cut 3, then 16, then 15).
+# carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 8B triton+megakernel,
+# ~9 min), 17 (tbt 1B + one-layer, auto), 16 (soak), 3 (autotune b16) last, as the device time allows
+# (~30 min in all: cut 3, then 16, then 17).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -24,10 +25,13 @@ case $n in
          echo "== round $r 8b: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 16 --no-triton $v
        done; done
      echo "== control 1b batch 8: MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
-  2) # the default after call 1, both paths at one commit (README table, paths table), then racecheck at
-     # batch 16 (the packed ring's first sanitizer run if it became the default)
+  2) # the default after call 1, both paths at one commit (README table, paths table), the traced 1B batch-1
+     # step (issue 11's trace PNG and per-op table), then racecheck at batch 16 (the packed ring's first
+     # sanitizer run if it became the default)
      T=150 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16
+     timeout 120 python3 -m mk_plugin.trace run --config bench/models/llama-3.2-1b --batch 1 --outdir "$out/trace" \
+       2>&1 | grep -E "^\| |span" | head -12
      MK_SAN_BATCHES="16" MK_SAN_TIMEOUT=200 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
   3) # the autotuner at batch 16 on the new default (task splits, attention chunks, ring depth)
      timeout 560 python3 bench/autotune.py --models 8b 1b --batch 16 --lm-head off --rounds 1 --reps 50 \
@@ -37,9 +41,14 @@ case $n in
   14) vllm_env   # issue 12: the megakernel mode through the real client, 8B (stock first, same job; ~9 min)
      timeout 580 python3 bench/serve.py --models llama-3.1-8b --modes megakernel --concurrency 1,8,16 \
        --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
-  15) vllm_env   # issue 12: 1B TBT with its one-layer host floor, stock alternated with the plugin
+  15) vllm_env   # issues 11/12: 8B TBT of both plugin paths against stock (auto's table is kernel-only: at
+     # 8B batch 1 it picks Triton (kernel 0.99x), yet inside vLLM the megakernel was 0.89x stock and Triton
+     # 0.96x in session 3); 6 fresh engines, ~9 min
+     timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
+       --modes triton,megakernel --rounds 2 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  17) vllm_env   # issue 12: 1B TBT with its one-layer host floor, stock alternated with auto
      timeout 560 python3 bench/tbt.py --models llama-3.2-1b-1layer,llama-3.2-1b --batches 1,8 --prompts 512 \
-       --modes megakernel --rounds 2 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+       --modes auto --rounds 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   16) vllm_env   # issue 13: the fp32-judged soak with preemption
      timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
        | grep -v "^(EngineCore" | tail -16 ;;
