@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 9, "Next"). Run from the project root on the GPU
-# host with .commit carried; output under $2 (default $OUT). Order: 1, then (winner made the default, one
-# commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
+# host with .commit carried; output under $2 (default $OUT). Order: 1, 4, then (winners made the default,
+# one commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
 # carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 8B triton+megakernel,
 # ~9 min), 17 (tbt 1B + one-layer, auto), 16 (soak), 3 (autotune b16) last, as the device time allows
 # (~30 min in all: cut 3, then 16, then 17).
@@ -25,6 +25,19 @@ case $n in
          echo "== round $r 8b: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 16 --no-triton $v
        done; done
      echo "== control 1b batch 8: MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
+  4) # MK_ATT_AU (session 9, predictions in bench/NOTES.md): attention's KV load steps in flight per warp,
+     # 4 (default) vs 5 vs 6 (6 spills 20 bytes at 8B: 1B only); where attention weighs most: 1B batch 16
+     # (ctx 512, one 512-token chunk per task) and ctx 4096 at batch 8 (8B 1.09x Triton there)
+     timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step" --mk-define MK_ATT_AU=5 2>&1 | tail -1
+     for r in 1 2; do
+       for v in "" "--define MK_ATT_AU=5" "--define MK_ATT_AU=6"; do
+         echo "== round $r 1b: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton $v
+         echo "== round $r 1b ctx4096: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --ctx 4096 --no-triton $v
+       done
+       for v in "" "--define MK_ATT_AU=5"; do
+         echo "== round $r 8b ctx4096: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 8 --ctx 4096 --no-triton $v
+       done; done ;;
   2) # the default after call 1, both paths at one commit (README table, paths table), the traced 1B batch-1
      # step (issue 11's trace PNG and per-op table), then racecheck at batch 16 (the packed ring's first
      # sanitizer run if it became the default)

@@ -172,6 +172,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
             KernelVariant(nt2_slots=bad)
     with pytest.raises(ValueError, match="4..7 half-size slots with a 4-stage ring"):
         KernelVariant(num_stages=4, nt2_slots=8)
+    au = KernelVariant.parse(["MK_ATT_AU=6"])
+    assert au.att_au == 6 and au.defines() == ("-DMK_ATT_AU=6",) and KernelVariant().att_au == 4
+    with pytest.raises(ValueError, match="att_au=8: choose one of 4, 5, 6"):
+        KernelVariant(att_au=8)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

@@ -32,11 +32,15 @@ def nt2_slots_max(num_stages: int) -> int:
     return min(NT2_SLOTS_CAP, num_stages * LAYOUT.slot_bytes // HALF_SLOT_BYTES)
 
 
+# MK_ATT_AU (A/B, session 9): KV load steps in flight per warp in attn_partial (4 = the default). A 512-token
+# chunk at batch 16 takes 4 dependent load rounds at 4, 4 at 5 (but 1.25x the bytes each), 3 at 6. No
+# spills at 5; 6 spills 20 bytes at the 8B shape (none at 1B); 8 spills at both (168-register cap).
+ATT_AU_CHOICES = (4, 5, 6)
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_NT2_SLOTS", "nt2_slots", "nt2_slots"))
+                   ("MK_NT2_SLOTS", "nt2_slots", "nt2_slots"), ("MK_ATT_AU", "att_au", "att_au"))
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class KernelVariant:
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
     nt2_slots: int = 0  # MK_NT2_SLOTS (A/B): half-size ring slots at batch 9..16, 0 = full slots
+    att_au: int = 4     # MK_ATT_AU (A/B): attention's KV load steps in flight per warp
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -67,6 +72,9 @@ class KernelVariant:
                 or not (self.nt2_slots == 0 or 4 <= self.nt2_slots <= hi):
             raise ValueError(f"nt2_slots={self.nt2_slots!r}: 0 (full slots) or 4..{hi} half-size slots "
                              f"with a {self.num_stages}-stage ring")
+        if isinstance(self.att_au, bool) or self.att_au not in ATT_AU_CHOICES:
+            raise ValueError(f"att_au={self.att_au!r}: choose one of {', '.join(map(str, ATT_AU_CHOICES))} "
+                             "(8 spills registers)")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
