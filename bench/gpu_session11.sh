@@ -4,7 +4,7 @@
 # one commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
 # carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 8B triton+megakernel,
 # ~9 min), 17 (tbt 1B + one-layer, auto), 16 (soak), 3 (autotune b16) last, as the device time allows
-# (~30 min in all: cut 3, then 16, then 17).
+# (~30 min in all: cut 3, then 16, then 17). A/B tables from the logs: python bench/ab_table.py LOG.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -24,7 +24,7 @@ case $n in
          echo "== round $r 1b: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 12 16 --no-triton $v
          echo "== round $r 8b: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 16 --no-triton $v
        done; done
-     echo "== control 1b batch 8: MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
+     echo "== round 1 1b control: --define MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
   4) # MK_ATT_AU (session 9, predictions in bench/NOTES.md): attention's KV load steps in flight per warp,
      # 4 (default) vs 5 vs 6 (6 spills 20 bytes at 8B: 1B only); where attention weighs most: 1B batch 16
      # (ctx 512, one 512-token chunk per task) and ctx 4096 at batch 8 (8B 1.09x Triton there)

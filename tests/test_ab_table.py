@@ -1,0 +1,61 @@
+"""bench/ab_table.py: the A/B table of a gpu_session log (builds alternated over rounds)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import ab_table
+
+LOG = """date 2026-12-01T17:10:21Z call 1 commit abc1234
+== round 1 1b: default
+llama-3.2-1b: 16 layers, ctx 512, lm_head in megakernel: False, 132 SMs, defines none
+path        batch   step_us     GB/s  % of 4.8TB/s
+megakernel     12    1300.0     1700         35.4%
+megakernel     16    1400.0     1560         32.5%
+== round 1 1b: --define MK_NT2_SLOTS=8
+megakernel     12    1250.0     1770         36.9%
+megakernel     16    1330.0     1640         34.2%
+== round 2 1b: default
+megakernel     12    1302.0     1700         35.4%
+megakernel     16    1404.0     1560         32.5%
+== round 2 1b: --define MK_NT2_SLOTS=8
+megakernel     12    1246.0     1770         36.9%
+megakernel     16    1336.0     1640         34.2%
+"""
+
+
+def test_rows_per_build_and_differences_from_the_default():
+    builds = ab_table.parse(LOG.splitlines())
+    assert builds["default"][("1b", 16)] == [1400.0, 1404.0]
+    assert builds["MK_NT2_SLOTS=8"][("1b", 12)] == [1250.0, 1246.0]
+    text = ab_table.table(builds)
+    lines = text.splitlines()
+    assert lines[0] == "| build | 1b b12 | 1b b16 |"
+    assert lines[2] == "| default | 1300.0 / 1302.0 | 1400.0 / 1404.0 |"
+    # means 1248 vs 1301 and 1333 vs 1402
+    assert lines[3] == "| MK_NT2_SLOTS=8 | 1250.0 / 1246.0 (-53) | 1330.0 / 1336.0 (-69) |"
+
+
+def test_logs_without_groups_take_the_given_one(tmp_path):
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("== round 1: default\nmegakernel      1     839.1     2340   48.7%\n"
+                 "== round 1: --define MK_X=1\nmegakernel      1     819.1     2397   49.9%\n")
+    b.write_text("== round 1: default\nmegakernel      1    4261.6     3291   68.6%\n")
+    out = tmp_path / "t.md"
+    assert ab_table.main([f"{a}=1B", f"{b}=8B", "--out", str(out)]) == 0
+    text = out.read_text().splitlines()
+    assert text[0] == "| build | 1B b1 | 8B b1 |"
+    assert text[3] == "| MK_X=1 | 819.1 (-20) |  |"
+
+
+def test_rows_of_other_blocks_are_not_a_builds():
+    builds = ab_table.parse([*LOG.splitlines(), "== control: something else", "megakernel 8 999.0 1 1%"])
+    assert all(("1b", 8) not in cols and ("", 8) not in cols for cols in builds.values())
+
+
+def test_a_log_without_the_default_build_is_refused():
+    with pytest.raises(ValueError, match="no 'default' build"):
+        ab_table.table(ab_table.parse(["== round 1: --define MK_X=1", "megakernel 1 800.0 1 1%"]))
