@@ -45,6 +45,9 @@ case $n in
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16
      timeout 120 python3 -m mk_plugin.trace run --config bench/models/llama-3.2-1b --batch 1 --outdir "$out/trace" \
        2>&1 | grep -E "^\| |span" | head -12
+     for m in llama-3.2-1b llama-3.1-8b; do   # batch-16 phases (stage now holds the column-group waits)
+       timeout 120 python3 bench/mk_step.py --model bench/models/$m --reps 20 --batch 16 --no-triton --trace \
+         --records-dir "$out/records" --define MK_TRACE_PHASES=1 2>&1 | grep -v "^tuning" | grep -A12 "traced step"; done
      MK_SAN_BATCHES="16" MK_SAN_TIMEOUT=200 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
   3) # the autotuner at batch 16 on the new default (task splits, attention chunks, ring depth)
      timeout 560 python3 bench/autotune.py --models 8b 1b --batch 16 --lm-head off --rounds 1 --reps 50 \

@@ -391,7 +391,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UB - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
-  unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
+  unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0, ph_gwait = 0;
   const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
   const unsigned long long ph_entry = ph_on ? global_ns() : 0ull;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
@@ -440,11 +440,13 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
         }
         // this thread's copies of the group have landed (the GD - 1 later groups may still be in flight) ...
+        const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
         if (GD == 1)
           cp_async_wait_all();
         else
           cp_async_wait_group<GD - 1>();
         consumer_sync();  // ... and everyone's; the buffer issued next was last read by the previous group
+        if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
         group_frags<NT, JMAX>(xb, xs + (NB == 2 ? ((gi) & 1) : (gi) % NB) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
         if (GD == 1) {
           if (k0 + KC < wp.K) group_issue(xs + (NB == 2 ? ((gi + 1) & 1) : (gi + 1) % NB) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
@@ -483,7 +485,9 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     consumer_sync();  // every warp is done with the staged x before `red` overwrites it
     if (ph_on) {
       const unsigned long long now = global_ns();
-      ph_chunks += now - ph_mark;
+      ph_chunks += now - ph_mark - ph_gwait;
+      ph_stage += ph_gwait;
+      ph_gwait = 0;
       ph_mark = now;
     }
 

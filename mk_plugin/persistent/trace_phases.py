@@ -6,8 +6,11 @@ end each phase, summed over the task's passes), as a per-op table of medians.
     entry    ready -> entering matvec_task (the dispatch and the out-of-line call; the norm-statistics
              and first-group issue of column-group staging come after it, in "other")
     stage    activation staging: pass start to the chunk loop (stage_x and the norm statistics, or for
-             column-group staging only the first group's issue; later groups overlap the chunks)
-    chunks   the chunk loop to the barrier after it: ring waits, fragment loads and MMAs of all warps
+             column-group staging the first groups' issue), plus for column-group staging thread 0's
+             wait for each group in the chunk loop (its cp.async wait and the barrier after it; since
+             session 9, taken out of chunks)
+    chunks   the chunk loop to the barrier after it, less those group waits: ring waits, fragment
+             loads and MMAs of all warps
     reduce   the cross-warp reduction and the op's epilogue (its L2 loads, stores) to the pass's barrier
     release  the signal's red.release.gpu (its fence waits until the CTA's stores are visible), every
              task type
