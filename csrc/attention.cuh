@@ -16,10 +16,10 @@
 // its chunk, then takes a ticket of (b, g), and the one that takes the last ticket runs the same merge.
 #pragma once
 #include "common.cuh"
-constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (no spills at 16)
 
 namespace mk {
 
+constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (no spills at 16)
 constexpr int ATT_LPT = D / 8;                   // lanes per token
 constexpr int ATT_TPW = 32 / ATT_LPT;            // tokens per warp per load step
 constexpr int ATT_HG = (G % 4 == 0) ? 4 : (G % 3 == 0) ? 3 : (G % 2 == 0) ? 2 : 1;  // heads per pass

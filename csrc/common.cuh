@@ -151,8 +151,7 @@ static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc s
 
 struct Smem {
   unsigned char* base;
-  __device__ __forceinline__ unsigned ring(int slot) const { return smem_addr(base + RING_OFF + slot * SLOT_BYTES); }
-  // slot of the ring for nt batch n-tiles (MK_NT2_SLOTS packs it at nt = 2)
+  // slot of the ring for nt batch n-tiles (MK_NT2_SLOTS packs it at nt = 2; else SLOT_BYTES apart)
   __device__ __forceinline__ unsigned ring_nt(int slot, int nt) const {
     return smem_addr(base + RING_OFF + slot * ring_slot_bytes(nt));
   }

@@ -372,7 +372,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   const int upp = MT / wp.mtpu;
   const int uend = t.arg0 + t.arg1;
   const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
-  float* const sc = nt2_packed(NT) ? S.mv_scratch(NT) : S.scratch();
+  float* const sc = S.mv_scratch(NT);
   unsigned char* xs = reinterpret_cast<unsigned char*>(sc);   // staging and the reduction share the scratch
   // MK_NT2_SLOTS: whole-task staging kept for every pass when the reduction fits after it (the default
   // scratch restages x per pass: the reduction overwrites it)
@@ -381,13 +381,14 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   float* red = keep ? reinterpret_cast<float*>(xs + stage_bytes) : sc;
   // Column groups consumed so far (group staging: buffer gi % NB holds the current one). The first
   // groups' copies go out before the norm statistics' round trip, so the two overlap. Past K a group
-  // is empty, committed only to keep cp.async's group count (GD > 1). The buffer expressions are
-  // written out: a lambda or a helper function for them changed the default build's SASS (+256
+  // is empty, committed only to keep cp.async's group count (GD > 1). A macro for group g's buffer: a
+  // lambda or a helper function for it changed the default build's register allocation (+256 SASS
   // instructions, the same program).
+#define MK_GROUP_BUF(g) (xs + (NB == 2 ? ((g) & 1) : (g) % NB) * GROUP_BYTES)
   int gi = 0;
   if (!staged)
 #pragma unroll
-    for (int d = 0; d < GD; ++d) group_issue(xs + (NB == 2 ? ((d) & 1) : (d) % NB) * GROUP_BYTES, x, wp.K, d * KC, B, KC);
+    for (int d = 0; d < GD; ++d) group_issue(MK_GROUP_BUF(d), x, wp.K, d * KC, B, KC);
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UB - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
@@ -400,7 +401,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
     if (!staged && p0 != t.arg0)
 #pragma unroll
-      for (int d = 0; d < GD; ++d) group_issue(xs + (NB == 2 ? ((gi + d) & 1) : (gi + d) % NB) * GROUP_BYTES, x, wp.K, d * KC, B, KC);
+      for (int d = 0; d < GD; ++d) group_issue(MK_GROUP_BUF(gi + d), x, wp.K, d * KC, B, KC);
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
@@ -447,11 +448,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           cp_async_wait_group<GD - 1>();
         consumer_sync();  // ... and everyone's; the buffer issued next was last read by the previous group
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
-        group_frags<NT, JMAX>(xb, xs + (NB == 2 ? ((gi) & 1) : (gi) % NB) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
+        group_frags<NT, JMAX>(xb, MK_GROUP_BUF(gi), wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
         if (GD == 1) {
-          if (k0 + KC < wp.K) group_issue(xs + (NB == 2 ? ((gi + 1) & 1) : (gi + 1) % NB) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
+          if (k0 + KC < wp.K) group_issue(MK_GROUP_BUF(gi + 1), x, wp.K, k0 + KC, B, KC);
         } else {
-          group_issue(xs + (NB == 2 ? ((gi + GD) & 1) : (gi + GD) % NB) * GROUP_BYTES, x, wp.K, k0 + GD * KC, B, KC);
+          group_issue(MK_GROUP_BUF(gi + GD), x, wp.K, k0 + GD * KC, B, KC);
         }
         ++gi;
       }
@@ -527,6 +528,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   }
   *wait_out += wait_cycles;
   return it;
+#undef MK_GROUP_BUF
 }
 
 }  // namespace mk
