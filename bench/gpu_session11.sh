@@ -19,25 +19,22 @@ case $n in
      for v in 8 6; do
        timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
          -k "vs_vm or whole_step or watchdog or merge_in_partial" --mk-define MK_NT2_SLOTS=$v 2>&1 | tail -1; done
-     for r in 1 2; do
-       for v in "" "--define MK_NT2_SLOTS=6" "--define MK_NT2_SLOTS=8" "--define MK_NT2_SLOTS=10"; do
-         echo "== round $r 1b: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 12 16 --no-triton $v
-         echo "== round $r 8b: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 16 --no-triton $v
-       done; done
-     echo "== round 1 1b control: --define MK_NT2_SLOTS=8"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --no-triton --define MK_NT2_SLOTS=8 ;;
+     # one process per model (bench/mk_ab.py: weights once, builds compiled once, rounds alternated);
+     # batch 8 is the control (NT = 1 there: must not move)
+     NT2="--build default --build MK_NT2_SLOTS=6 --build MK_NT2_SLOTS=8 --build MK_NT2_SLOTS=10"
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 8 12 16 --rounds 3 $NT2
+     timeout 240 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 $NT2 ;;
   4) # MK_ATT_AU (session 9, predictions in bench/NOTES.md): attention's KV load steps in flight per warp,
      # 4 (default) vs 5 vs 6 (6 spills 20 bytes at 8B: 1B only); where attention weighs most: 1B batch 16
      # (ctx 512, one 512-token chunk per task) and ctx 4096 at batch 8 (8B 1.09x Triton there)
-     timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
-       -k "vs_vm or whole_step" --mk-define MK_ATT_AU=5 2>&1 | tail -1
-     for r in 1 2; do
-       for v in "" "--define MK_ATT_AU=5" "--define MK_ATT_AU=6"; do
-         echo "== round $r 1b: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton $v
-         echo "== round $r 1b ctx4096: ${v:-default}"; T=60 step --model bench/models/llama-3.2-1b --batch 8 --ctx 4096 --no-triton $v
-       done
-       for v in "" "--define MK_ATT_AU=5"; do
-         echo "== round $r 8b ctx4096: ${v:-default}"; T=90 step --model bench/models/llama-3.1-8b --batch 8 --ctx 4096 --no-triton $v
-       done; done ;;
+     for v in 5 6; do
+       timeout 110 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+         -k "vs_vm or whole_step" --mk-define MK_ATT_AU=$v 2>&1 | tail -1; done
+     AU="--build default --build MK_ATT_AU=5 --build MK_ATT_AU=6"
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 16 --rounds 3 $AU
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 --batch 8 --rounds 3 $AU
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 --batch 8 --rounds 3 \
+       --build default --build MK_ATT_AU=5 ;;
   2) # the default after call 1, both paths at one commit (README table, paths table), the traced 1B batch-1
      # step (issue 11's trace PNG and per-op table), then racecheck at batch 16 (the packed ring's first
      # sanitizer run if it became the default)

@@ -59,3 +59,19 @@ def test_rows_of_other_blocks_are_not_a_builds():
 def test_a_log_without_the_default_build_is_refused():
     with pytest.raises(ValueError, match="no 'default' build"):
         ab_table.table(ab_table.parse(["== round 1: --define MK_X=1", "megakernel 1 800.0 1 1%"]))
+
+
+def test_mk_ab_builds_and_labels_read_back_by_the_table():
+    """bench/mk_ab.py's build strings parse to variants whose header labels ab_table.parse reads back."""
+    import mk_ab
+    v = mk_ab.parse_build("MK_NT2_SLOTS=8,MK_NUM_STAGES=5")
+    assert mk_ab.build_label(v) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
+    assert mk_ab.build_label(mk_ab.parse_build("default")) == "default"
+    assert mk_ab.build_label(mk_ab.parse_build("")) == "default"
+    log = (f"== round 1 1b: {mk_ab.build_label(mk_ab.parse_build('default'))}\nmegakernel    16    1400.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(v)}\nmegakernel    16    1300.0  1 1%\n")
+    builds = ab_table.parse(log.splitlines())
+    assert builds["default"][("1b", 16)] == [1400.0]
+    assert builds[mk_ab.build_label(v).replace("--define ", "")][("1b", 16)] == [1300.0]
+    with pytest.raises(ValueError, match="MK_NOPE"):
+        mk_ab.parse_build("MK_NOPE=1")

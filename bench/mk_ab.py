@@ -1,0 +1,99 @@
+"""A/B of megakernel builds in one process: the weights drawn once, every build compiled once, then the
+builds alternated over rounds (round 1: A B C, round 2: A B C, ...), each (build, batch) timed as
+mk_step.py times it (median of CUDA-graph replays). A process per build (mk_step.py --define) paid the
+imports, the weights and the program build per row (~10-20 s of device time each); here a row costs its
+replays. The output is the log format of bench/ab_table.py (`== round R GROUP: LABEL`, then
+`megakernel BATCH STEP_US GB/s %`), so the table comes from that tool:
+
+    python bench/mk_ab.py --model bench/models/llama-3.2-1b --batch 12 16 --rounds 2 \
+        --build default --build MK_NT2_SLOTS=6 --build MK_NT2_SLOTS=8,MK_NUM_STAGES=5
+    python bench/ab_table.py LOG
+
+A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant). A/B rows are
+not appended to mk_step.csv (like mk_step.py --define): the log and its table are the record.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent.variant import KernelVariant
+from mk_plugin.spec import LlamaSpec
+from mk_plugin.timing import graph_median_ms
+from mk_plugin.weights import random_weights
+
+PEAK_BPS = 4.8e12
+
+
+def parse_build(text: str) -> KernelVariant:
+    """"default" (or "") -> the default build; "A=1,B=2" -> KernelVariant.parse (its errors name the value)."""
+    items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "default"]
+    return KernelVariant.parse(items)
+
+
+def build_label(variant: KernelVariant) -> str:
+    """The header label ab_table.py reads: "default", or the defines as mk_step's --define flags give them."""
+    d = variant.defines()
+    return " ".join(f"--define {x.removeprefix('-D')}" for x in d) if d else "default"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--group", default="", help="column group in the headers (default: the model's name)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--build", action="append", required=True, metavar="default|NAME=VALUE[,...]")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
+    variants = [parse_build(b) for b in args.build]   # bad input fails here, before the GPU work
+
+    from mk_plugin.config import get_config
+    from mk_plugin.persistent.backend import MegakernelDecoder
+
+    spec = LlamaSpec.from_json_file(args.model)
+    group = args.group or spec.name
+    cfg = get_config()
+    w = random_weights(spec, device="cuda", draw_on_device=True)
+    cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
+    decs = []
+    for v in variants:   # compile and prepare every build before the first timed row
+        dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=v, tuning=cfg.tuning,
+                                watchdog_ms=cfg.watchdog_ms)
+        dec.prepare(args.batch)
+        decs.append(dec)
+        print(f"built {build_label(v)}", flush=True)
+    inputs = {}
+    for bsz in args.batch:
+        seq = [args.ctx] * bsz
+        b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, seq, bsz, "cuda")
+        hidden = w.embed[b.input_ids.to("cuda")]
+        nbytes = spec.weight_bytes_per_step(include_lm_head=False) + spec.kv_bytes_per_step(seq)
+        inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), nbytes)
+    print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {common.git_commit()}, "
+          f"gpu {torch.cuda.get_device_name()}, reps {args.reps}")
+    for r in range(1, args.rounds + 1):
+        for v, dec in zip(variants, decs):
+            print(f"== round {r} {group}: {build_label(v)}")
+            for bsz in args.batch:
+                hidden, pos, caches, bt, sl, slots, out, nbytes = inputs[bsz]
+                fn = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out)
+                us = graph_median_ms(fn, replays=args.reps) * 1e3
+                bps = nbytes / (us * 1e-6)
+                print(f"megakernel {bsz:>5} {us:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
