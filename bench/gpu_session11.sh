@@ -40,12 +40,20 @@ case $n in
      # sanitizer run if it became the default)
      T=150 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16
-     timeout 120 python3 -m mk_plugin.trace run --config bench/models/llama-3.2-1b --batch 1 --outdir "$out/trace" \
+     timeout 120 python3 -m mk_plugin.trace run --config bench/models/llama-3.2-1b --batch 1 --context 512 --outdir "$out/trace" \
        2>&1 | grep -E "^\| |span" | head -12
      for m in llama-3.2-1b llama-3.1-8b; do   # batch-16 phases (stage now holds the column-group waits)
        timeout 120 python3 bench/mk_step.py --model bench/models/$m --reps 20 --batch 16 --no-triton --trace \
          --records-dir "$out/records" --define MK_TRACE_PHASES=1 2>&1 | grep -v "^tuning" | grep -A12 "traced step"; done
      MK_SAN_BATCHES="16" MK_SAN_TIMEOUT=200 bash bench/sanitize.sh "$out" 16 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
+  5) # call 2 without its step table (session 11: calls 1 and 4 left the default program as f83d309's,
+     # whose table is committed): the traced 1B batch-1 step, batch-16 phases, the three sanitizers at batch 16 (4 layers: every hand-off kind, ~1/4 of the time)
+     timeout 120 python3 -m mk_plugin.trace run --config bench/models/llama-3.2-1b --batch 1 --context 512 --outdir "$out/trace" \
+       2>&1 | grep -E "^\| |span" | head -12
+     for m in llama-3.2-1b llama-3.1-8b; do
+       timeout 120 python3 bench/mk_step.py --model bench/models/$m --reps 20 --batch 16 --no-triton --trace \
+         --records-dir "$out/records" --define MK_TRACE_PHASES=1 2>&1 | grep -v "^tuning" | grep -A14 "traced step"; done
+     MK_SAN_BATCHES="16" MK_SAN_TIMEOUT=110 bash bench/sanitize.sh "$out" 4 2>&1 | grep -E "SUMMARY|exit code" | head -6 ;;
   3) # the autotuner at batch 16 on the new default (task splits, attention chunks, ring depth)
      timeout 560 python3 bench/autotune.py --models 8b 1b --batch 16 --lm-head off --rounds 1 --reps 50 \
        --outdir "$out" 2>&1 | grep -E "^\| llama|Winners" | head -12 ;;
