@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (bench/NOTES.md session 9, "Next"). Run from the project root on the GPU
+# Session 10's GPU calls (bench/NOTES.md session 9, "Next"; as run: 1, 4, 11-13, 14, 5, 11-13 again on a
+# fresh machine, 17). Kept as the record of what ran: calls 1 and 4 time MK_NT2_SLOTS and MK_ATT_AU, which
+# their A/B removed (bench/results/mk_ab_2026-12-01_e1489b8.md), so they no longer build. Run from the project root on the GPU
 # host with .commit carried; output under $2 (default $OUT). Order: 1, 4, then (winners made the default,
 # one commit) 2, then the vLLM calls: 11 and 12 carry bundle parts 0 and 1 (nothing else runs in them), 13
 # carries part 2 and .gpuhost/unpack.sh and unpacks; 14 (serve 8B, ~9 min), 15 (tbt 8B triton+megakernel,

@@ -6,7 +6,7 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
 `megakernel BATCH STEP_US GB/s %`), so the table comes from that tool:
 
     python bench/mk_ab.py --model bench/models/llama-3.2-1b --batch 12 16 --rounds 2 \
-        --build default --build MK_NT2_SLOTS=6 --build MK_NT2_SLOTS=8,MK_NUM_STAGES=5
+        --build default --build MK_RELEASE_GATE=96 --build MK_RELEASE_GATE=96,MK_NUM_STAGES=5
     python bench/ab_table.py LOG
 
 A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant). A/B rows are

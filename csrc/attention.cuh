@@ -23,7 +23,9 @@ constexpr int ATT_MCB = 16;  // chunks per batch of loads in attn_merge (no spil
 constexpr int ATT_LPT = D / 8;                   // lanes per token
 constexpr int ATT_TPW = 32 / ATT_LPT;            // tokens per warp per load step
 constexpr int ATT_HG = (G % 4 == 0) ? 4 : (G % 3 == 0) ? 3 : (G % 2 == 0) ? 2 : 1;  // heads per pass
-constexpr int ATT_AU = MK_ATT_AU;                // load steps in flight per warp (MK_ATT_AU, variant.py)
+// Load steps in flight per warp (session 10's A/B, bench/NOTES.md: 5 vs 4 -52 us at 8B batch 8 ctx 4096, -15 at
+// 1B; +8 at 1B batch 16 ctx 512; 6 +26..+333 us and spills at 8B)
+constexpr int ATT_AU = 5;
 static_assert(G % ATT_HG == 0, "head passes must tile the group");
 constexpr int ATT_SCRATCH_FLOATS = 2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D + ATT_HG * D;
 // Block-table entries of the task's token range, staged in shared memory after the merge scratch: the

@@ -124,26 +124,9 @@ struct Params {
 constexpr int RING_OFF = 0;
 constexpr int UNION_OFF = NUM_STAGES * SLOT_BYTES;
 constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
-
-// MK_NT2_SLOTS > 0 (A/B, variant.py): with two batch n-tiles a chunk is 16 rows x CHUNK_COLS / 2 columns,
-// half a slot, so the ring is MK_NT2_SLOTS slots of HALF_SLOT_BYTES packed from RING_OFF, and a matvec
-// task's scratch starts right after them (mv_scratch_off) and runs to MISC_OFF: the ring memory they
-// leave. Everything else (attention, the default geometry) keeps the scratch at UNION_OFF, which the
-// packed ring never reaches.
-constexpr int HALF_SLOT_BYTES = 16 * (CHUNK_COLS + 16);
-static_assert(MK_NT2_SLOTS == 0 || (MK_NT2_SLOTS >= 4 && MK_NT2_SLOTS * HALF_SLOT_BYTES <= NUM_STAGES * SLOT_BYTES),
-              "MK_NT2_SLOTS: 0, or 4.. half-size slots that fit the ring");
-static_assert(HALF_SLOT_BYTES % 128 == 0, "128-byte aligned half slots");
-constexpr int RING_SLOTS_MAX = MK_NT2_SLOTS > NUM_STAGES ? MK_NT2_SLOTS : NUM_STAGES;
-__host__ __device__ constexpr bool nt2_packed(int nt) { return nt == 2 && MK_NT2_SLOTS > 0; }
-__host__ __device__ constexpr int ring_slots(int nt) { return nt2_packed(nt) ? MK_NT2_SLOTS : NUM_STAGES; }
-__host__ __device__ constexpr int ring_slot_bytes(int nt) { return nt2_packed(nt) ? HALF_SLOT_BYTES : SLOT_BYTES; }
-__host__ __device__ constexpr int mv_scratch_off(int nt) { return nt2_packed(nt) ? MK_NT2_SLOTS * HALF_SLOT_BYTES : UNION_OFF; }
-__host__ __device__ constexpr int mv_union_bytes(int nt) { return MISC_OFF - mv_scratch_off(nt); }
-
-constexpr int FULL_BAR_OFF = MISC_OFF;                            // RING_SLOTS_MAX x 8 bytes
-constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * RING_SLOTS_MAX;  // RING_SLOTS_MAX x 8 bytes
-constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * RING_SLOTS_MAX;      // MAX_BATCH floats
+constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
+constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
+constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
 constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task, tasks released
 constexpr int STEP_OFF = (FLAGS_OFF + 12 + 15) / 16 * 16;      // positions, slots, seq_lens (step_inputs)
 constexpr int PARAMS_OFF = STEP_OFF + (8 + 8 + 4) * MAX_BATCH;
@@ -151,12 +134,7 @@ static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc s
 
 struct Smem {
   unsigned char* base;
-  // slot of the ring for nt batch n-tiles (MK_NT2_SLOTS packs it at nt = 2; else SLOT_BYTES apart)
-  __device__ __forceinline__ unsigned ring_nt(int slot, int nt) const {
-    return smem_addr(base + RING_OFF + slot * ring_slot_bytes(nt));
-  }
-  // a matvec task's scratch for nt batch n-tiles: mv_union_bytes(nt) bytes
-  __device__ __forceinline__ float* mv_scratch(int nt) const { return reinterpret_cast<float*>(base + mv_scratch_off(nt)); }
+  __device__ __forceinline__ unsigned ring(int slot) const { return smem_addr(base + RING_OFF + slot * SLOT_BYTES); }
   __device__ __forceinline__ unsigned full_bar(int slot) const { return smem_addr(base + FULL_BAR_OFF + 8 * slot); }
   __device__ __forceinline__ unsigned empty_bar(int slot) const { return smem_addr(base + EMPTY_BAR_OFF + 8 * slot); }
   __device__ __forceinline__ float* scratch() const { return reinterpret_cast<float*>(base + UNION_OFF); }

@@ -26,10 +26,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Wait until at most N of this thread's committed groups are pending (the N most recent).
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
 // batch independent loads (several in flight), yet never moves them across consumer_sync() or the
 // counter acquire (asm volatile with a "memory" clobber).

@@ -17,8 +17,7 @@
 //
 // The producer warp walks the same queue with the same pass/chunk plan (weight_plan, weight_row)
 // and issues one cp.async.bulk per weight row and chunk; chunk number `it` (counted over the whole
-// queue by both sides) uses slot it % NS with mbarrier parity (it / NS) & 1, NS = ring_slots(NT)
-// (NUM_STAGES, or MK_NT2_SLOTS half-size slots at NT = 2: common.cuh).
+// queue by both sides) uses slot it % NUM_STAGES with mbarrier parity (it / NUM_STAGES) & 1.
 #pragma once
 #include "common.cuh"
 
@@ -115,7 +114,6 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, int qbeg, int qend, int lane) {
   const int nt = batch_ntiles(P.batch);
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
-  const int NS = ring_slots(nt);   // NUM_STAGES unless MK_NT2_SLOTS packs the ring at nt = 2
   unsigned it = 0;
   int ti = qbeg;
   int prev_op = -1;  // opcode of the queue's previous task (MK_RELEASE_GATE)
@@ -134,11 +132,11 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
       for (int k0 = 0; k0 < wp.K; k0 += KC) {
         const int kc = min(KC, wp.K - k0);
         for (int m = 0; m < mt; ++m) {
-          const int slot = it % NS;
+          const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
           // Lane 0's outcome decides for the warp (lane 0 arms the barrier below).
           const int ws = __shfl_sync(0xffffffffu,
-                                     ring_wait(S, P, S.empty_bar(slot), ((it / NS) & 1) ^ 1, ti,
+                                     ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
                                                MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
           if (ws != WAIT_OK) goto drain;
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
@@ -146,7 +144,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
           } else if (lane < valid)
-            bulk_g2s(S.ring_nt(slot, nt) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
+            bulk_g2s(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
                      S.full_bar(slot));
           ++it;
         }
@@ -155,13 +153,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_LAST] = global_ns();
   }
 drain:
-  // The last min(it, NS) chunks may still be landing in this CTA's shared memory; consumers
+  // The last min(it, NUM_STAGES) chunks may still be landing in this CTA's shared memory; consumers
   // that stopped early never wait for them, so wait here: the CTA must not exit with bulk copies in
   // flight. (Earlier chunks were consumed: their slots were freed before being reused.) Nothing
   // re-arms these barriers any more, so each phase is complete once its bytes have arrived.
-  for (unsigned c = it > NS ? it - NS : 0; c < it; ++c) {
-    const int slot = c % NS;
-    const int ws = ring_wait(S, P, S.full_bar(slot), (c / NS) & 1, min(ti, qend - 1),
+  for (unsigned c = it > NUM_STAGES ? it - NUM_STAGES : 0; c < it; ++c) {
+    const int slot = c % NUM_STAGES;
+    const int ws = ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, min(ti, qend - 1),
                              MBAR_TAG_DRAIN + slot, c, false, 1);
     if (ws != WAIT_OK) break;
   }
@@ -207,21 +205,6 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
 // 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
 constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x KC=1024 (NT=1) or 16 rows x KC=512 (NT=2)
 static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
-constexpr int GROUP_BUFS_MAX = 4;
-constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp row sums, end of scratch
-// Column-group buffers of a matvec task with nt batch n-tiles: two (one group in flight while one
-// computes), or with MK_NT2_SLOTS's larger scratch at nt = 2 up to GROUP_BUFS_MAX (groups in flight:
-// the buffers less one), leaving rows_rstd's partial sums at the scratch's end.
-__host__ __device__ constexpr int group_bufs(int nt) {
-  return !nt2_packed(nt) ? 2
-         : (mv_union_bytes(nt) - STAGE_PART_BYTES) / GROUP_BYTES < GROUP_BUFS_MAX
-               ? (mv_union_bytes(nt) - STAGE_PART_BYTES) / GROUP_BYTES
-               : GROUP_BUFS_MAX;
-}
-// (With two buffers the partial sums may share the second one: rows_rstd is done before group 1 is issued.)
-static_assert(!nt2_packed(2) || (group_bufs(2) >= 2 && group_bufs(2) * GROUP_BYTES + STAGE_PART_BYTES <=
-                                                           mv_union_bytes(2)),
-              "column-group buffers of the NT = 2 scratch");
 
 __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
   const int upr = KC / 8;                      // 16-byte units per row
@@ -267,13 +250,15 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
 // norm-fused op the norm weight nw[K] as one more row after them, loaded in the same round of L2
 // requests. The rows' 1/rms (rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps)) then comes from the staged
 // copy: one L2 round trip per pass instead of two (rows_rstd, then staging). Used when it fits the
-// scratch (staged_fits; ub = the task's scratch bytes, mv_union_bytes). Ends with consumer_sync().
-__device__ __forceinline__ bool staged_fits(int K, int B, bool norm, int ub) {
-  return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= ub - STAGE_PART_BYTES;
+// scratch (staged_fits). Ends with consumer_sync().
+constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp row sums, end of scratch
+
+__device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
+  return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 
 __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, float* rstd, int K,
-                                        int B, int warp, int lane, int ub) {
+                                        int B, int warp, int lane) {
   const int vpr = K / 8;
   const int total = (B + (nw != nullptr ? 1 : 0)) * vpr;
   const int rowb = K * 2 + 16;
@@ -299,7 +284,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
   }
   consumer_sync();
   if (nw == nullptr) return;
-  float* part = reinterpret_cast<float*>(xs + ub - STAGE_PART_BYTES);
+  float* part = reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES);
   for (int b = 0; b < B; ++b) {  // fixed summation order: bit-identical across runs
     float ss = 0.f;
     for (int kv = threadIdx.x; kv < vpr; kv += CONSUMER_THREADS)
@@ -361,36 +346,20 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
   constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
-  constexpr int NS = ring_slots(NT);        // ring slots (MK_NT2_SLOTS: half-size ones at NT = 2)
-  constexpr int UB = mv_union_bytes(NT);    // this task's scratch bytes
-  constexpr int NB = group_bufs(NT);        // column-group buffers, NB - 1 groups in flight
-  constexpr int GD = NB - 1;
-  constexpr int RED_BYTES = CONSUMER_WARPS * ACC_TILES * 32 * 16;
-  static_assert(RED_BYTES <= UNION_BYTES && UNION_BYTES <= UB, "reduction scratch");
   const int B = P.batch;
   const float* rstd = S.rstd();
+  float* red = S.scratch();
+  static_assert(CONSUMER_WARPS * ACC_TILES * 32 * 16 <= UNION_BYTES, "reduction scratch");
   const int upp = MT / wp.mtpu;
   const int uend = t.arg0 + t.arg1;
   const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
-  float* const sc = S.mv_scratch(NT);
-  unsigned char* xs = reinterpret_cast<unsigned char*>(sc);   // staging and the reduction share the scratch
-  // MK_NT2_SLOTS: whole-task staging kept for every pass when the reduction fits after it (the default
-  // scratch restages x per pass: the reduction overwrites it)
-  const int stage_bytes = nt2_packed(NT) ? ((B + (nw != nullptr ? 1 : 0)) * (wp.K * 2 + 16) + 127) / 128 * 128 : 0;
-  const bool keep = nt2_packed(NT) && staged && stage_bytes + RED_BYTES <= UB;
-  float* red = keep ? reinterpret_cast<float*>(xs + stage_bytes) : sc;
-  // Column groups consumed so far (group staging: buffer gi % NB holds the current one). The first
-  // groups' copies go out before the norm statistics' round trip, so the two overlap. Past K a group
-  // is empty, committed only to keep cp.async's group count (GD > 1). A macro for group g's buffer: a
-  // lambda or a helper function for it changed the default build's register allocation (+256 SASS
-  // instructions, the same program).
-#define MK_GROUP_BUF(g) (xs + (NB == 2 ? ((g) & 1) : (g) % NB) * GROUP_BYTES)
+  unsigned char* xs = reinterpret_cast<unsigned char*>(red);   // staging shares the scratch
+  // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
+  // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
-  if (!staged)
-#pragma unroll
-    for (int d = 0; d < GD; ++d) group_issue(MK_GROUP_BUF(d), x, wp.K, d * KC, B, KC);
+  if (!staged) group_issue(xs, x, wp.K, 0, B, KC);
   if (!staged && nw != nullptr)
-    rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UB - STAGE_PART_BYTES), warp, lane);
+    rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
   unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0, ph_gwait = 0;
   const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
@@ -399,9 +368,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
-    if (!staged && p0 != t.arg0)
-#pragma unroll
-      for (int d = 0; d < GD; ++d) group_issue(MK_GROUP_BUF(gi + d), x, wp.K, d * KC, B, KC);
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
@@ -420,7 +387,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-    if (staged && (!keep || p0 == t.arg0)) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane, UB);
+    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
     if (ph_on) {
       const unsigned long long now = global_ns();
       ph_stage += now - ph_mark;
@@ -440,34 +407,26 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
           wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
         }
-        // this thread's copies of the group have landed (the GD - 1 later groups may still be in flight) ...
         const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
-        if (GD == 1)
-          cp_async_wait_all();
-        else
-          cp_async_wait_group<GD - 1>();
-        consumer_sync();  // ... and everyone's; the buffer issued next was last read by the previous group
+        cp_async_wait_all();  // this thread's copies of the group have landed ...
+        consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
-        group_frags<NT, JMAX>(xb, MK_GROUP_BUF(gi), wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
-        if (GD == 1) {
-          if (k0 + KC < wp.K) group_issue(MK_GROUP_BUF(gi + 1), x, wp.K, k0 + KC, B, KC);
-        } else {
-          group_issue(MK_GROUP_BUF(gi + GD), x, wp.K, k0 + GD * KC, B, KC);
-        }
+        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
+        if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
         ++gi;
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         if (m < mt) {
-          const int slot = it % NS;
+          const int slot = it % NUM_STAGES;
           const long long c0 = clock64();
           // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
           // discarded with the step -- keep every consumer_sync of the task, and do not free the
           // slot (its copy may still be landing); the loop ends at the next task boundary.
           const int ws =
-              ring_wait(S, P, S.full_bar(slot), (it / NS) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+              ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
-          const unsigned sb = S.ring_nt(slot, NT) + lane_off;
+          const unsigned sb = S.ring(slot) + lane_off;
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
@@ -528,7 +487,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   }
   *wait_out += wait_cycles;
   return it;
-#undef MK_GROUP_BUF
 }
 
 }  // namespace mk

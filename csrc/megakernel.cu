@@ -73,9 +73,8 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   // acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) becomes dead code
   wp.w = nullptr;
   const elem_t* x = buf_ptr(P, t.in_buf);
-  const int nt = batch_ntiles(P.batch);
-  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr, mv_union_bytes(nt));
-  if (nt == 1)
+  const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
+  if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else
     it = matvec_task<2>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
@@ -204,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     *S.abort_flag() = stop;
     start_stop = stop;
     if (!stop) {
-      for (int s = 0; s < RING_SLOTS_MAX; ++s) {
+      for (int s = 0; s < NUM_STAGES; ++s) {
         mbar_init(S.full_bar(s), 1);
         mbar_init(S.empty_bar(s), CONSUMER_THREADS);  // every consumer thread frees its own reads
       }

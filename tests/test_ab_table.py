@@ -64,7 +64,7 @@ def test_a_log_without_the_default_build_is_refused():
 def test_mk_ab_builds_and_labels_read_back_by_the_table():
     """bench/mk_ab.py's build strings parse to variants whose header labels ab_table.parse reads back."""
     import mk_ab
-    v = mk_ab.parse_build("MK_NT2_SLOTS=8,MK_NUM_STAGES=5")
+    v = mk_ab.parse_build("MK_RELEASE_GATE=96,MK_NUM_STAGES=5")
     assert mk_ab.build_label(v) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
     assert mk_ab.build_label(mk_ab.parse_build("default")) == "default"
     assert mk_ab.build_label(mk_ab.parse_build("")) == "default"

@@ -158,24 +158,11 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone
     for gone in ("MK_GATE_WORD", "MK_POLL_ACQUIRE", "MK_PTR_EARLY", "MK_GROUP_NONORM", "MK_ROPE_EARLY",
-                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH"):
+                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU"):   # measured: removed
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
-    # MK_NT2_SLOTS (A/B): half-size ring slots at batch 9..16, bounded by the ring and the misc region
-    n2 = KernelVariant.parse(["MK_NT2_SLOTS=8"])
-    assert n2.nt2_slots == 8 and n2.defines() == ("-DMK_NT2_SLOTS=8",) and n2.label() == "nt2_slots=8"
-    assert KernelVariant(num_stages=5, nt2_slots=9).defines() == ("-DMK_NUM_STAGES=5", "-DMK_NT2_SLOTS=9")
-    for bad, hint in ((11, "4..10"), (3, "4..10"), (True, "4..10")):
-        with pytest.raises(ValueError, match=f"nt2_slots={bad!r}: 0 \\(full slots\\) or {hint}"):
-            KernelVariant(nt2_slots=bad)
-    with pytest.raises(ValueError, match="4..7 half-size slots with a 4-stage ring"):
-        KernelVariant(num_stages=4, nt2_slots=8)
-    au = KernelVariant.parse(["MK_ATT_AU=6"])
-    assert au.att_au == 6 and au.defines() == ("-DMK_ATT_AU=6",) and KernelVariant().att_au == 4
-    with pytest.raises(ValueError, match="att_au=8: choose one of 4, 5, 6"):
-        KernelVariant(att_au=8)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

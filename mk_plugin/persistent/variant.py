@@ -6,7 +6,9 @@ Besides the rounding points, the ring depth and the bench-only diagnostics, a sw
 default (the release gate) or an A/B experiment waiting for its GPU measurement (bench/NOTES.md). A
 switch whose A/B is measured leaves: the winner becomes the code, the loser's record stays in the notes
 (session 9: the poll acquires, the early pointers, the early RoPE table loads, the attention overlap and
-the batched merge won; the column groups at batch 1 and the gate word's volatile/relaxed forms lost).
+the batched merge won; the column groups at batch 1 and the gate word's volatile/relaxed forms lost;
+session 10: five attention load steps in flight won over four and six, the packed half-size ring slots at
+batch 9..16 lost).
 """
 from __future__ import annotations
 
@@ -19,28 +21,10 @@ from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
-# MK_NT2_SLOTS (A/B, session 9): at batch 9..16 (two n-tiles) a chunk is 16 rows x 512 columns and fills
-# half of a ring slot. N > 0 packs the ring as N half-size slots and gives the ring memory they leave to
-# the matvec scratch (whole-task staging, activations kept across passes, deeper column-group prefetch:
-# matvec.cuh). 0 = the ring of full slots at every batch (the default).
-HALF_SLOT_BYTES = 16 * (LAYOUT.chunk_cols + 16)
-NT2_SLOTS_CAP = 10   # the mbarriers of 11 slots overflow the misc region (static_assert in common.cuh)
-
-
-def nt2_slots_max(num_stages: int) -> int:
-    """The most half-size slots a ring of num_stages full slots holds (and the misc region's barriers)."""
-    return min(NT2_SLOTS_CAP, num_stages * LAYOUT.slot_bytes // HALF_SLOT_BYTES)
-
-
-# MK_ATT_AU (A/B, session 9): KV load steps in flight per warp in attn_partial (4 = the default). A 512-token
-# chunk at batch 16 takes 4 dependent load rounds at 4, 4 at 5 (but 1.25x the bytes each), 3 at 6. No
-# spills at 5; 6 spills 20 bytes at the 8B shape (none at 1B); 8 spills at both (168-register cap).
-ATT_AU_CHOICES = (4, 5, 6)
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_NT2_SLOTS", "nt2_slots", "nt2_slots"), ("MK_ATT_AU", "att_au", "att_au"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -55,8 +39,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    nt2_slots: int = 0  # MK_NT2_SLOTS (A/B): half-size ring slots at batch 9..16, 0 = full slots
-    att_au: int = 4     # MK_ATT_AU (A/B): attention's KV load steps in flight per warp
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -67,14 +49,6 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        hi = nt2_slots_max(self.num_stages)
-        if isinstance(self.nt2_slots, bool) or not isinstance(self.nt2_slots, int) \
-                or not (self.nt2_slots == 0 or 4 <= self.nt2_slots <= hi):
-            raise ValueError(f"nt2_slots={self.nt2_slots!r}: 0 (full slots) or 4..{hi} half-size slots "
-                             f"with a {self.num_stages}-stage ring")
-        if isinstance(self.att_au, bool) or self.att_au not in ATT_AU_CHOICES:
-            raise ValueError(f"att_au={self.att_au!r}: choose one of {', '.join(map(str, ATT_AU_CHOICES))} "
-                             "(8 spills registers)")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
