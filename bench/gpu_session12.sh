@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 10, "Next"). Run from the project root on the GPU
-# host with .commit carried; output under $2 (default $OUT). Order: 1 (kernel diagnosis, ~4 min), 2 (both
+# host with .commit carried; output under $2 (default $OUT). Order: 1 (probe + MK_NT2_FULL A/B, ~5 min), 3
+# (MK_DIAG decomposition, ~4 min), then the winner made the default (one commit, SASS checked) and 2 (both
 # paths at the default, ~4 min), then vLLM: 11 and 12 carry bundle parts 0 and 1, 13 carries part 2 and
 # .gpuhost/unpack.sh and unpacks (start each call within the ~30 s warm window: a machine that goes cold
 # loses the unpacked bundle), 15 (tbt 8B, ~9 min), 16 (one-layer profile, ~4 min), 17 (serve 1B, ~8 min),
@@ -10,17 +11,25 @@ n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
-  1) # Where batch 16's chunk loop loses (NOTES session 10): the copy engine's cost per bulk copy (the
-     # probe: bytes per copy, ring depth, one copy per chunk, the consumer's MMA pattern), then today's
-     # kernel with its weight copies (MK_DIAG=2), its MMAs (4), both (6) or its counter waits (1) taken out,
-     # at batch 1, 8 and 16 (1B) and 8, 16 (8B), builds alternated in one process per model
-     timeout 150 python3 bench/bulk_probe.py --out "$out/bulk_probe.md" 2>&1 | tail -30
-     D="--build default --build MK_DIAG=2 --build MK_DIAG=4 --build MK_DIAG=6 --build MK_DIAG=1"
-     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $D
+  1) # Where batch 16's chunk loop loses (NOTES session 10), first the copy engine's cost per bulk copy (the
+     # probe: bytes per copy, ring depth, one copy per pre-tiled chunk, the consumer's MMA pattern), then
+     # MK_NT2_FULL (full-width chunks at batch 9..16, consumed in two halves): its gpu tests, then the A/B
+     # at 1B batch 8 (the control: NT = 1), 12, 16 and 8B batch 16
+     timeout 90 python3 bench/bulk_probe.py --out "$out/bulk_probe.md" 2>&1 | tail -28
+     timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or watchdog or merge_in_partial" --mk-define MK_NT2_FULL=1 2>&1 | tail -1
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 8 12 16 --rounds 3 \
+       --build default --build MK_NT2_FULL=1
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 3 \
+       --build default --build MK_NT2_FULL=1 ;;
+  3) # the kernel with its weight copies (MK_DIAG=2), its MMAs (4), both (6) or its counter waits (1) taken
+     # out (timing only: wrong results), batch 1, 8, 16 (1B) and 8, 16 (8B), in one process per model
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 \
+       --build default --build MK_DIAG=2 --build MK_DIAG=4 --build MK_DIAG=6 --build MK_DIAG=1
      timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 8 16 --rounds 2 \
        --build default --build MK_DIAG=2 --build MK_DIAG=4 --build MK_DIAG=6 ;;
-  2) # the default at 7af6278 (ATT_AU = 5, the packed ring gone): the gpu tests, then both paths at one
-     # commit (README table, paths table for MK_MODE=auto), ctx 512 and 4096
+  2) # the default after call 1 (ATT_AU = 5 since 7af6278): the gpu tests, then both paths at one commit
+     # (README table, paths table for MK_MODE=auto), ctx 512 and 4096
      timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -1
      T=150 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16

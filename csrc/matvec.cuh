@@ -86,7 +86,10 @@ __device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 :
 
 // Chunk columns and shared-memory row stride for NT batch n-tiles: NT = 2 halves the chunk so the
 // per-warp activation fragments (two column groups in flight) fit the register budget.
-__host__ __device__ constexpr int chunk_cols_for(int nt) { return CHUNK_COLS / nt; }
+// MK_NT2_FULL (A/B, variant.py): at NT = 2 the ring chunk keeps its full width (16 copies of 2 KB, not 1 KB)
+// and the consumers take it in two halves of group_cols_for(2) columns, the fragment width that fits.
+__host__ __device__ constexpr int chunk_cols_for(int nt) { return nt == 2 && MK_NT2_FULL ? CHUNK_COLS : CHUNK_COLS / nt; }
+__host__ __device__ constexpr int group_cols_for(int nt) { return CHUNK_COLS / nt; }
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
 
@@ -334,6 +337,81 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
+// MK_NT2_FULL's chunk loop of one pass at NT = 2 (matvec_task's, with full-width chunks): each chunk of
+// CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns, the part's fragments loaded
+// once and used for every M-tile (as one half-width chunk's are). Part 0 waits for every M-tile's slot of
+// the column range (mt <= NUM_STAGES slots resident at once), the last part frees them: half the ring waits
+// and slot arrivals per weight byte, and the producer's copies are 2 KB. Returns the chunk count.
+template <int JMAX>
+__device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params& P, const elem_t* x, const elem_t* nw,
+                                                    bool staged, const float* rstd, int K, int B, int mt,
+                                                    unsigned it, unsigned char* xs, int& gi, int warp, int lane,
+                                                    unsigned lane_off, float (&acc)[ACC_TILES / 2][2][4],
+                                                    unsigned long long& wait_cycles, bool ph_on,
+                                                    unsigned long long& ph_gwait) {
+  constexpr int NT = 2, MT = ACC_TILES / 2, KC = CHUNK_COLS, KG = CHUNK_COLS / 2;
+  static_assert(MT <= NUM_STAGES, "MK_NT2_FULL holds a pass's M-tiles of one column range in the ring");
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int nh = k0 + KG < K ? 2 : 1;   // a last chunk of <= KG columns has one part
+    unsigned okm = 0;                     // M-tiles whose slot wait succeeded: freed after the last part
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h < nh) {
+        const int kg = k0 + h * KG;
+        const int nsteps = min(KG, K - kg) >> 4;
+        unsigned xb[JMAX][NT][2];
+        if (staged) {
+          smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, K, kg, nsteps, B, warp, lane);
+        } else {
+          unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
+#pragma unroll
+          for (int jj = 0; jj < JMAX; ++jj) {
+            const int k = kg + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
+            const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
+            wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
+            wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
+          }
+          const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
+          cp_async_wait_all();  // this thread's copies of the group have landed ...
+          consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
+          if (ph_on) ph_gwait += global_ns() - gw0;
+          group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
+          if (kg + KG < K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, kg + KG, B, KG);
+          ++gi;
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          if (m < mt) {
+            const unsigned c = it + m;
+            const int slot = c % NUM_STAGES;
+            if (h == 0) {  // not OK (this CTA is stopping): compute on whatever the slot holds, never free it
+              const long long c0 = clock64();
+              const int ws = ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, c,
+                                       true, 1);
+              wait_cycles += clock64() - c0;
+              if (ws == WAIT_OK) okm |= 1u << m;
+            }
+            const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
+#pragma unroll
+            for (int jj = 0; jj < JMAX; ++jj) {
+              const int j = warp + jj * CONSUMER_WARPS;
+              if (j < nsteps && !(MK_DIAG & 4)) {
+                unsigned a[4];
+                ldmatrix_x4(a, sb + j * 32);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
+              }
+            }
+            if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
+          }
+        }
+      }
+    }
+    it += mt;
+  }
+  return it;
+}
+
 // Out of line: inlined into the consumer loop it spills at the 168-register cap (9 warps) and measured
 // 62 us slower at 1B batch 1 (NOTES session 5); as its own function it needs no spills.
 template <int NT>
@@ -345,7 +423,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   unsigned long long wait_cycles = 0;
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
-  constexpr int JMAX = KC / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk
+  // MK_NT2_FULL: the fragments of a chunk are loaded and used in NH parts of KG columns (one column group
+  // each when x is not staged whole); otherwise NH = 1 and KG = KC
+  constexpr int KG = group_cols_for(NT);
+  constexpr int NH = KC / KG;
+  constexpr int JMAX = KG / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk (part)
   const int B = P.batch;
   const float* rstd = S.rstd();
   float* red = S.scratch();
@@ -357,7 +439,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
-  if (!staged) group_issue(xs, x, wp.K, 0, B, KC);
+  if (!staged) group_issue(xs, x, wp.K, 0, B, KG);
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
@@ -368,7 +450,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
-    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KC);
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KG);
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
@@ -393,6 +475,10 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       ph_stage += now - ph_mark;
       ph_mark = now;
     }
+    if constexpr (NH == 2) {
+      it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, B, mt, it, xs, gi, warp, lane, lane_off, acc,
+                                 wait_cycles, ph_on, ph_gwait);
+    } else
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
       unsigned xb[JMAX][NT][2];
