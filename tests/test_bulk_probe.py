@@ -5,30 +5,20 @@ host skips visibly without libnvrtc), and the config grid's shared memory
 and bytes per launch are as documented."""
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cuda_tools import libnvrtc_path, nvcc_path, nvrtc_compile  # tests/cuda_tools.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bulk_probe as bp
 
 
-def _nvcc() -> str | None:
-    for c in ("/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
-        if c and os.path.exists(c):
-            return c
-    return None
-
-
 def test_probe_kernel_compiles_without_spills(tmp_path):
-    nvcc = _nvcc()
+    nvcc = nvcc_path()
     # CI machines carry nvcc 13.0 (no GPU); a missing compiler is a broken machine, not a skip.
     assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
     src = tmp_path / "bulk_probe.cu"
@@ -44,32 +34,12 @@ def test_probe_kernel_compiles_without_spills(tmp_path):
     assert "warning" not in log.lower(), log[-2000:]
 
 
-def _libnvrtc() -> str | None:
-    cands = []
-    for p in sys.path:
-        cands += glob.glob(os.path.join(p, "nvidia", "cu1*", "lib", "libnvrtc.so*"))
-        cands += glob.glob(os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))
-    cands += glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")
-    cands = [c for c in cands if "builtins" not in c and "alt" not in os.path.basename(c)]
-    return cands[0] if cands else None
-
-
-@pytest.mark.skipif(_libnvrtc() is None, reason="no libnvrtc on this machine")
+@pytest.mark.skipif(libnvrtc_path() is None, reason="no libnvrtc on this machine")
 def test_nvrtc_compiles_the_probe():
     """What cupy.RawModule does on the GPU host: NVRTC with compile_options(), no warnings."""
-    lib = ctypes.CDLL(_libnvrtc())
-    opts = [o.encode() for o in bp.compile_options("sm_90a")]
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), bp.build_source().encode(), b"bulk_probe.cu", 0, None,
-                                  None) == 0
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert rc == 0, f"NVRTC failed:\n{log.value.decode()[-4000:]}"
-    assert "warning" not in log.value.decode().lower(), log.value.decode()[-2000:]
+    rc, log = nvrtc_compile(libnvrtc_path(), bp.build_source(), "bulk_probe.cu", bp.compile_options("sm_90a"))
+    assert rc == 0, f"NVRTC failed:\n{log[-4000:]}"
+    assert "warning" not in log.lower(), log[-2000:]
 
 
 def test_compile_options_follow_the_project():

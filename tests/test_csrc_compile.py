@@ -6,29 +6,18 @@ compile error or on any "bytes spill stores/loads" != 0. If libnvrtc is importab
 is also compiled through NVRTC itself (what cupy.RawModule does on the GPU host)."""
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 import re
-import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cuda_tools import libnvrtc_path, nvcc_path, nvrtc_compile  # tests/cuda_tools.py
 
 from mk_plugin.persistent.runtime import build_source, compile_options
 from mk_plugin.spec import LlamaSpec
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
-
-
-def _nvcc() -> str | None:
-    for c in ("/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
-        if c and os.path.exists(c):
-            return c
-    return None
 
 
 def _specs() -> list[LlamaSpec]:
@@ -66,7 +55,7 @@ def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str,
 
 
 def test_megakernel_compiles_without_spills(tmp_path):
-    nvcc = _nvcc()
+    nvcc = nvcc_path()
     # CI machines carry nvcc 13.0 (no GPU); a missing compiler is a broken machine, not a skip.
     assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
     src = tmp_path / "megakernel_full.cu"
@@ -85,33 +74,14 @@ def test_megakernel_compiles_without_spills(tmp_path):
         assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]
 
 
-def _libnvrtc() -> str | None:
-    cands = []
-    for p in sys.path:
-        cands += glob.glob(os.path.join(p, "nvidia", "cu1*", "lib", "libnvrtc.so*"))
-        cands += glob.glob(os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))
-    cands += glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")
-    cands = [c for c in cands if "builtins" not in c and "alt" not in os.path.basename(c)]
-    return cands[0] if cands else None
-
-
-@pytest.mark.skipif(_libnvrtc() is None, reason="no libnvrtc on this machine")
+@pytest.mark.skipif(libnvrtc_path() is None, reason="no libnvrtc on this machine")
 def test_nvrtc_compiles_the_runtime_source():
-    lib = ctypes.CDLL(_libnvrtc())
-    src = build_source().encode()
+    src = build_source()
     # the 1B and 8B builds, and the bench-only variants of session 7 together in one 1B build (the GPU
     # compiles them with NVRTC too, through CuPy)
     builds = [(spec, ()) for spec in _specs()[:2]]
     builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5", "-DMK_NT2_FULL=1")))
     for spec, extra in builds:
-        opts = [o.encode() for o in (*compile_options(spec), *extra)]
-        prog = ctypes.c_void_p()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"megakernel.cu", 0, None, None) == 0
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        n = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-        log = ctypes.create_string_buffer(n.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        assert rc == 0, f"{spec.name}: NVRTC failed:\n{log.value.decode()[-4000:]}"
-        assert "warning" not in log.value.decode().lower(), log.value.decode()[-2000:]
+        rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
+        assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"
+        assert "warning" not in log.lower(), log[-2000:]
