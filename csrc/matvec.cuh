@@ -337,7 +337,9 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
-// MK_NT2_FULL's chunk loop of one pass at NT = 2 (matvec_task's, with full-width chunks): each chunk of
+// MK_NT2_FULL's chunk loop of one pass at NT = 2 (matvec_task's, with full-width chunks; its fragment loads are
+// matvec_task's, written out again: a shared helper changed the default build's SASS, +32 instructions,
+// and one of the two loops leaves after the A/B): each chunk of
 // CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns, the part's fragments loaded
 // once and used for every M-tile (as one half-width chunk's are). Part 0 waits for every M-tile's slot of
 // the column range (mt <= NUM_STAGES slots resident at once), the last part frees them: half the ring waits
