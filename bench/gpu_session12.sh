@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The next GPU session's calls (bench/NOTES.md session 10, "Next"). Run from the project root on the GPU
-# host with .commit carried; output under $2 (default $OUT). Order: 1 (probe + MK_NT2_FULL A/B, ~5 min), 3
-# (MK_DIAG decomposition, ~4 min), then the winner made the default (one commit, SASS checked) and 2 (both
-# paths at the default, ~4 min), then vLLM: 11 and 12 carry bundle parts 0 and 1, 13 carries part 2 and
-# .gpuhost/unpack.sh and unpacks (start each call within the ~30 s warm window: a machine that goes cold
-# loses the unpacked bundle), 15 (tbt 8B, ~9 min), 16 (one-layer profile, ~4 min), 17 (serve 1B, ~8 min),
-# 18 (soak) as the time allows. A/B tables: python bench/ab_table.py LOG.
+# host with .commit carried; output under $2 (default $OUT). Order, back to back (each call within the ~30 s
+# warm window: an edit between calls lets the machine go cold and costs a start and the bundle again):
+# 1 (probe + MK_NT2_FULL A/B, ~5 min), 3 (MK_DIAG decomposition, ~4 min), 11 and 12 (bundle parts 0 and 1),
+# 13 (part 2 + .gpuhost/unpack.sh, unpacks), 15 (tbt 8B, ~9 min), 16 (one-layer profile, ~4 min); make the
+# A/B's winner the default while 15 and 16 run (one commit, SASS checked), then 2 (gpu tests and both
+# paths at that commit, ~4 min); 17 (serve 1B, ~8 min) and 18 (soak) as the time allows.
+# A/B tables: python bench/ab_table.py LOG.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
