@@ -29,7 +29,7 @@ case $n in
        --build default --build MK_DIAG=2 --build MK_DIAG=4 --build MK_DIAG=6 --build MK_DIAG=1
      timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 8 16 --rounds 2 \
        --build default --build MK_DIAG=2 --build MK_DIAG=4 --build MK_DIAG=6 ;;
-  2) # the default after call 1 (ATT_AU = 5 since 7af6278): the gpu tests, then both paths at one commit
+  2) # the default after call 1 (ATT_AU = 5 since eb6a10b): the gpu tests, then both paths at one commit
      # (README table, paths table for MK_MODE=auto), ctx 512 and 4096
      timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -1
      T=150 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
