@@ -27,8 +27,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # mk_plugin from the checkout, as mk_step.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # bench/common.py: git_commit, today, append_csv, RESULTS
+
+from mk_plugin.persistent.trace import COPY_GBPS  # the H200's measured device-to-device copy rate
 
 SOURCE = Path(__file__).resolve().with_suffix(".cu")
 KERNEL = "bulk_probe"
@@ -38,7 +41,6 @@ CONSUMER_WARPS = 8
 THREADS = 32 * (1 + CONSUMER_WARPS)
 H200_SMEM_OPTIN = 227 * 1024   # cudaDevAttrMaxSharedMemoryPerBlockOptin on an H200 (232448 B)
 H200_SMS = 132
-COPY_GBPS = 4260.0       # measured device-to-device copy rate of the H200 (bench/roofline.py)
 WARMUP = 2
 CSV = common.RESULTS / "bulk_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode_copy", "kc", "ns", "compute", "ms", "gbps")

@@ -31,8 +31,6 @@ from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
-PEAK_BPS = 4.8e12
-
 
 def parse_build(text: str) -> KernelVariant:
     """"default" (or "") -> the default build; "A=1,B=2" -> KernelVariant.parse (its errors name the value)."""
@@ -92,7 +90,7 @@ def main() -> None:
                 fn = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out)
                 us = graph_median_ms(fn, replays=args.reps) * 1e3
                 bps = nbytes / (us * 1e-6)
-                print(f"megakernel {bsz:>5} {us:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%", flush=True)
+                print(f"megakernel {bsz:>5} {us:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
-PEAK_BPS = 4.8e12
 MK_STEP_HEADER = ("date", "gpu", "commit", "shape", "batch", "ctx", "path", "lm_head", "step_us", "gbps")
 
 
@@ -132,7 +131,7 @@ def main() -> None:
         print(f"tuning, batch {bsz}: {dec.tuning_source[bsz]}")
     print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
     for name, bsz, t, bps in rows:
-        print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / PEAK_BPS:>12.1f}%")
+        print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%")
     if not defines:
         gpu, commit = torch.cuda.get_device_name(), common.git_commit()
         common.append_csv(args.csv, MK_STEP_HEADER, [

@@ -499,8 +499,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         cp_async_wait_all();  // this thread's copies of the group have landed ...
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
-        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KC, nsteps, B, warp, lane);
-        if (k0 + KC < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KC, B, KC);
+        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
+        if (k0 + KG < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KG, B, KG);
         ++gi;
       }
 #pragma unroll
