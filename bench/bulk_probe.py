@@ -3,8 +3,8 @@
 The megakernel fills a shared-memory ring of NS slots, one chunk of 16 weight rows x KC bf16 columns
 per slot, with 16 one-row cp.async.bulk copies (KC*2 bytes each); 8 consumer warps read each chunk
 with ldmatrix.x4 + mma.m16n8k16. At KC = 1024 (2 KB copies) a step streams near the HBM copy rate;
-at KC = 512 (1 KB copies, batch 9..16) the per-SM rate roughly halves, and more half-size slots did
-not help. This probe (bench/bulk_probe.cu, independent of csrc/) streams ~1 GB from HBM, one CTA per
+at KC = 512 (1 KB copies, batch 9..16 until session 11) the per-SM rate roughly halved, and more
+half-size slots did not help. This probe (bench/bulk_probe.cu, independent of csrc/) streams ~1 GB from HBM, one CTA per
 SM, in that pattern and varies one thing at a time:
 
     python bench/bulk_probe.py [--gb 1.0] [--reps 10] [--out FILE.md]

@@ -6,10 +6,11 @@
 // Tensor cores, "swap AB": the weight rows are the m16 side of mma.m16n8k16, the batch (<= 16
 // tokens, padded to 8 or 16) the n8 side. A task's units are processed in passes of up to
 // ACC_TILES / NT M-tiles (NT = 1 n-tile for B <= 8, else 2); a pass streams its rows through the
-// ring in chunks of KC = chunk_cols(rows) columns. Inside a chunk, k-step j (16 columns) belongs to
-// consumer warp j % 8, so every warp works whatever the pass size; the warps' partial sums are
-// reduced through shared memory, then each consumer warp owns one accumulator tile for the
-// op-specific epilogue (matvec_epilogue, defined in megakernel.cu).
+// ring in chunks of KC = CHUNK_COLS columns (at NT = 2 consumed in two halves: nt2_full_chunks).
+// Inside a chunk (half), k-step j (16 columns) belongs to consumer warp j % 8, so every warp works
+// whatever the pass size; the warps' partial sums are reduced through shared memory, then each
+// consumer warp owns one accumulator tile for the op-specific epilogue (matvec_epilogue, defined in
+// megakernel.cu).
 //
 // Activations reach shared memory before their fragments are read: whole per pass when x[B, K] fits
 // the scratch (stage_x, rows padded), else one column group at a time, double-buffered through
@@ -84,11 +85,14 @@ __device__ __forceinline__ const elem_t* chunk_row(const elem_t* w, int K, int o
 
 __device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 : 2; }
 
-// Chunk columns and shared-memory row stride for NT batch n-tiles: NT = 2 halves the chunk so the
-// per-warp activation fragments (two column groups in flight) fit the register budget.
-// MK_NT2_FULL (A/B, variant.py): at NT = 2 the ring chunk keeps its full width (16 copies of 2 KB, not 1 KB)
-// and the consumers take it in two halves of group_cols_for(2) columns, the fragment width that fits.
-__host__ __device__ constexpr int chunk_cols_for(int nt) { return nt == 2 && MK_NT2_FULL ? CHUNK_COLS : CHUNK_COLS / nt; }
+// Chunk columns and shared-memory row stride for NT batch n-tiles: the ring chunk is CHUNK_COLS wide at
+// NT = 1 and 2 alike (16 copies of 2 KB). The column group (the activation fragments a warp holds at
+// once) is CHUNK_COLS / NT columns: at NT = 2 the consumers take each chunk in two halves of
+// group_cols_for(2) columns, the fragment width that fits the register budget (nt2_full_chunks). Measured
+// faster in session 11 than half-width chunks of 1 KB copies (1B batch 16 1421 -> 1371 us, 8B batch 16
+// 7038 -> 5998; bench/NOTES.md). Spelled as the measured build (MK_NT2_FULL=1) spelled it, which keeps
+// its SASS: a bare CHUNK_COLS drops the producer's run-time division and reschedules the whole kernel.
+__host__ __device__ constexpr int chunk_cols_for(int nt) { return nt == 2 ? CHUNK_COLS : CHUNK_COLS / nt; }
 __host__ __device__ constexpr int group_cols_for(int nt) { return CHUNK_COLS / nt; }
 __host__ __device__ constexpr int row_bytes_for(int nt) { return 2 * chunk_cols_for(nt) + 16; }
 static_assert((row_bytes_for(2) / 16) % 2 == 1 && 16 * row_bytes_for(2) <= SLOT_BYTES, "NT=2 chunk layout");
@@ -206,7 +210,7 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
 // instead of preceding them (the per-warp fragment loads this replaces cost one exposed round trip per
 // group: ~0.7 ms of a batch-8 1B step, bench/NOTES.md session 5). Rows are KC * 2 bytes with their
 // 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
-constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x KC=1024 (NT=1) or 16 rows x KC=512 (NT=2)
+constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x 1024 columns (NT=1) or 16 rows x 512 (NT=2)
 static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
 
 __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
@@ -337,13 +341,13 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
-// MK_NT2_FULL's chunk loop of one pass at NT = 2 (matvec_task's, with full-width chunks; its fragment loads are
-// matvec_task's, written out again: a shared helper changed the default build's SASS, +32 instructions,
-// and one of the two loops leaves after the A/B): each chunk of
-// CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns, the part's fragments loaded
-// once and used for every M-tile (as one half-width chunk's are). Part 0 waits for every M-tile's slot of
-// the column range (mt <= NUM_STAGES slots resident at once), the last part frees them: half the ring waits
-// and slot arrivals per weight byte, and the producer's copies are 2 KB. Returns the chunk count.
+// The chunk loop of one pass at NT = 2 (matvec_task's at NT = 1 is the one-part case; the fragment loads
+// are written out in both: a shared helper changed the SASS, +32 instructions, session 10): each chunk of
+// CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns (one column group each), the
+// part's fragments loaded once and used for every M-tile. Part 0 waits for every M-tile's slot of the
+// column range (mt <= NUM_STAGES slots resident at once), the last part frees them. Measured faster in
+// session 11 than half-width chunks (1 KB copies, each consumed whole): half the ring waits and slot
+// arrivals per weight byte, and the producer's copies are 2 KB (bench/NOTES.md). Returns the chunk count.
 template <int JMAX>
 __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params& P, const elem_t* x, const elem_t* nw,
                                                     bool staged, const float* rstd, int K, int B, int mt,
@@ -352,7 +356,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
                                                     unsigned long long& wait_cycles, bool ph_on,
                                                     unsigned long long& ph_gwait) {
   constexpr int NT = 2, MT = ACC_TILES / 2, KC = CHUNK_COLS, KG = CHUNK_COLS / 2;
-  static_assert(MT <= NUM_STAGES, "MK_NT2_FULL holds a pass's M-tiles of one column range in the ring");
+  static_assert(MT <= NUM_STAGES, "NT = 2 holds a pass's M-tiles of one column range in the ring");
   for (int k0 = 0; k0 < K; k0 += KC) {
     const int nh = k0 + KG < K ? 2 : 1;   // a last chunk of <= KG columns has one part
     unsigned okm = 0;                     // M-tiles whose slot wait succeeded: freed after the last part
@@ -425,8 +429,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   unsigned long long wait_cycles = 0;
   constexpr int MT = ACC_TILES / NT;
   constexpr int KC = chunk_cols_for(NT);
-  // MK_NT2_FULL: the fragments of a chunk are loaded and used in NH parts of KG columns (one column group
-  // each when x is not staged whole); otherwise NH = 1 and KG = KC
+  // The fragments of a chunk are loaded and used in NH parts of KG columns (one column group each when x
+  // is not staged whole): NH = 2 at NT = 2 (nt2_full_chunks), NH = 1 and KG = KC at NT = 1 (the loop below)
   constexpr int KG = group_cols_for(NT);
   constexpr int NH = KC / KG;
   constexpr int JMAX = KG / 16 / CONSUMER_WARPS;   // k-steps per warp per chunk (part)

@@ -59,7 +59,8 @@ def test_grid_fits_or_is_skipped():
             skipped.add((cfg.mode_copy, cfg.kc, cfg.ns, cfg.compute))
     # the two configs of the brief that cannot fit an H200 (330240 and 328960 bytes) are listed, skipped
     assert skipped == {(0, 1024, 10, 0), (0, 2048, 5, 0)}
-    # the megakernel's shapes: 16 padded rows of 2 KB (33 KB slots, 6 deep) and of 1 KB (10 deep)
+    # the megakernel's shape, 16 padded rows of 2 KB (33 KB slots, 6 deep), and 1 KB rows (10 deep: the
+    # half-size slots of session 10)
     one = bp.Config(0, 1024, 6, 0)
     assert one.slot_bytes == 16 * 2064 and one.smem_bytes == 6 * 33024 + 96 and one.inflight_bytes == 6 * 32768
     half = bp.Config(0, 512, 10, 2)

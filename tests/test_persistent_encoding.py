@@ -158,17 +158,11 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone
     for gone in ("MK_GATE_WORD", "MK_POLL_ACQUIRE", "MK_PTR_EARLY", "MK_GROUP_NONORM", "MK_ROPE_EARLY",
-                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU"):   # measured: removed
+                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL"):   # measured: removed
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
-    # MK_NT2_FULL (A/B): full-width ring chunks at batch 9..16, a boolean switch
-    full = KernelVariant.parse(["MK_NT2_FULL=1"])
-    assert full.nt2_full and full.defines() == ("-DMK_NT2_FULL=1",) and full.label() == "nt2_full"
-    assert not KernelVariant().nt2_full
-    with pytest.raises(ValueError, match="nt2_full=2 must be true or false"):
-        KernelVariant(nt2_full=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

@@ -8,7 +8,8 @@ switch whose A/B is measured leaves: the winner becomes the code, the loser's re
 (session 9: the poll acquires, the early pointers, the early RoPE table loads, the attention overlap and
 the batched merge won; the column groups at batch 1 and the gate word's volatile/relaxed forms lost;
 session 10: five attention load steps in flight won over four and six, the packed half-size ring slots at
-batch 9..16 lost).
+batch 9..16 lost; session 11: full-width ring chunks at batch 9..16, taken in two halves, won over
+half-width chunks).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_NT2_FULL", "nt2_full", "nt2_full"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_NT2_FULL (A/B, session 10): at batch 9..16 full-width ring chunks (16 copies of 2 KB, as at batch
-    # 1..8) taken by the consumers in two 512-column halves, instead of half-width chunks (1 KB copies)
-    nt2_full: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -52,9 +50,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        for name in ("phases", "nt2_full"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if not isinstance(self.phases, bool):
+            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
