@@ -86,18 +86,43 @@ def child_main(payload: dict[str, Any]) -> None:
     if payload.get("profile_dir"):
         # One extra, profiled run per batch after the timed ones, at the first prompt length (profiling
         # slows the host; the table keeps the unprofiled TBTs). bench/host_gap.py reads the traces.
-        prompt = payload["prompts"][0]
+        prompt, pdir, tag = payload["prompts"][0], Path(payload["profile_dir"]), payload["profile_tag"]
         for b in payload["batches"]:
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
-            llm.start_profile(profile_prefix=f"{payload['profile_tag']}_b{b}")
+            before = set(pdir.glob(f"{tag}_*")) if pdir.is_dir() else set()
+            llm.start_profile(profile_prefix=f"{tag}_b{b}")
             llm.generate(prompts, SamplingParams(max_tokens=min(out_len, 64), ignore_eos=True, temperature=0.0,
                                                  detokenize=False), use_tqdm=False)
             llm.stop_profile()
+            name_new_traces(pdir, tag, b, before)
     common.emit_result({"results": results, "status": common.worker_status(llm),
                         "gpu": torch.cuda.get_device_name(0), "startup_s": startup_s,
                         "engine_args": engine_args})
     del llm  # shuts the engine core down: the next child needs the GPU memory
     gc.collect()
+
+
+def name_new_traces(pdir: Path, tag: str, batch: int, before: set[Path], wait_s: float = 60.0) -> list[Path]:
+    """Give the traces that appeared since `before` the name of `batch`'s profiled run. vLLM 0.24's
+    worker keeps the trace name of its first start_profile() (gpu_worker.profile: the profiler wrapper
+    is built once), so every later batch's trace would carry the first batch's prefix. Waits up to
+    wait_s for the worker to write the file (it may lag the stop_profile() reply)."""
+    import re
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = sorted(set(pdir.glob(f"{tag}_*")) - before) if pdir.is_dir() else []
+        if new or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    out = []
+    for f in new:
+        m = re.match(rf"{re.escape(tag)}_b\d+_(.*)", f.name)
+        target = f.with_name(f"{tag}_b{batch}_{m.group(1)}") if m else f
+        if target != f:
+            f.rename(target)
+        out.append(target)
+    return out
 
 
 def result_key(prompt: int, batch: int) -> str:

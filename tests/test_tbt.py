@@ -108,3 +108,16 @@ def test_gpu_busy_from_a_profiled_trace_and_the_bound_table(tmp_path):
              "busy": {"stock": [0.4], "megakernel": [0.4]}}]
     t = tbt.bound_table(rows, ["megakernel"])
     assert "1.000 / 0.400 (host-bound)" in t and "0.420 / 0.400 (GPU-bound)" in t
+
+
+def test_later_profiled_batches_get_their_own_trace_names(tmp_path):
+    # vLLM keeps the first start_profile()'s name: the batch-8 trace arrives named like batch 1's
+    first = tmp_path / "tbt_x_b1_rank0.100.pt.trace.json.gz"
+    first.write_text("{}")
+    before = set(tmp_path.glob("tbt_x_*"))
+    (tmp_path / "tbt_x_b1_rank0.200.pt.trace.json.gz").write_text("{}")
+    got = tbt.name_new_traces(tmp_path, "tbt_x", 8, before, wait_s=0)
+    assert [p.name for p in got] == ["tbt_x_b8_rank0.200.pt.trace.json.gz"]
+    assert first.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "tbt_x_b1_rank0.100.pt.trace.json.gz", "tbt_x_b8_rank0.200.pt.trace.json.gz"]
+    assert tbt.name_new_traces(tmp_path, "tbt_x", 16, set(tmp_path.iterdir()), wait_s=0) == []
