@@ -25,7 +25,9 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
+                   ("MK_CHAIN_PREFETCH", "chain_prefetch", "chain_prefetch"))
+CHAIN_PREFETCH_MAX_KB = 4096
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
+    # MK_CHAIN_PREFETCH (A/B, unmeasured): KB per gate_up task that the SMs idle during qkv -> attention ->
+    # o_proj prefetch into L2 (prefetch.py); 0 = off: no L2_PREFETCH tasks in the program, none compiled in
+    chain_prefetch: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -50,6 +55,9 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        if isinstance(self.chain_prefetch, bool) or not isinstance(self.chain_prefetch, int) \
+                or not 0 <= self.chain_prefetch <= CHAIN_PREFETCH_MAX_KB:
+            raise ValueError(f"chain_prefetch={self.chain_prefetch!r}: KB per gate_up task, 0..{CHAIN_PREFETCH_MAX_KB}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
