@@ -1,7 +1,8 @@
 # Shared by bench/gpu_session*.sh, sourced once `n` (the call number) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
-# STEP_T, default 200 s) and vllm_env() (unpack the vLLM bundle once per machine, then install the
-# checkout without dependencies).
+# STEP_T, default 200 s), vllm_env() (unpack the vLLM bundle once per machine, then install the
+# checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto,
+# soak_megakernel).
 export PYTHONUNBUFFERED=1
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
@@ -11,4 +12,12 @@ vllm_env() {
   [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
   export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+}
+serve_1b_auto() {   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16)
+  timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
+    --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16
+}
+soak_megakernel() {   # issue 13: the fp32-judged soak with preemption
+  timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
+    | grep -v "^(EngineCore" | tail -16
 }

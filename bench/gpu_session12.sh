@@ -48,12 +48,8 @@ case $n in
        --rounds 1 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -12
      find "$out/profiles" -name "*.json*" | head -4 | while read -r f; do
        echo "== $f"; timeout 60 python3 bench/host_gap.py "$f" | tail -8; done ;;
-  17) vllm_env   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16)
-     timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
-       --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
-  18) vllm_env   # issue 13: the fp32-judged soak with preemption
-     timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
-       | grep -v "^(EngineCore" | tail -16 ;;
+  17) vllm_env && serve_1b_auto ;;
+  18) vllm_env && soak_megakernel ;;
   *) echo "no call $n" ;;
 esac
 } 2>&1 | tee "$out/gpu_s12_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -47,12 +47,8 @@ case $n in
      # 1.795 vs 2.475 ms in one round), the profiles named per batch now
      timeout 560 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes triton \
        --rounds 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -14 ;;
-  17) vllm_env   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16)
-     timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
-       --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16 ;;
-  18) vllm_env   # issue 13: the fp32-judged soak with preemption
-     timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
-       | grep -v "^(EngineCore" | tail -16 ;;
+  17) vllm_env && serve_1b_auto ;;
+  18) vllm_env && soak_megakernel ;;
   *) echo "no call $n" ;;
 esac
 } 2>&1 | tee "$out/gpu_s13_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
