@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -107,8 +108,6 @@ def name_new_traces(pdir: Path, tag: str, batch: int, before: set[Path], wait_s:
     worker keeps the trace name of its first start_profile() (gpu_worker.profile: the profiler wrapper
     is built once), so every later batch's trace would carry the first batch's prefix. Waits up to
     wait_s for the worker to write the file (it may lag the stop_profile() reply)."""
-    import re
-
     deadline = time.monotonic() + wait_s
     while True:
         new = sorted(set(pdir.glob(f"{tag}_*")) - before) if pdir.is_dir() else []

@@ -18,7 +18,7 @@ __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
 // Units of a gate_up task of n units whose chunks the ring holds when it starts: those touched by the
 // producer's first NUM_STAGES chunks (producer_loop's order: passes of upp units; k0; M-tile).
 __device__ __forceinline__ int ring_units(int n, int nt) {
-  const int upp = (ACC_TILES / nt) / 2, kch = (H + CHUNK_COLS - 1) / CHUNK_COLS;
+  const int upp = (ACC_TILES / nt) / 2, kc = chunk_cols_for(nt), kch = (H + kc - 1) / kc;
   int c = NUM_STAGES, touched = 0;
   for (int p = 0; p < n && c > 0; p += upp) {
     const int mt = min(upp, n - p) * 2;

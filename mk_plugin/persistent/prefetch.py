@@ -102,7 +102,7 @@ def add_chain_prefetch(ts: TaskSet, plans: list[tuple[list[Task], list[list[int]
         return ts
     out: list[Task] = []
     for t in ts.tasks:
-        if t.tid == ts.op_ranges.get(t.op.key, (-1, -1))[0] and t.op.key in inserts:
+        if t.op.key in inserts and t.tid == ts.op_ranges[t.op.key][0]:
             out += inserts.pop(t.op.key)
         out.append(t)
     ranges: dict[str, tuple[int, int]] = {}
