@@ -303,27 +303,24 @@ __device__ __forceinline__ void rstd_from_parts(const float* part, int batch, fl
 
 // Per-row 1/rms of a [batch, H] activation, fp32 statistics of its stored values:
 // rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps), into shared memory. All consumer threads share each
-// row (16-byte L2 loads, MK_RSTD_ROWS rows in flight per round: each round is one dependent L2 round trip,
-// 0.6 us, in front of a norm-fused task's first MMA), partial sums meet in `part` (scratch,
+// row (16-byte L2 loads, four rows in flight per round), partial sums meet in `part` (scratch,
 // CONSUMER_WARPS x MAX_BATCH floats). x was (possibly) written by other SMs during this launch:
 // read through L2 (ld.global.cg). Ends with consumer_sync().
 __device__ __forceinline__ void rows_rstd(const elem_t* x, int batch, float* rstd, float* part, int warp, int lane) {
   constexpr int STEP = CONSUMER_THREADS * 8;
   constexpr int ITERS = (H + STEP - 1) / STEP;
   const int k0 = threadIdx.x * 8;
-  constexpr int RR = MK_RSTD_ROWS;
-  static_assert(RR == 4 || RR == 8 || RR == 16, "MK_RSTD_ROWS: 4, 8, 16");
-  for (int b0 = 0; b0 < batch; b0 += RR) {
-    uint4 v[RR][ITERS];
+  for (int b0 = 0; b0 < batch; b0 += 4) {
+    uint4 v[4][ITERS];
 #pragma unroll
-    for (int r = 0; r < RR; ++r)
+    for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) {
         const int k = k0 + i * STEP;
         v[r][i] = (b0 + r < batch && k < H) ? ld_cg_v4(x + (size_t)(b0 + r) * H + k) : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-    for (int r = 0; r < RR; ++r) {
+    for (int r = 0; r < 4; ++r) {
       float ss = 0.f;
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) ss = sumsq8(v[r][i], ss);

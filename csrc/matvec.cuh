@@ -196,75 +196,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 #endif
 }
 
-// ---- MK_MT_SPLIT: independent MMA chains for passes with few M-tiles ------------------------------
-// A warp's k-steps of one M-tile accumulate into one tile per n: a dependent chain of mma.sync (down and
-// o_proj at 1B have 1 M-tile per pass: 2 chains per warp at NT = 2, 1 at NT = 1, and the batch-16 down
-// chunk phase is 2.4 us per 32 KB chunk against gate_up's 1.0 with 4 M-tiles, session 12). With
-// MK_MT_SPLIT a pass of mt <= MT / F M-tiles spreads k-step jj of M-tile m over tile
-// m + (MT / F) * (jj % F), and mt_fold adds the F tiles back in a fixed order before the reduction:
-// deterministic, a different fp32 summation order than the default build.
-template <int MT, int JMAX>
-__device__ __forceinline__ int split_factor(int mt) {
-  int f = 1;
-  while (2 * f <= JMAX && 2 * f * mt <= MT) f *= 2;
-  return f;
-}
-
-template <int NT, int JMAX, int MT, int F>
-__device__ __forceinline__ void tile_mmas(float (&acc)[MT][NT][4], int m, unsigned sb, const unsigned (&xb)[JMAX][NT][2],
-                                          int nsteps, int warp) {
-  constexpr int MS = MT / F;   // M-tiles a split pass can have; m < MS (the index is clamped for the compiler)
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const int j = warp + jj * CONSUMER_WARPS;
-    if (j < nsteps && !(MK_DIAG & 4)) {
-      unsigned a[4];
-      ldmatrix_x4(a, sb + j * 32);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) mma_16816(acc[(m % MS) + MS * (jj % F)][n], a, xb[jj][n]);
-    }
-  }
-}
-
-// The MMAs of M-tile m of a chunk (part) under split factor f (uniform across the CTA).
-template <int NT, int JMAX, int MT>
-__device__ __forceinline__ void split_mmas(float (&acc)[MT][NT][4], int f, int m, unsigned sb,
-                                           const unsigned (&xb)[JMAX][NT][2], int nsteps, int warp) {
-  if (f >= 8) {
-    if constexpr (MT >= 8 && JMAX >= 8) tile_mmas<NT, JMAX, MT, 8>(acc, m, sb, xb, nsteps, warp);
-  } else if (f == 4) {
-    if constexpr (MT >= 4 && JMAX >= 4) tile_mmas<NT, JMAX, MT, 4>(acc, m, sb, xb, nsteps, warp);
-  } else if (f == 2) {
-    if constexpr (MT >= 2 && JMAX >= 2) tile_mmas<NT, JMAX, MT, 2>(acc, m, sb, xb, nsteps, warp);
-  } else {
-    tile_mmas<NT, JMAX, MT, 1>(acc, m, sb, xb, nsteps, warp);
-  }
-}
-
-template <int NT, int MT, int F>
-__device__ __forceinline__ void fold_tiles(float (&acc)[MT][NT][4]) {
-  constexpr int MS = MT / F;
-#pragma unroll
-  for (int m = 0; m < MS; ++m)
-#pragma unroll
-    for (int k = 1; k < F; ++k)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][n][e] += acc[m + MS * k][n][e];
-}
-
-template <int NT, int MT>
-__device__ __forceinline__ void mt_fold(float (&acc)[MT][NT][4], int f) {
-  if (f >= 8) {
-    if constexpr (MT >= 8) fold_tiles<NT, MT, 8>(acc);
-  } else if (f == 4) {
-    if constexpr (MT >= 4) fold_tiles<NT, MT, 4>(acc);
-  } else if (f == 2) {
-    if constexpr (MT >= 2) fold_tiles<NT, MT, 2>(acc);
-  }
-}
-
 // Epilogue of one accumulator tile: rows (p0's pass) M-tile m, batch n-tile nt. v[e] holds the
 // sum for (row r_lo + 8*(e>>1), batch nt*8 + 2*(lane&3) + (e&1)) with r_lo = lane>>2; for gate_up,
 // vu[] holds the matching up tile (m + 1). Defined in megakernel.cu (one case per opcode).
@@ -427,7 +358,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
                                                     unsigned it, unsigned char* xs, int& gi, int warp, int lane,
                                                     unsigned lane_off, float (&acc)[ACC_TILES / 2][2][4],
                                                     unsigned long long& wait_cycles, bool ph_on,
-                                                    unsigned long long& ph_gwait, int f) {
+                                                    unsigned long long& ph_gwait) {
   constexpr int NT = 2, MT = ACC_TILES / 2, KC = CHUNK_COLS, KG = CHUNK_COLS / 2;
   static_assert(MT <= NUM_STAGES, "NT = 2 holds a pass's M-tiles of one column range in the ring");
   for (int k0 = 0; k0 < K; k0 += KC) {
@@ -471,9 +402,6 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
               if (ws == WAIT_OK) okm |= 1u << m;
             }
             const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
-            if constexpr (MK_MT_SPLIT) {
-              split_mmas<NT, JMAX, MT>(acc, f, m, sb, xb, nsteps, warp);
-            } else {
 #pragma unroll
             for (int jj = 0; jj < JMAX; ++jj) {
               const int j = warp + jj * CONSUMER_WARPS;
@@ -483,7 +411,6 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #pragma unroll
                 for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
               }
-            }
             }
             if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
           }
@@ -558,10 +485,9 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       ph_stage += now - ph_mark;
       ph_mark = now;
     }
-    const int f = MK_MT_SPLIT ? split_factor<MT, JMAX>(mt) : 1;   // MK_MT_SPLIT: accumulator tiles per M-tile
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, B, mt, it, xs, gi, warp, lane, lane_off, acc,
-                                 wait_cycles, ph_on, ph_gwait, f);
+                                 wait_cycles, ph_on, ph_gwait);
     } else
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
@@ -597,9 +523,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
-          if constexpr (MK_MT_SPLIT) {
-            split_mmas<NT, JMAX, MT>(acc, f, m, sb, xb, nsteps, warp);
-          } else {
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
@@ -610,13 +533,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
-          }
           if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
           ++it;
         }
       }
     }
-    if constexpr (MK_MT_SPLIT) mt_fold<NT, MT>(acc, f);
     consumer_sync();  // every warp is done with the staged x before `red` overwrites it
     if (ph_on) {
       const unsigned long long now = global_ns();

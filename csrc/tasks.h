@@ -178,12 +178,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_CHAIN_PREFETCH
 #define MK_CHAIN_PREFETCH 0
 #endif
-#ifndef MK_RSTD_ROWS
-#define MK_RSTD_ROWS 4
-#endif
-#ifndef MK_MT_SPLIT
-#define MK_MT_SPLIT 0
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

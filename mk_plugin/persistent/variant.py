@@ -26,9 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_CHAIN_PREFETCH", "chain_prefetch", "chain_prefetch"),
-                   ("MK_RSTD_ROWS", "rstd_rows", "rstd_rows"), ("MK_MT_SPLIT", "mt_split", "mt_split"))
-RSTD_ROWS_CHOICES = (4, 8, 16)
+                   ("MK_CHAIN_PREFETCH", "chain_prefetch", "chain_prefetch"))
 CHAIN_PREFETCH_MAX_KB = 4096
 
 
@@ -47,12 +45,6 @@ class KernelVariant:
     # MK_CHAIN_PREFETCH (A/B, unmeasured): KB per gate_up task that the SMs idle during qkv -> attention ->
     # o_proj prefetch into L2 (prefetch.py); 0 = off: no L2_PREFETCH tasks in the program, none compiled in
     chain_prefetch: int = 0
-    # MK_RSTD_ROWS (A/B, unmeasured): activation rows whose loads rows_rstd issues per round (4: a batch-16
-    # norm-fused task waits four dependent L2 round trips before its first column group, 2.6 us, session 12)
-    rstd_rows: int = 4
-    # MK_MT_SPLIT (A/B, unmeasured): a pass with few M-tiles spreads its k-steps over the idle accumulator
-    # tiles (independent MMA chains), folded in a fixed order before the reduction (down/o_proj at 1B: 1 M-tile)
-    mt_split: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -66,10 +58,6 @@ class KernelVariant:
         if isinstance(self.chain_prefetch, bool) or not isinstance(self.chain_prefetch, int) \
                 or not 0 <= self.chain_prefetch <= CHAIN_PREFETCH_MAX_KB:
             raise ValueError(f"chain_prefetch={self.chain_prefetch!r}: KB per gate_up task, 0..{CHAIN_PREFETCH_MAX_KB}")
-        if isinstance(self.rstd_rows, bool) or self.rstd_rows not in RSTD_ROWS_CHOICES:
-            raise ValueError(f"rstd_rows={self.rstd_rows!r}: choose one of {', '.join(map(str, RSTD_ROWS_CHOICES))}")
-        if not isinstance(self.mt_split, bool):
-            raise ValueError(f"mt_split={self.mt_split!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
