@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 12's GPU calls (bench/NOTES.md session 12). Run from the project root on the GPU host with .commit
+# Session 12's GPU calls (bench/NOTES.md session 12; MK_MT_SPLIT and MK_RSTD_ROWS measured slower and
+# removed after them: this script is their record and no longer builds). Run from the project root on the GPU host with .commit
 # carried; output under $2 (default $OUT). Back to back, no edits and no helper sessions between calls.
 # 1 (MK_MT_SPLIT and MK_RSTD_ROWS: gpu tests with both, A/B at 1B and 8B batch 1/8/16, phase trace),
 # 2 (every test of tests/test_persistent_gpu.py on the default build), then gpu_session13.sh's vLLM calls
