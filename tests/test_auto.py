@@ -39,7 +39,7 @@ def test_packaged_h200_table_is_read_for_its_model():
     from mk_plugin.spec import LlamaSpec
     spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
     t = auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 132)
-    assert set(t) >= {1, 8, 16} and all(a > 0 and b > 0 for a, b in t.values())
+    assert set(t) >= {1, 8, 16} and all(v[0] > 0 and v[1] > 0 for v in t.values())
     assert auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 114) == {}   # another SM count
 
 
@@ -59,3 +59,25 @@ def test_adapter_auto_mode_runs_the_chosen_path(monkeypatch, tmp_path, winner):
     out, exp = decode_once(model, w, make_decode_batch(SPEC, [37, 5, 0], block_size=16, seed=1))
     assert_matches(out[:2], exp[:2], SPEC.torch_dtype, "step")
     assert model._mk_last_call.backend == winner   # what compute_logits would recompute after a hang
+
+
+def test_in_vllm_tbt_decides_over_the_kernel_only_step(tmp_path):
+    path = tmp_path / "paths_x.json"
+    path.write_text(json.dumps({"format": 1, "entries": [
+        {"spec_hash": 7, "num_sms": 132, "batch": 1, "triton_us": 1000.0, "megakernel_us": 990.0,
+         "vllm_tbt": {"triton_ms": 4.8, "megakernel_ms": 4.4}},
+        {"spec_hash": 7, "num_sms": 132, "batch": 8, "triton_us": 1000.0, "megakernel_us": 900.0}]}))
+    t = auto.load_paths(path, 7, 132)
+    assert t[1][:2] == (4800.0, 4400.0) and t[1].what == "TBT in vLLM" and t[8].what == "kernel-only step"
+    choice, source = auto.choose(8, t, "paths_x.json", None)
+    assert choice[1] == "megakernel" and choice[8] == "megakernel"   # kernel-only 1% apart at 1: Triton
+    assert source[1].startswith("table paths_x.json, TBT in vLLM: triton 4800 us, megakernel 4400 us")
+    assert source[8].startswith("table paths_x.json: triton 1000 us")
+
+
+def test_packaged_h200_table_picks_the_megakernel_at_8b_batch_1_from_vllm():
+    from mk_plugin.spec import LlamaSpec
+    spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.1-8b")
+    t = auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 132)
+    assert t[1].what == "TBT in vLLM" and auto.pick(t[1]) == "megakernel"
+    assert t[16].what == "kernel-only step" and auto.pick(t[16]) == "triton"

@@ -3,14 +3,19 @@ GPU for this model. Choices come from the packaged table of measured step times
 (mk_plugin/persistent/tuned/paths_<gpu>.json, written from bench/mk_step.py rows), else from a short
 measurement of both steps in the worker (CUDA-graph replays, a small temporary KV cache, before vLLM
 sizes its own), else Triton (the verified default). The megakernel is chosen only when it was faster by
-more than AUTO_MIN_GAIN: replay noise must not flip a choice."""
+more than AUTO_MIN_GAIN: replay noise must not flip a choice.
+
+A table entry may also carry `vllm_tbt` (TBT of both paths measured inside vLLM by bench/tbt.py, GPU-bound,
+in one job): it then decides instead of the kernel-only steps, because what a user gets is the step inside
+vLLM, and there the two paths have differed by more than their kernel-only steps (8B batch 1: 1% apart
+kernel-only, 7% inside vLLM in two sessions; bench/NOTES.md session 12)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -26,29 +31,45 @@ def paths_file(gpu_slug: str) -> Path:
     return PATHS_DIR / f"paths_{gpu_slug}.json"
 
 
-def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, tuple[float, float]]:
-    """batch -> (triton_us, megakernel_us) of the table's entries for this model and SM count."""
+class PathTimes(NamedTuple):
+    """One batch size's measured times of the two paths (us) and what was measured."""
+    triton_us: float
+    megakernel_us: float
+    what: str = "kernel-only step"
+
+
+def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]:
+    """batch -> PathTimes of the table's entries for this model and SM count: the in-vLLM TBT of both paths
+    where the entry has one (`vllm_tbt`: triton_ms, megakernel_ms), else the kernel-only steps."""
     if not path.is_file():
         return {}
     out = {}
     for e in json.loads(path.read_text())["entries"]:
         if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms:
-            out[int(e["batch"])] = (float(e["triton_us"]), float(e["megakernel_us"]))
+            v = e.get("vllm_tbt")
+            out[int(e["batch"])] = (PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]),
+                                              "TBT in vLLM") if v else
+                                    PathTimes(float(e["triton_us"]), float(e["megakernel_us"])))
     return out
+
+
+def _what(t: tuple[float, float]) -> str:
+    return f", {t.what}" if isinstance(t, PathTimes) and t.what != PathTimes._field_defaults["what"] else ""
 
 
 def pick(times: tuple[float, float]) -> str:
     """"megakernel" when it beat Triton by more than AUTO_MIN_GAIN, else "triton"."""
-    triton_us, mk_us = times
+    triton_us, mk_us = times[0], times[1]   # a PathTimes also carries what was measured
     return "megakernel" if mk_us < triton_us * (1.0 - AUTO_MIN_GAIN) else "triton"
 
 
-def choose(max_tokens: int, table: dict[int, tuple[float, float]], table_name: str,
+def choose(max_tokens: int, table: Mapping[int, tuple[float, float]], table_name: str,
            measure: Callable[[int], tuple[float, float]] | None) -> tuple[dict[int, str], dict[int, str]]:
     """(choice, source) per batch size 1..max_tokens. A size takes the entry of the smallest table (or
     measured) size >= it (vLLM pads a decode batch up to its next capture size), else of the largest."""
     known: dict[int, tuple[tuple[float, float], str]] = {
-        b: (t, f"table {table_name}: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us") for b, t in table.items()}
+        b: (t, f"table {table_name}{_what(t)}: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us")
+        for b, t in table.items()}
     if measure is not None:
         for b in MEASURE_SIZES:
             if b <= max(max_tokens, 1) and b not in known:
