@@ -124,17 +124,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   unsigned it = 0;
   int ti = qbeg;
   int prev_op = -1;  // opcode of the queue's previous task (MK_RELEASE_GATE)
-  int prev_ti = -1;  // and its index (an L2_PREFETCH task is skipped: gate_up's gate holds across it)
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
-    const int gate_op = prev_op, gate_ti = MK_CHAIN_PREFETCH ? prev_ti + 1 : ti;
-    if (!MK_CHAIN_PREFETCH || t.opcode != OP_L2_PREFETCH) {
-      prev_op = t.opcode;
-      prev_ti = ti;
-    }
+    const int gate_op = prev_op;
+    prev_op = t.opcode;
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
-    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, gate_ti, lane);
+    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;
     const int uend = t.arg0 + t.arg1;

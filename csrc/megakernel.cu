@@ -32,8 +32,6 @@
 // before the dependency wait (matvec_dispatch); qkv_rope's cos|sin values are loaded at the start of the pass
 // (rope_prefetch). o_proj/down stream x by column groups only when it does not fit the scratch whole (the
 // column groups at batch 1 too measured +36 us at 1B batch 1).
-// MK_CHAIN_PREFETCH=<KB> (A/B, default 0: compiled out): L2_PREFETCH tasks (l2_prefetch.cuh) on the SMs idle
-// during the qkv -> attention -> o_proj chain prefetch the other SMs' gate_up weights past their rings.
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py
 // TRACE_FIELDS); the defaults of all these switches are generated into tasks.h from variant.KernelVariant
 #include "matvec.cuh"
@@ -44,7 +42,6 @@
 #include "down.cuh"
 #include "final_norm.cuh"
 #include "lm_head.cuh"
-#include "l2_prefetch.cuh"
 
 namespace mk {
 
@@ -124,9 +121,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
-#if MK_CHAIN_PREFETCH
-      case OP_L2_PREFETCH: l2_prefetch_task(P, t); break;
-#endif
       default: break;
     }
     consumer_sync();  // all of this task's stores precede the release below

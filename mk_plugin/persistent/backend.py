@@ -257,7 +257,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             raise RuntimeError(f"megakernel program for batch {batch} is not built; call "
                                "MegakernelDecoder.prepare() before CUDA-graph capture")
         prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback,
-                             tuning=self.tunings[batch], chain_prefetch=self.variant_for(batch).chain_prefetch > 0)
+                             tuning=self.tunings[batch])
         e = self._upload(prog, program_meta(prog, self._source_hash()))
         self._entries[batch] = e
         return e

@@ -42,7 +42,6 @@ class Opcode(enum.IntEnum):
     DOWN = 6           # ACT @ Wdown^T + residual
     FINAL_NORM = 7     # final rms_norm of the residual stream
     LM_HEAD = 8        # OUT @ Wlm^T
-    L2_PREFETCH = 9    # L2 prefetch of gate_up weights past the rings (only in MK_CHAIN_PREFETCH programs: prefetch.py)
 
 
 class Buf(enum.IntEnum):
@@ -190,8 +189,6 @@ TRACE_WORDS = 13
 #   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c; ticket_ctr >= 0: merge in
 #     the partial (the task that brings counters[ticket_ctr] to attn_chunks merges; out_buf ATTN_O)
 #   ATTN_COMBINE: arg0 = request b, arg1 = kv head g
-#   L2_PREFETCH: arg0 = first gate_up task j of the layer (split_units order), arg1 = task count, arg2 = the
-#     layer's gate_up task count (prefetch.py; no buffers, no signal)
 # A wait is (counter, target): the task starts once counters[ctr] >= target; ctr -1 = no wait.
 # The signal adds signal_add to counters[signal_ctr] once the task's stores are visible.
 TASK_FIELDS: tuple[str, ...] = (

@@ -20,7 +20,6 @@ import numpy as np
 from ..spec import LlamaSpec
 from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
-from .prefetch import add_chain_prefetch
 from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
 
@@ -36,8 +35,7 @@ def list_schedule(tasks: list[Task], num_sms: int,
     waits, so balancing each op over the SMs free at that moment is what shortens the step; a
     cumulative-load balance (the first version) put three attention partials in a row on the few
     SMs without a qkv task and delayed every layer by ~7 us (H200 trace, 1B batch 1).
-    `waits` (default: each task's own) are the dependencies kept inside the segment. A task with a pin
-    goes to that SM (prefetch.py's tasks, of cost 0: they move no other task)."""
+    `waits` (default: each task's own) are the dependencies kept inside the segment."""
     free = np.zeros(num_sms)
     done: dict[int, float] = {}  # counter -> predicted time its last signaller finishes
     queues: list[list[int]] = [[] for _ in range(num_sms)]
@@ -45,7 +43,7 @@ def list_schedule(tasks: list[Task], num_sms: int,
         ws = t.waits if waits is None else waits[idx]
         ready = max((done.get(c, 0.0) + SIGNAL_NS for c, _ in ws), default=0.0)
         finish = np.maximum(free, ready) + t.cost
-        sm = int(np.argmin(finish)) if t.pin is None else t.pin
+        sm = int(np.argmin(finish))
         free[sm] = finish[sm]
         queues[sm].append(idx)
         if t.signal is not None:
@@ -86,7 +84,6 @@ class Program:
     prefix_len: int | None = None      # set on truncated programs
     taskset: TaskSet | None = field(default=None, repr=False)
     tuning: ScheduleTuning = DEFAULT_TUNING
-    chain_prefetch: bool = False       # has prefetch.py's L2_PREFETCH tasks (MK_CHAIN_PREFETCH builds)
 
     @property
     def predicted_ns(self) -> float:
@@ -132,43 +129,29 @@ def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
     return encode(records, queues, batch=batch, attn_chunks=chunks, spec_hash=spec_hash(spec))
 
 
-def _plan(ts: TaskSet, part: list[FusedOp], num_sms: int) \
-        -> tuple[list[Task], list[list[tuple[int, int]]], list[list[int]], float]:
-    """One segment's tasks (tid order), kept waits, queues and predicted span."""
-    keys = {op.key for op in part}
-    tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
-    # A wait on an op in another segment is dropped: the launch boundary orders it.
-    waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
-    queues, span = list_schedule(tasks, num_sms, waits)
-    return tasks, waits, queues, span
-
-
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
-                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING,
-                  chain_prefetch: bool = False) -> Program:
+                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING) -> Program:
     """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
-    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step.
-    chain_prefetch: add prefetch.py's L2_PREFETCH tasks (for a kernel built with MK_CHAIN_PREFETCH > 0;
-    other kernels run them as no-ops)."""
+    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step."""
     why = megakernel_supports(spec)
     if why is not None:
         raise ValueError(f"the megakernel cannot run this model: {why}")
     ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
     fallback = frozenset(fallback)
-    parts = split_segments(ts.ops, fallback)
-    if chain_prefetch:   # the idle SMs come from the schedule without the prefetch tasks
-        plans = [_plan(ts, p, num_sms) for p in parts if not isinstance(p, FusedOp)]
-        ts = add_chain_prefetch(ts, [(tasks, queues) for tasks, _, queues, _ in plans])
     steps: list[Segment | FallbackStep] = []
-    for part in parts:
+    for part in split_segments(ts.ops, fallback):
         if isinstance(part, FusedOp):
             steps.append(FallbackStep(part, ts.op_ranges[part.key]))
             continue
-        tasks, waits, queues, span = _plan(ts, part, num_sms)
+        keys = {op.key for op in part}
+        tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
+        # A wait on an op in another segment is dropped: the launch boundary orders it.
+        waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
+        queues, span = list_schedule(tasks, num_sms, waits)
         steps.append(Segment(part, tasks, waits, queues,
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
-                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning, chain_prefetch=chain_prefetch)
+                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:

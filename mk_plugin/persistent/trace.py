@@ -97,8 +97,6 @@ def task_bytes(spec: LlamaSpec, task: Task, batch: int, seq_lens: Sequence[int],
         return TaskBytes(kv=2 * (hi - lo) * d * el, act=G * d * el + out)
     if op == Opcode.ATTN_COMBINE:
         return TaskBytes(act=attn_chunks * G * (d + 2) * 4 + G * d * el)
-    if op == Opcode.L2_PREFETCH:     # fills L2 only: the bytes count where gate_up copies them
-        return TaskBytes()
     name = task.op.name
     limit = spec.vocab_size if op == Opcode.LM_HEAD else 1 << 62
     r = _rows({"arg0": task.args[0], "arg1": task.args[1]}, limit)
@@ -169,14 +167,12 @@ def program_meta(program: Program, seq_lens: Sequence[int], **extra: Any) -> dic
     return {"model": program.spec.name, "spec": spec_to_dict(program.spec), "layers": program.spec.num_layers,
             "batch": program.batch,
             "num_sms": program.num_sms, "lm_head": program.lm_head, "fallback": sorted(program.fallback),
-            "attn_chunks": program.attn_chunks, "seq_lens": _padded_seq_lens(program, seq_lens),
-            **({"chain_prefetch": True} if program.chain_prefetch else {}), **extra}
+            "attn_chunks": program.attn_chunks, "seq_lens": _padded_seq_lens(program, seq_lens), **extra}
 
 
 def program_from_meta(meta: dict[str, Any]) -> Program:
     return build_program(spec_from_dict(meta["spec"]), int(meta["batch"]), int(meta["num_sms"]),
-                         lm_head=bool(meta.get("lm_head", False)), fallback=frozenset(meta.get("fallback", ())),
-                         chain_prefetch=bool(meta.get("chain_prefetch", False)))
+                         lm_head=bool(meta.get("lm_head", False)), fallback=frozenset(meta.get("fallback", ())))
 
 
 def save_records(path: str | Path, records: Sequence[dict], meta: dict[str, Any] | None = None) -> Path:

@@ -9,7 +9,8 @@ switch whose A/B is measured leaves: the winner becomes the code, the loser's re
 the batched merge won; the column groups at batch 1 and the gate word's volatile/relaxed forms lost;
 session 10: five attention load steps in flight won over four and six, the packed half-size ring slots at
 batch 9..16 lost; session 11: full-width ring chunks at batch 9..16, taken in two halves, won over
-half-width chunks).
+half-width chunks; session 12: the chain L2 prefetch, split MMA chains for one-M-tile passes and more
+norm-statistics rows per round all lost).
 """
 from __future__ import annotations
 
@@ -25,9 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_CHAIN_PREFETCH", "chain_prefetch", "chain_prefetch"))
-CHAIN_PREFETCH_MAX_KB = 4096
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_CHAIN_PREFETCH (A/B, unmeasured): KB per gate_up task that the SMs idle during qkv -> attention ->
-    # o_proj prefetch into L2 (prefetch.py); 0 = off: no L2_PREFETCH tasks in the program, none compiled in
-    chain_prefetch: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -55,9 +51,6 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.chain_prefetch, bool) or not isinstance(self.chain_prefetch, int) \
-                or not 0 <= self.chain_prefetch <= CHAIN_PREFETCH_MAX_KB:
-            raise ValueError(f"chain_prefetch={self.chain_prefetch!r}: KB per gate_up task, 0..{CHAIN_PREFETCH_MAX_KB}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
