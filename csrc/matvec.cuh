@@ -264,6 +264,22 @@ __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 
+// MK_GROUP_DEPTH (A/B): column groups in flight while one is consumed. 1 (the default) is the double
+// buffering above: group g + 1 is issued as group g's MMAs start, so a task's activations stream at one
+// 16 KB group per loaded L2 round trip (down at batch 16: 256 KB of x per task; bench/NOTES.md session 12).
+// Depth d keeps groups g + 1 .. g + d in flight in d + 1 buffers; a group past K commits nothing, so every
+// part waits with the same cp.async.wait_group count. The first d buffers stay clear of the row sums at the
+// scratch's end (rows_rstd runs while they land).
+constexpr int GROUP_DEPTH = MK_GROUP_DEPTH, GROUP_BUFS = GROUP_DEPTH + 1;
+static_assert(GROUP_BUFS * GROUP_BYTES <= UNION_BYTES && GROUP_DEPTH * GROUP_BYTES <= UNION_BYTES - STAGE_PART_BYTES,
+              "MK_GROUP_DEPTH: (depth + 1) 16 KB column groups must fit the scratch (fewer ring stages enlarge it)");
+
+// The first GROUP_DEPTH column groups of a pass, into buffers gi, gi + 1, .. (mod GROUP_BUFS).
+__device__ __forceinline__ void groups_prologue(unsigned char* xs, const elem_t* x, int K, int B, int KG, int gi) {
+#pragma unroll
+  for (int d = 0; d < GROUP_DEPTH; ++d) group_issue(xs + ((gi + d) % GROUP_BUFS) * GROUP_BYTES, x, K, d * KG, B, KG);
+}
+
 __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, float* rstd, int K,
                                         int B, int warp, int lane) {
   const int vpr = K / 8;
@@ -378,11 +394,20 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
             wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
           }
           const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
+          if constexpr (GROUP_DEPTH == 1) {
           cp_async_wait_all();  // this thread's copies of the group have landed ...
           consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
           if (ph_on) ph_gwait += global_ns() - gw0;
           group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
           if (kg + KG < K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, kg + KG, B, KG);
+          } else {
+            cp_async_wait_group<GROUP_DEPTH - 1>();   // group gi has landed (later ones may still fly) ...
+            consumer_sync();                          // ... for everyone; buffer gi - 1's readers are done
+            if (ph_on) ph_gwait += global_ns() - gw0;
+            group_frags<NT, JMAX>(xb, xs + (gi % GROUP_BUFS) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B,
+                                  warp, lane);
+            group_issue(xs + ((gi + GROUP_DEPTH) % GROUP_BUFS) * GROUP_BYTES, x, K, kg + GROUP_DEPTH * KG, B, KG);
+          }
           ++gi;
         }
 #pragma unroll
@@ -445,7 +470,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
-  if (!staged) group_issue(xs, x, wp.K, 0, B, KG);
+  if constexpr (GROUP_DEPTH == 1) {
+    if (!staged) group_issue(xs, x, wp.K, 0, B, KG);
+  } else if (!staged) {
+    groups_prologue(xs, x, wp.K, B, KG, gi);
+  }
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
@@ -456,7 +485,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
-    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KG);
+    if constexpr (GROUP_DEPTH == 1) {
+      if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KG);
+    } else if (!staged && p0 != t.arg0) {
+      groups_prologue(xs, x, wp.K, B, KG, gi);
+    }
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
@@ -500,11 +533,20 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
         }
         const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
+        if constexpr (GROUP_DEPTH == 1) {
         cp_async_wait_all();  // this thread's copies of the group have landed ...
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
         group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
         if (k0 + KG < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KG, B, KG);
+        } else {   // MK_GROUP_DEPTH > 1: as in nt2_full_chunks
+          cp_async_wait_group<GROUP_DEPTH - 1>();
+          consumer_sync();
+          if (ph_on) ph_gwait += global_ns() - gw0;
+          group_frags<NT, JMAX>(xb, xs + (gi % GROUP_BUFS) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp,
+                                lane);
+          group_issue(xs + ((gi + GROUP_DEPTH) % GROUP_BUFS) * GROUP_BYTES, x, wp.K, k0 + GROUP_DEPTH * KG, B, KG);
+        }
         ++gi;
       }
 #pragma unroll

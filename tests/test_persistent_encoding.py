@@ -158,9 +158,16 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone
     for gone in ("MK_GATE_WORD", "MK_POLL_ACQUIRE", "MK_PTR_EARLY", "MK_GROUP_NONORM", "MK_ROPE_EARLY",
-                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL"):   # measured: removed
+                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL",
+                 "MK_CHAIN_PREFETCH", "MK_MT_SPLIT", "MK_RSTD_ROWS"):   # measured: removed
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
+    d = KernelVariant.parse(["MK_NUM_STAGES=5", "MK_GROUP_DEPTH=3"])   # A/B: column groups in flight
+    assert d.group_depth == 3 and d.defines() == ("-DMK_NUM_STAGES=5", "-DMK_GROUP_DEPTH=3")
+    assert d.label() == "stages=5,group_depth=3" and KernelVariant().group_depth == 1
+    for bad in (0, 6, True):
+        with pytest.raises(ValueError, match="group_depth=.*column groups in flight, 1..5"):
+            KernelVariant(group_depth=bad)
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):

@@ -26,7 +26,9 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
+                   ("MK_GROUP_DEPTH", "group_depth", "group_depth"))
+GROUP_DEPTH_MAX = 5   # column groups in flight: (depth + 1) 16 KB buffers must fit the scratch (4 ring stages: 6)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
+    # MK_GROUP_DEPTH (A/B, unmeasured): activation column groups in flight while one is consumed (1: double
+    # buffering). Needs (depth + 1) x 16 KB of scratch: depth 3 with 5 ring stages, 5 with 4 (the kernel's
+    # static_assert says so at compile time)
+    group_depth: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -51,6 +57,9 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        if isinstance(self.group_depth, bool) or not isinstance(self.group_depth, int) \
+                or not 1 <= self.group_depth <= GROUP_DEPTH_MAX:
+            raise ValueError(f"group_depth={self.group_depth!r}: column groups in flight, 1..{GROUP_DEPTH_MAX}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
