@@ -134,7 +134,7 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
 
 def test_kernel_variant_parse_is_the_command_line_boundary():
     from mk_plugin.persistent.encoding import Rounding
-    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
+    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant, max_group_depth
 
     assert KernelVariant.parse(["MK_ROUNDING=stock", "-DMK_NUM_STAGES=4", "MK_DIAG=3"]) == \
         KernelVariant(Rounding.STOCK, 4, 3)
@@ -168,6 +168,11 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     for bad in (0, 6, True):
         with pytest.raises(ValueError, match="group_depth=.*column groups in flight, 1..5"):
             KernelVariant(group_depth=bad)
+    # the kernel's static_assert, said at construction: depth 3 needs 5 stages, 5 needs 4
+    assert [max_group_depth(n) for n in (4, 5, 6)] == [5, 3, 1]
+    with pytest.raises(ValueError, match="group_depth=3 does not fit the scratch of a 6-stage ring"):
+        d.with_stages(6)
+    assert KernelVariant(num_stages=4, group_depth=5).defines() == ("-DMK_NUM_STAGES=4", "-DMK_GROUP_DEPTH=5")
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):

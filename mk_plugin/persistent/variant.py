@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
+from .encoding import LAYOUT, MAX_BATCH, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 
 # MK_RELEASE_GATE's default (session 8, measured): hold the weights of the task after a gate_up until
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
@@ -29,6 +29,15 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"),
                    ("MK_GROUP_DEPTH", "group_depth", "group_depth"))
 GROUP_DEPTH_MAX = 5   # column groups in flight: (depth + 1) 16 KB buffers must fit the scratch (4 ring stages: 6)
+GROUP_BYTES = 16 * LAYOUT.chunk_cols   # one column group (matvec.cuh GROUP_BYTES)
+STAGE_PART_BYTES = 4 * LAYOUT.consumer_warps * MAX_BATCH   # rows_rstd's per-warp row sums at the scratch's end
+
+
+def max_group_depth(num_stages: int) -> int:
+    """The deepest MK_GROUP_DEPTH whose buffers fit the scratch of a num_stages ring (the kernel's
+    static_assert: (d + 1) buffers in the scratch, the first d clear of the row sums at its end)."""
+    union = LAYOUT.with_stages(num_stages).union_bytes
+    return min(union // GROUP_BYTES - 1, (union - STAGE_PART_BYTES) // GROUP_BYTES)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ class KernelVariant:
         if isinstance(self.group_depth, bool) or not isinstance(self.group_depth, int) \
                 or not 1 <= self.group_depth <= GROUP_DEPTH_MAX:
             raise ValueError(f"group_depth={self.group_depth!r}: column groups in flight, 1..{GROUP_DEPTH_MAX}")
+        if self.group_depth > max_group_depth(self.num_stages):
+            raise ValueError(f"group_depth={self.group_depth} does not fit the scratch of a {self.num_stages}-stage "
+                             f"ring (at most {max_group_depth(self.num_stages)}; fewer stages enlarge the scratch)")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
