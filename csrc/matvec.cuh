@@ -211,7 +211,6 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
 // group: ~0.7 ms of a batch-8 1B step, bench/NOTES.md session 5). Rows are KC * 2 bytes with their
 // 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
 constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x 1024 columns (NT=1) or 16 rows x 512 (NT=2)
-static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
 
 __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
   const int upr = KC / 8;                      // 16-byte units per row
@@ -269,7 +268,7 @@ __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
 // 16 KB group per loaded L2 round trip (down at batch 16: 256 KB of x per task; bench/NOTES.md session 12).
 // Depth d keeps groups g + 1 .. g + d in flight in d + 1 buffers; a group past K commits nothing, so every
 // part waits with the same cp.async.wait_group count. The first d buffers stay clear of the row sums at the
-// scratch's end (rows_rstd runs while they land).
+// scratch's end (rows_rstd runs while they land). At depth 1 the assert is the double buffer's.
 constexpr int GROUP_DEPTH = MK_GROUP_DEPTH, GROUP_BUFS = GROUP_DEPTH + 1;
 static_assert(GROUP_BUFS * GROUP_BYTES <= UNION_BYTES && GROUP_DEPTH * GROUP_BYTES <= UNION_BYTES - STAGE_PART_BYTES,
               "MK_GROUP_DEPTH: (depth + 1) 16 KB column groups must fit the scratch (fewer ring stages enlarge it)");

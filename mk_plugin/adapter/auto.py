@@ -31,11 +31,14 @@ def paths_file(gpu_slug: str) -> Path:
     return PATHS_DIR / f"paths_{gpu_slug}.json"
 
 
+KERNEL_ONLY = "kernel-only step"
+
+
 class PathTimes(NamedTuple):
     """One batch size's measured times of the two paths (us) and what was measured."""
     triton_us: float
     megakernel_us: float
-    what: str = "kernel-only step"
+    what: str = KERNEL_ONLY
 
 
 def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]:
@@ -47,14 +50,18 @@ def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]
     for e in json.loads(path.read_text())["entries"]:
         if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms:
             v = e.get("vllm_tbt")
-            out[int(e["batch"])] = (PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]),
-                                              "TBT in vLLM") if v else
-                                    PathTimes(float(e["triton_us"]), float(e["megakernel_us"])))
+            if v:
+                t = PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]), "TBT in vLLM")
+            else:
+                t = PathTimes(float(e["triton_us"]), float(e["megakernel_us"]))
+            out[int(e["batch"])] = t
     return out
 
 
 def _what(t: tuple[float, float]) -> str:
-    return f", {t.what}" if isinstance(t, PathTimes) and t.what != PathTimes._field_defaults["what"] else ""
+    """", TBT in vLLM" for times measured other than as kernel-only steps (plain tuples are kernel-only)."""
+    what = getattr(t, "what", KERNEL_ONLY)
+    return "" if what == KERNEL_ONLY else f", {what}"
 
 
 def pick(times: tuple[float, float]) -> str:

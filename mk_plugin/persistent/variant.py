@@ -28,7 +28,6 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"),
                    ("MK_GROUP_DEPTH", "group_depth", "group_depth"))
-GROUP_DEPTH_MAX = 5   # column groups in flight: (depth + 1) 16 KB buffers must fit the scratch (4 ring stages: 6)
 GROUP_BYTES = 16 * LAYOUT.chunk_cols   # one column group (matvec.cuh GROUP_BYTES)
 STAGE_PART_BYTES = 4 * LAYOUT.consumer_warps * MAX_BATCH   # rows_rstd's per-warp row sums at the scratch's end
 
@@ -38,6 +37,9 @@ def max_group_depth(num_stages: int) -> int:
     static_assert: (d + 1) buffers in the scratch, the first d clear of the row sums at its end)."""
     union = LAYOUT.with_stages(num_stages).union_bytes
     return min(union // GROUP_BYTES - 1, (union - STAGE_PART_BYTES) // GROUP_BYTES)
+
+
+GROUP_DEPTH_MAX = max(max_group_depth(n) for n in STAGE_CHOICES)   # at the shallowest ring
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,8 @@ class KernelVariant:
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
     # MK_GROUP_DEPTH (A/B, unmeasured): activation column groups in flight while one is consumed (1: double
-    # buffering). Needs (depth + 1) x 16 KB of scratch: depth 3 with 5 ring stages, 5 with 4 (the kernel's
-    # static_assert says so at compile time)
+    # buffering). Needs (depth + 1) x 16 KB of scratch: depth 3 with 5 ring stages, 5 with 4 (checked here
+    # against max_group_depth, as the kernel's static_assert checks it at compile time)
     group_depth: int = 1
 
     def __post_init__(self) -> None:
