@@ -9,7 +9,8 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
         --build default --build MK_RELEASE_GATE=96 --build MK_RELEASE_GATE=96,MK_NUM_STAGES=5
     python bench/ab_table.py LOG
 
-A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant). A/B rows are
+A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and ksplit.OP=N
+program items (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2). A/B rows are
 not appended to mk_step.csv (like mk_step.py --define): the log and its table are the record.
 """
 from __future__ import annotations
@@ -26,22 +27,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # bench/common.py
 
 from mk_plugin import reference as ref
+from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
 
-def parse_build(text: str) -> KernelVariant:
-    """"default" (or "") -> the default build; "A=1,B=2" -> KernelVariant.parse (its errors name the value)."""
+def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
+    """"default" (or "") -> the default build; "A=1,B=2" -> KernelVariant.parse (its errors name the value);
+    items "ksplit.OP=N" cut OP over K in N parts (tuning.ksplit, every batch size) instead of the configured
+    tuning."""
     items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "default"]
-    return KernelVariant.parse(items)
+    ks = tuple(sorted((i.split("=")[0].removeprefix("ksplit."), int(i.split("=")[1]))
+                      for i in items if i.startswith("ksplit.") and "=" in i))
+    tuning = ScheduleTuning(ksplit=ks) if ks else None   # validates op and parts
+    return KernelVariant.parse([i for i in items if not i.startswith("ksplit.")]), tuning
 
 
-def build_label(variant: KernelVariant) -> str:
-    """The header label ab_table.py reads: "default", or the defines as mk_step's --define flags give them."""
-    d = variant.defines()
-    return " ".join(f"--define {x.removeprefix('-D')}" for x in d) if d else "default"
+def build_label(variant: KernelVariant, tuning: ScheduleTuning | None = None) -> str:
+    """The header label ab_table.py reads: "default", or the defines as mk_step's --define flags give them,
+    then a forced tuning's label."""
+    words = [f"--define {x.removeprefix('-D')}" for x in variant.defines()]
+    if tuning is not None:
+        words.append(f"tuning {tuning.label()}")
+    return " ".join(words) or "default"
 
 
 def main() -> None:
@@ -67,12 +77,12 @@ def main() -> None:
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     decs = []
-    for v in variants:   # compile and prepare every build before the first timed row
-        dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=v, tuning=cfg.tuning,
-                                watchdog_ms=cfg.watchdog_ms)
+    for v, tuning in variants:   # compile and prepare every build before the first timed row
+        tun = cfg.tuning if tuning is None else {b: tuning for b in range(1, max(args.batch) + 1)}
+        dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=v, tuning=tun, watchdog_ms=cfg.watchdog_ms)
         dec.prepare(args.batch)
         decs.append(dec)
-        print(f"built {build_label(v)}", flush=True)
+        print(f"built {build_label(v, tuning)}", flush=True)
     inputs = {}
     for bsz in args.batch:
         seq = [args.ctx] * bsz
@@ -83,8 +93,8 @@ def main() -> None:
     print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {common.git_commit()}, "
           f"gpu {torch.cuda.get_device_name()}, reps {args.reps}")
     for r in range(1, args.rounds + 1):
-        for v, dec in zip(variants, decs):
-            print(f"== round {r} {group}: {build_label(v)}")
+        for (v, tuning), dec in zip(variants, decs):
+            print(f"== round {r} {group}: {build_label(v, tuning)}")
             for bsz in args.batch:
                 hidden, pos, caches, bt, sl, slots, out, nbytes = inputs[bsz]
                 fn = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out)

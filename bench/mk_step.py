@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--combine-tasks", action="store_true",
                     help="attention with separate combine tasks (tuning.merge_in_partial=False, the default before "
                          "session 7) for every batch size (an A/B experiment like --stages: rows are not appended)")
+    ap.add_argument("--ksplit", action="append", default=[], metavar="OP=N",
+                    help="cut OP (o_proj, down) over K in N parts (tuning.ksplit) for every batch size (an A/B "
+                         "experiment like --stages: rows are not appended); repeatable")
     ap.add_argument("--trace", action="store_true", help="also run one traced step and print the per-op table "
                     "(mk_plugin.persistent.trace; `python -m mk_plugin.trace run` also writes Perfetto/PNG)")
     ap.add_argument("--records-dir", type=Path, default=None,
@@ -73,9 +76,14 @@ def main() -> None:
     defines = variant.defines()
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
     forced = None
-    if args.stages or args.combine_tasks:
+    if args.stages or args.combine_tasks or args.ksplit:
         from mk_plugin.persistent.tuning import ScheduleTuning
-        forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=not args.combine_tasks)  # validates N
+        bad = [k for k in args.ksplit if k.count("=") != 1 or not k.split("=")[1].isdigit()]
+        if bad:
+            raise SystemExit(f"--ksplit {bad[0]!r}: give OP=N, e.g. down=4")
+        ksplit = tuple(sorted((k.split("=")[0], int(k.split("=")[1])) for k in args.ksplit))
+        forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=not args.combine_tasks,
+                                ksplit=ksplit)  # validates N and the ops
         defines = (*defines, forced.label())              # an A/B row: printed, not appended
 
     def tuning_upto(n: int):
@@ -111,7 +119,7 @@ def main() -> None:
                 from mk_plugin.persistent import trace_phases
                 print("\nmedian per task (us):\n" + trace_phases.phase_table_markdown(trace_phases.phase_table(recs)))
             if args.records_dir is not None:
-                tag = "_".join(d.removeprefix("-D").replace("=", "") for d in defines) or "default"
+                tag = "_".join(d.removeprefix("-D").replace("=", "").replace("/", "") for d in defines) or "default"
                 meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),
                                             gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
                 path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json.gz"

@@ -26,17 +26,30 @@ namespace mk {
 
 struct WeightPlan {
   const elem_t* w;  // [rows, K] row-major
-  int K;
+  int K;            // the consumers' reduction width (a K-split task's part: matvec_dispatch)
   int mtpu;         // M-tiles per unit (2 for gate_up: gate tile, up tile)
+  int ldx;          // row stride of the activations x (the matrix's full K)
 };
+
+// Columns [lo, hi) of a K-split o_proj/down task (arg2 = parts << KSPLIT_SHIFT | part): 16-column steps
+// shared out evenly. Mirrors encoding.ksplit_range.
+__device__ __forceinline__ void ksplit_range(int K, int arg2, int& lo, int& hi) {
+  const int part = arg2 & ((1 << KSPLIT_SHIFT) - 1), parts = arg2 >> KSPLIT_SHIFT, steps = K >> 4;
+  lo = 16 * (steps * part / parts);
+  hi = 16 * (steps * (part + 1) / parts);
+}
+
+__device__ __forceinline__ bool is_ksplit(const Task& t) {
+  return (t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 != 0;
+}
 
 __device__ __forceinline__ bool weight_plan(const Params& P, int op, int layer, WeightPlan& wp) {
   switch (op) {
-    case OP_QKV_ROPE: wp = {weight_ptr(P, layer, LP_QKV), H, 1}; return true;
-    case OP_O_PROJ: wp = {weight_ptr(P, layer, LP_O), QS, 1}; return true;
-    case OP_GATE_UP: wp = {weight_ptr(P, layer, LP_GATE_UP), H, 2}; return true;
-    case OP_DOWN: wp = {weight_ptr(P, layer, LP_DOWN), I, 1}; return true;
-    case OP_LM_HEAD: wp = {weight_ptr(P, LAYERS, MP_LM_HEAD), H, 1}; return true;
+    case OP_QKV_ROPE: wp = {weight_ptr(P, layer, LP_QKV), H, 1, H}; return true;
+    case OP_O_PROJ: wp = {weight_ptr(P, layer, LP_O), QS, 1, QS}; return true;
+    case OP_GATE_UP: wp = {weight_ptr(P, layer, LP_GATE_UP), H, 2, H}; return true;
+    case OP_DOWN: wp = {weight_ptr(P, layer, LP_DOWN), I, 1, I}; return true;
+    case OP_LM_HEAD: wp = {weight_ptr(P, LAYERS, MP_LM_HEAD), H, 1, H}; return true;
     default: return false;
   }
 }
@@ -134,10 +147,12 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;
     const int uend = t.arg0 + t.arg1;
+    int klo = 0, khi = wp.K;   // a K-split task streams its part's columns of the rows
+    if (is_ksplit(t)) ksplit_range(wp.K, t.arg2, klo, khi);
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
       const int mt = min(upp, uend - p0) * wp.mtpu;
-      for (int k0 = 0; k0 < wp.K; k0 += KC) {
-        const int kc = min(KC, wp.K - k0);
+      for (int k0 = klo; k0 < khi; k0 += KC) {
+        const int kc = min(KC, khi - k0);
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
@@ -202,6 +217,7 @@ __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t
                                                   unsigned (&r)[4]);
 __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, int p0, int m, int nt, int lane,
                                               unsigned (&cs)[4]);
+__device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t);
 
 // ---- Column-group staging: activations that do not fit the scratch whole ---------------------
 // x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
@@ -211,13 +227,15 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
 // group: ~0.7 ms of a batch-8 1B step, bench/NOTES.md session 5). Rows are KC * 2 bytes with their
 // 16-byte units XOR-swizzled by (row & 7): conflict-free copies and fragment reads without padding.
 constexpr int GROUP_BYTES = 16 * CHUNK_COLS;   // 8 rows x 1024 columns (NT=1) or 16 rows x 512 (NT=2)
+static_assert(2 * GROUP_BYTES <= UNION_BYTES, "two column-group buffers in the scratch");
 
-__device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int k0, int B, int KC) {
+__device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, int K, int ldx, int k0, int B,
+                                            int KC) {
   const int upr = KC / 8;                      // 16-byte units per row
   const int valid = (min(KC, K - k0)) / 8;     // K is a multiple of 16
   for (int idx = threadIdx.x; idx < B * upr; idx += CONSUMER_THREADS) {
     const int b = idx / upr, c = idx - b * upr;
-    if (c < valid) cp_async16(smem_addr(gb + b * KC * 2 + ((c ^ (b & 7)) << 4)), x + (size_t)b * K + k0 + c * 8);
+    if (c < valid) cp_async16(smem_addr(gb + b * KC * 2 + ((c ^ (b & 7)) << 4)), x + (size_t)b * ldx + k0 + c * 8);
   }
   cp_async_commit();
 }
@@ -263,24 +281,8 @@ __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 
-// MK_GROUP_DEPTH (A/B): column groups in flight while one is consumed. 1 (the default) is the double
-// buffering above: group g + 1 is issued as group g's MMAs start, so a task's activations stream at one
-// 16 KB group per loaded L2 round trip (down at batch 16: 256 KB of x per task; bench/NOTES.md session 12).
-// Depth d keeps groups g + 1 .. g + d in flight in d + 1 buffers; a group past K commits nothing, so every
-// part waits with the same cp.async.wait_group count. The first d buffers stay clear of the row sums at the
-// scratch's end (rows_rstd runs while they land). At depth 1 the assert is the double buffer's.
-constexpr int GROUP_DEPTH = MK_GROUP_DEPTH, GROUP_BUFS = GROUP_DEPTH + 1;
-static_assert(GROUP_BUFS * GROUP_BYTES <= UNION_BYTES && GROUP_DEPTH * GROUP_BYTES <= UNION_BYTES - STAGE_PART_BYTES,
-              "MK_GROUP_DEPTH: (depth + 1) 16 KB column groups must fit the scratch (fewer ring stages enlarge it)");
-
-// The first GROUP_DEPTH column groups of a pass, into buffers gi, gi + 1, .. (mod GROUP_BUFS).
-__device__ __forceinline__ void groups_prologue(unsigned char* xs, const elem_t* x, int K, int B, int KG, int gi) {
-#pragma unroll
-  for (int d = 0; d < GROUP_DEPTH; ++d) group_issue(xs + ((gi + d) % GROUP_BUFS) * GROUP_BYTES, x, K, d * KG, B, KG);
-}
-
 __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, float* rstd, int K,
-                                        int B, int warp, int lane) {
+                                        int ldx, int B, int warp, int lane) {
   const int vpr = K / 8;
   const int total = (B + (nw != nullptr ? 1 : 0)) * vpr;
   const int rowb = K * 2 + 16;
@@ -293,7 +295,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
       const int b = idx / vpr, kv = idx - b * vpr;
       v[u] = make_uint4(0u, 0u, 0u, 0u);
       if (idx < total)
-        v[u] = b < B ? ld_cg_v4(x + (size_t)b * K + kv * 8) : __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
+        v[u] = b < B ? ld_cg_v4(x + (size_t)b * ldx + kv * 8) : __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -365,7 +367,7 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
 // arrivals per weight byte, and the producer's copies are 2 KB (bench/NOTES.md). Returns the chunk count.
 template <int JMAX>
 __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params& P, const elem_t* x, const elem_t* nw,
-                                                    bool staged, const float* rstd, int K, int B, int mt,
+                                                    bool staged, const float* rstd, int K, int ldx, int B, int mt,
                                                     unsigned it, unsigned char* xs, int& gi, int warp, int lane,
                                                     unsigned lane_off, float (&acc)[ACC_TILES / 2][2][4],
                                                     unsigned long long& wait_cycles, bool ph_on,
@@ -393,20 +395,11 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
             wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
           }
           const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
-          if constexpr (GROUP_DEPTH == 1) {
           cp_async_wait_all();  // this thread's copies of the group have landed ...
           consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
           if (ph_on) ph_gwait += global_ns() - gw0;
           group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
-          if (kg + KG < K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, kg + KG, B, KG);
-          } else {
-            cp_async_wait_group<GROUP_DEPTH - 1>();   // group gi has landed (later ones may still fly) ...
-            consumer_sync();                          // ... for everyone; buffer gi - 1's readers are done
-            if (ph_on) ph_gwait += global_ns() - gw0;
-            group_frags<NT, JMAX>(xb, xs + (gi % GROUP_BUFS) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B,
-                                  warp, lane);
-            group_issue(xs + ((gi + GROUP_DEPTH) % GROUP_BUFS) * GROUP_BYTES, x, K, kg + GROUP_DEPTH * KG, B, KG);
-          }
+          if (kg + KG < K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, ldx, kg + KG, B, KG);
           ++gi;
         }
 #pragma unroll
@@ -469,11 +462,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
-  if constexpr (GROUP_DEPTH == 1) {
-    if (!staged) group_issue(xs, x, wp.K, 0, B, KG);
-  } else if (!staged) {
-    groups_prologue(xs, x, wp.K, B, KG, gi);
-  }
+  if (!staged) group_issue(xs, x, wp.K, wp.ldx, 0, B, KG);
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
@@ -484,15 +473,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
     // A later pass restages group 0 once the previous pass's reduction has left the scratch.
-    if constexpr (GROUP_DEPTH == 1) {
-      if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, 0, B, KG);
-    } else if (!staged && p0 != t.arg0) {
-      groups_prologue(xs, x, wp.K, B, KG, gi);
-    }
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, wp.ldx, 0, B, KG);
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
-    if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && warp / NT < mt)
+    if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0 && warp / NT < mt)
       residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
     else if (t.opcode == OP_QKV_ROPE && warp / NT < mt)
       rope_prefetch(S, P, p0, warp / NT, warp % NT, lane, rres);
@@ -507,14 +492,14 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, B, warp, lane);
+    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) {
       const unsigned long long now = global_ns();
       ph_stage += now - ph_mark;
       ph_mark = now;
     }
     if constexpr (NH == 2) {
-      it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, B, mt, it, xs, gi, warp, lane, lane_off, acc,
+      it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp, lane, lane_off, acc,
                                  wait_cycles, ph_on, ph_gwait);
     } else
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
@@ -532,20 +517,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
         }
         const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
-        if constexpr (GROUP_DEPTH == 1) {
         cp_async_wait_all();  // this thread's copies of the group have landed ...
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
         group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
-        if (k0 + KG < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, k0 + KG, B, KG);
-        } else {   // MK_GROUP_DEPTH > 1: as in nt2_full_chunks
-          cp_async_wait_group<GROUP_DEPTH - 1>();
-          consumer_sync();
-          if (ph_on) ph_gwait += global_ns() - gw0;
-          group_frags<NT, JMAX>(xb, xs + (gi % GROUP_BUFS) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp,
-                                lane);
-          group_issue(xs + ((gi + GROUP_DEPTH) % GROUP_BUFS) * GROUP_BYTES, x, wp.K, k0 + GROUP_DEPTH * KG, B, KG);
-        }
+        if (k0 + KG < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, k0 + KG, B, KG);
         ++gi;
       }
 #pragma unroll
@@ -619,6 +595,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     tr[TR_PH_ENTRY] = ph_entry;
   }
   *wait_out += wait_cycles;
+  if (is_ksplit(t)) ksplit_merge(S, P, t);   // o_proj.cuh: the last part of the range adds the parts
   return it;
 }
 

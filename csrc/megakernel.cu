@@ -51,7 +51,12 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
   switch (t.opcode) {
     case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v, rres); break;
     case OP_O_PROJ:
-    case OP_DOWN: residual_epilogue(P, t, p0, m, nt, lane, v, rres); break;
+    case OP_DOWN:
+      if (t.arg2 != 0)
+        ksplit_store(P, t, p0, m, nt, lane, v);
+      else
+        residual_epilogue(P, t, p0, m, nt, lane, v, rres);
+      break;
     case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
     case OP_LM_HEAD: lm_head_epilogue(P, t, p0, m, nt, lane, v); break;
     default: break;
@@ -73,6 +78,12 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   // acquire invalidated L1, ~0.5 us: the "entry" phase of session 7's traces) becomes dead code
   wp.w = nullptr;
   const elem_t* x = buf_ptr(P, t.in_buf);
+  if (is_ksplit(t)) {   // a K part: x's columns [lo, hi) with the full row stride (WeightPlan.ldx)
+    int lo, hi;
+    ksplit_range(wp.K, t.arg2, lo, hi);
+    x += lo;
+    wp.K = hi - lo;
+  }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
@@ -170,6 +181,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     P.buf[BUF_LOGITS] = logits;
     P.buf[BUF_PART_O] = part_o;
     P.buf[BUF_PART_ML] = part_ml;
+    P.buf[BUF_PART_K] = part_k;
     P.trace = trace;
     P.err = err;
     P.err_host = err_host;

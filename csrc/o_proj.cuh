@@ -42,4 +42,41 @@ __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t
   }
 }
 
+// K-split o_proj/down (tuning.ksplit): a part's fp32 sums go to PART_K[part][b][row] (MAX_BATCH rows per
+// part) instead of the output; the part that completes the range's ticket adds them (ksplit_merge).
+__device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int p0, int m, int nt, int lane,
+                                             const float (&v)[4]) {
+  float* pk = reinterpret_cast<float*>(P.buf[BUF_PART_K]) + (size_t)(t.arg2 & ((1 << KSPLIT_SHIFT) - 1)) * MAX_BATCH * H;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    int b, row;
+    residual_elem(p0, m, nt, lane, e, b, row);
+    if (b < P.batch) st_f32(pk + (size_t)b * H + row, v[e]);
+  }
+}
+
+// After a K-split task's passes (their last consumer_sync orders every partial store before thread 0's
+// ticket): the ticket (acq_rel) releases this part's partials and, for the last taker, acquires the other
+// parts'. The last one adds the parts in part order, whichever finished last (bit-identical results), then
+// the residual as residual_epilogue does, and stores the output; its signal follows in consumer_loop.
+__device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t) {
+  const int parts = t.arg2 >> KSPLIT_SHIFT;
+  int* last = reinterpret_cast<int*>(S.scratch());
+  if (threadIdx.x == 0)
+    *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)parts;
+  consumer_sync();
+  if (!*last) return;
+  const float* pk = reinterpret_cast<const float*>(P.buf[BUF_PART_K]);
+  const elem_t* res = buf_ptr(P, t.res_buf);
+  elem_t* out = buf_ptr(P, t.out_buf);
+  const int rows = t.arg1 * UNIT, r0 = t.arg0 * UNIT;
+  for (int i = threadIdx.x; i < P.batch * rows; i += CONSUMER_THREADS) {
+    const int b = i / rows, row = r0 + (i - b * rows);
+    const size_t o = (size_t)b * H + row;
+    float v = ld_cg_f32(pk + o);
+    for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
+    out[o] = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
+  }
+}
+
 }  // namespace mk

@@ -26,6 +26,7 @@ enum BufId : int {
   BUF_LOGITS = 6,
   BUF_PART_O = 7,
   BUF_PART_ML = 8,
+  BUF_PART_K = 9,
   BUF_NONE = 15
 };
 
@@ -49,18 +50,19 @@ enum RoundingMode : int {
 };
 
 // Parameters of the extern "C" kernel mk_decode (encoding.KERNEL_PARAMS)
-#define MK_DECODE_PARAMS const int* __restrict__ prog, const unsigned long long* __restrict__ wptr, const unsigned long long* __restrict__ kvptr, unsigned* counters, const long long* positions, const long long* slots, const int* seq_lens, const int* block_table, int bt_stride, int block_size, const void* cos_sin, int cs_rows, int cs_stride, int cs_f32, void* hidden_in, void* resid, void* q, void* attn_o, void* act, void* out, void* logits, void* part_o, void* part_ml, unsigned long long* trace, int* err, int* err_host, int watchdog_ms
+#define MK_DECODE_PARAMS const int* __restrict__ prog, const unsigned long long* __restrict__ wptr, const unsigned long long* __restrict__ kvptr, unsigned* counters, const long long* positions, const long long* slots, const int* seq_lens, const int* block_table, int bt_stride, int block_size, const void* cos_sin, int cs_rows, int cs_stride, int cs_f32, void* hidden_in, void* resid, void* q, void* attn_o, void* act, void* out, void* logits, void* part_o, void* part_ml, void* part_k, unsigned long long* trace, int* err, int* err_host, int watchdog_ms
 
-constexpr int NUM_BUFS = 9;
+constexpr int NUM_BUFS = 10;
 constexpr int LP_COUNT = 6;
 constexpr int PROGRAM_MAGIC = 0x4d4b5031;
-constexpr int PROGRAM_VERSION = 3;
+constexpr int PROGRAM_VERSION = 4;
 constexpr int TASK_WORDS = 16;
 constexpr int NUM_WAITS = 2;
 constexpr int HEADER_WORDS = 8;
 constexpr int COUNTER_STRIDE = 8;
 constexpr int MAX_BATCH = 16;
 constexpr int UNIT = 16;
+constexpr int KSPLIT_SHIFT = 8;   // arg2 of a K-split o_proj/down task: parts << 8 | part
 
 // Watchdog error record (encoding.ERROR_FIELDS)
 enum ErrorCode : int {
@@ -173,9 +175,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
-#endif
-#ifndef MK_GROUP_DEPTH
-#define MK_GROUP_DEPTH 1
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -64,14 +64,21 @@ def test_a_log_without_the_default_build_is_refused():
 def test_mk_ab_builds_and_labels_read_back_by_the_table():
     """bench/mk_ab.py's build strings parse to variants whose header labels ab_table.parse reads back."""
     import mk_ab
-    v = mk_ab.parse_build("MK_RELEASE_GATE=96,MK_NUM_STAGES=5")
-    assert mk_ab.build_label(v) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
-    assert mk_ab.build_label(mk_ab.parse_build("default")) == "default"
-    assert mk_ab.build_label(mk_ab.parse_build("")) == "default"
-    log = (f"== round 1 1b: {mk_ab.build_label(mk_ab.parse_build('default'))}\nmegakernel    16    1400.0  1 1%\n"
-           f"== round 1 1b: {mk_ab.build_label(v)}\nmegakernel    16    1300.0  1 1%\n")
+    v, vt = mk_ab.parse_build("MK_RELEASE_GATE=96,MK_NUM_STAGES=5")
+    assert vt is None and mk_ab.build_label(v) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
+    assert mk_ab.build_label(*mk_ab.parse_build("default")) == "default"
+    assert mk_ab.build_label(*mk_ab.parse_build("")) == "default"
+    k, kt = mk_ab.parse_build("ksplit.o_proj=2,ksplit.down=4")   # a program item: tuning.ksplit
+    assert k == mk_ab.parse_build("default")[0] and kt.ksplit == (("down", 4), ("o_proj", 2))
+    assert mk_ab.build_label(k, kt) == "tuning down/k4,o_proj/k2"
+    log = (f"== round 1 1b: {mk_ab.build_label(*mk_ab.parse_build('default'))}\nmegakernel    16    1400.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(v)}\nmegakernel    16    1300.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(k, kt)}\nmegakernel    16    1200.0  1 1%\n")
     builds = ab_table.parse(log.splitlines())
     assert builds["default"][("1b", 16)] == [1400.0]
     assert builds[mk_ab.build_label(v).replace("--define ", "")][("1b", 16)] == [1300.0]
+    assert builds["tuning down/k4,o_proj/k2"][("1b", 16)] == [1200.0]
     with pytest.raises(ValueError, match="MK_NOPE"):
         mk_ab.parse_build("MK_NOPE=1")
+    with pytest.raises(ValueError, match="ksplit parts 9 for down"):
+        mk_ab.parse_build("ksplit.down=9")

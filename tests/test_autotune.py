@@ -5,6 +5,7 @@ only checked, faster candidates."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def op_task_counts(program) -> dict[str, int]:
     ({"num_stages": 3}, "num_stages=3: choose 0"),
     ({"num_stages": True}, "num_stages=True"),
     ({"merge_in_partial": 1}, "merge_in_partial=1 must be true or false"),
+    ({"ksplit": (("gate_up", 2),)}, "ksplit op 'gate_up': only o_proj, down"),
+    ({"ksplit": (("down", 5),)}, "ksplit parts 5 for down must be an int in 2..4"),
+    ({"ksplit": (("down", 1),)}, "ksplit parts 1 for down"),
+    ({"ksplit": (("down", 2), ("down", 3))}, "ksplit op 'down' is given twice"),
+    ({"ksplit": ("down",)}, "ksplit entry 'down' is not an"),
 ])
 def test_tuning_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -75,6 +81,32 @@ def test_tuning_json_label_and_helpers():
     assert m.label().endswith(",combine_tasks") and ScheduleTuning.from_json(json.loads(json.dumps(m.to_json()))) == m
     assert "merge_in_partial" not in t.to_json() and not ScheduleTuning().with_merge(False).is_default
     assert ScheduleTuning().merge_in_partial and ScheduleTuning.from_json({"split": {}}).merge_in_partial
+    k = ScheduleTuning().with_ksplit("down", 4).with_ksplit("o_proj", 2)   # cut over K
+    assert k.ksplit == (("down", 4), ("o_proj", 2)) and k.label() == "down/k4,o_proj/k2" and not k.is_default
+    assert ScheduleTuning.from_json(json.loads(json.dumps(k.to_json()))) == k and "ksplit" not in t.to_json()
+    assert k.ksplit_for("down") == 4 and k.ksplit_for("gate_up") == 1 and k.with_ksplit("down", 1).ksplit_for("down") == 1
+
+
+def test_ksplit_program_cuts_ranges_over_k():
+    """A K-split op keeps about its task count (ranges = tasks / parts, rounded); each unit range's parts
+    share one ticket and cover K once."""
+    from mk_plugin.persistent.encoding import KSPLIT_SHIFT, ksplit_range
+    p = build_program(SPEC, 3, SMS, tuning=ScheduleTuning(ksplit=(("down", 3),)))
+    d = build_program(SPEC, 3, SMS)
+    lo, hi = p.op_ranges["L0.down"]
+    tasks = p.taskset.tasks[lo:hi]
+    assert hi - lo == 3 * round((d.op_ranges["L0.down"][1] - d.op_ranges["L0.down"][0]) / 3)
+    by_ticket: dict[int, list] = {}
+    for t in tasks:
+        by_ticket.setdefault(t.ticket, []).append(t)
+    assert None not in by_ticket and sum(t.args[1] for t in tasks) == 3 * op_units(SPEC, "down")
+    K = SPEC.intermediate_size
+    for parts in by_ticket.values():
+        assert [t.args[2] & 255 for t in parts] == list(range(3)) and {t.args[2] >> KSPLIT_SHIFT for t in parts} == {3}
+        cols = [ksplit_range(K, t.args[2] & 255, 3) for t in parts]
+        assert cols[0][0] == 0 and cols[-1][1] == K and all(a[1] == b[0] for a, b in itertools.pairwise(cols))
+    check_deadlock_free(p)
+    check_ordering(p)
 
 
 def test_tuned_program_has_the_asked_task_counts():
@@ -93,8 +125,10 @@ def test_tuned_program_has_the_asked_task_counts():
 
 
 tunings = st.builds(
-    lambda fs, c: ScheduleTuning(tuple(sorted((op, f) for op, f in zip(tn.SPLIT_OPS, fs) if f != 1.0)), c),
-    st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 4.0]), min_size=5, max_size=5), st.integers(0, 6))
+    lambda fs, c, ks: ScheduleTuning(tuple(sorted((op, f) for op, f in zip(tn.SPLIT_OPS, fs) if f != 1.0)), c,
+                                     ksplit=tuple(sorted((op, n) for op, n in zip(tn.KSPLIT_OPS, ks) if n > 1))),
+    st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 4.0]), min_size=5, max_size=5), st.integers(0, 6),
+    st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=2, max_size=2))
 
 
 @settings(max_examples=12, deadline=None)
@@ -114,8 +148,8 @@ def test_any_tuning_is_deadlock_free_ordered_and_gives_the_default_output(t, bat
             ref.rope_cos_sin_cache(SPEC, 64).to(SPEC.torch_dtype), logits_out=logits)
         assert dec.program(batch).tuning == tuning
         outs.append(logits)
-    if t.attn_chunks in (0, attention_chunks(batch, SPEC.num_kv_heads, SMS)):
-        # only the split changed: every dot product keeps its order
+    if t.attn_chunks in (0, attention_chunks(batch, SPEC.num_kv_heads, SMS)) and not t.ksplit:
+        # only the split changed: every dot product keeps its order (a K-split sums its parts' partials)
         assert torch.equal(outs[0], outs[1])
     else:
         torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)

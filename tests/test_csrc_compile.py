@@ -43,8 +43,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 # depths (MK_NUM_STAGES, tuning.num_stages): each must compile
 # without spills too, at the 1B shape.
 VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",),
-            ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
-            ("-DMK_NUM_STAGES=5", "-DMK_GROUP_DEPTH=3")]
+            ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",)]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -80,8 +79,7 @@ def test_nvrtc_compiles_the_runtime_source():
     # the 1B and 8B builds, and the bench-only variants of session 7 together in one 1B build (the GPU
     # compiles them with NVRTC too, through CuPy)
     builds = [(spec, ()) for spec in _specs()[:2]]
-    builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5",
-                                 "-DMK_GROUP_DEPTH=3")))
+    builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5")))
     for spec, extra in builds:
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
         assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"

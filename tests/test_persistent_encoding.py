@@ -134,7 +134,7 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
 
 def test_kernel_variant_parse_is_the_command_line_boundary():
     from mk_plugin.persistent.encoding import Rounding
-    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant, max_group_depth
+    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
 
     assert KernelVariant.parse(["MK_ROUNDING=stock", "-DMK_NUM_STAGES=4", "MK_DIAG=3"]) == \
         KernelVariant(Rounding.STOCK, 4, 3)
@@ -158,21 +158,9 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone
     for gone in ("MK_GATE_WORD", "MK_POLL_ACQUIRE", "MK_PTR_EARLY", "MK_GROUP_NONORM", "MK_ROPE_EARLY",
-                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL",
-                 "MK_CHAIN_PREFETCH", "MK_MT_SPLIT", "MK_RSTD_ROWS"):   # measured: removed
+                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL"):   # measured: removed
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
-    d = KernelVariant.parse(["MK_NUM_STAGES=5", "MK_GROUP_DEPTH=3"])   # A/B: column groups in flight
-    assert d.group_depth == 3 and d.defines() == ("-DMK_NUM_STAGES=5", "-DMK_GROUP_DEPTH=3")
-    assert d.label() == "stages=5,group_depth=3" and KernelVariant().group_depth == 1
-    for bad in (0, 6, True):
-        with pytest.raises(ValueError, match="group_depth=.*column groups in flight, 1..5"):
-            KernelVariant(group_depth=bad)
-    # the kernel's static_assert, said at construction: depth 3 needs 5 stages, 5 needs 4
-    assert [max_group_depth(n) for n in (4, 5, 6)] == [5, 3, 1]
-    with pytest.raises(ValueError, match="group_depth=3 does not fit the scratch of a 6-stage ring"):
-        d.with_stages(6)
-    assert KernelVariant(num_stages=4, group_depth=5).defines() == ("-DMK_NUM_STAGES=4", "-DMK_GROUP_DEPTH=5")
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):

@@ -61,7 +61,7 @@ def models():
 
 
 def _poison(dec: MegakernelDecoder) -> None:
-    for t in list(dec.ws.values()) + [dec.part_o, dec.part_ml]:
+    for t in list(dec.ws.values()) + [dec.part_o, dec.part_ml, dec.part_k]:
         t.fill_(float("nan"))
 
 
@@ -325,7 +325,8 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
                               ("qkv_rope", 2.0)), attn_chunks=3, num_stages=5),
               ScheduleTuning((("down", 4.0), ("gate_up", 0.25), ("lm_head", 2.0), ("o_proj", 8.0),
                               ("qkv_rope", 0.125)), attn_chunks=32, num_stages=4),
-              ScheduleTuning(num_stages=5), ScheduleTuning(attn_chunks=5, merge_in_partial=True)):
+              ScheduleTuning(num_stages=5), ScheduleTuning(attn_chunks=5, merge_in_partial=True),
+              ScheduleTuning(ksplit=(("down", 4), ("o_proj", 2)))):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: t})
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t
@@ -354,3 +355,40 @@ def test_merge_in_partial_is_bitwise_the_combine_tasks(models, mk_variant, bsz):
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert torch.equal(out, ref_out[0]) and torch.equal(logits, ref_out[1])
         assert all(torch.equal(a, b) for a, b in zip(caches, ref_out[2]))
+
+
+@pytest.mark.parametrize("name,layers,seq_lens,ksplit", [
+    ("llama-3.2-1b", 2, [1, 0, 300], (("down", 4), ("o_proj", 2))),
+    ("llama-3.2-1b", 1, [7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2],
+     (("down", 4), ("o_proj", 4))),
+    # K = 14336 in 3 parts: 4768-column parts, so each part's last chunk is partial
+    ("llama-3.1-8b", 1, [129, 4000, 5, 17, 33, 1, 2, 600, 9], (("down", 3),)),
+])
+def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, layers, seq_lens, ksplit):
+    """o_proj/down cut over K (tuning.ksplit): the GPU step equals the VM's run of the same program within
+    the step tolerance, and replays give the same bits whichever part of a range finishes last (the merge
+    adds the parts in part order)."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    spec, w = models(name, layers)
+    bsz = len(seq_lens)
+    batch = gpu_batch(spec, seq_lens, seed=17)
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: ScheduleTuning(ksplit=ksplit)})
+    prog = dec.program(bsz)
+    assert sum(1 for t in prog.taskset.tasks if t.args[2] and t.op.name in ("o_proj", "down")) > 0
+    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+    wc = w.to("cpu")
+    bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
+                 block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
+    vcaches = [c.cpu() for c in batch.kv_caches]
+    st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table, bc.seq_lens,
+                       bc.slot_mapping, cs.cpu(), rounding=dec.rounding)
+    vm.run(prog, st)
+    for got, want, what in ((out, st.bufs[Buf.OUT], "out"), (logits, st.bufs[Buf.LOGITS], "logits"),
+                            (dec.buffers(bsz)[Buf.RESID], st.bufs[Buf.RESID], "resid")):
+        r = compare(got.float().cpu(), want.float(), spec.torch_dtype, "step")
+        assert r["pass"], f"{what}: {r}"
+    for _ in range(3):
+        out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
+        assert torch.equal(out2, out) and torch.equal(logits2, logits)
+        assert all(torch.equal(a, b) for a, b in zip(caches2, caches))

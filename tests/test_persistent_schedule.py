@@ -24,9 +24,10 @@ MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
 @settings(max_examples=25, deadline=None)
 @given(small_specs(), st.integers(1, 16), st.integers(1, 20), st.booleans(),
-       st.sets(st.sampled_from(STEP_OPS), max_size=3), st.integers(0, 5), st.booleans())
-def test_random_programs_are_deadlock_free_and_ordered(spec, batch, sms, lm_head, fallback, chunks, merge):
-    tuning = ScheduleTuning(attn_chunks=chunks, merge_in_partial=merge)
+       st.sets(st.sampled_from(STEP_OPS), max_size=3), st.integers(0, 5), st.booleans(),
+       st.sampled_from([(), (("down", 2),), (("down", 4), ("o_proj", 3))]))
+def test_random_programs_are_deadlock_free_and_ordered(spec, batch, sms, lm_head, fallback, chunks, merge, ksplit):
+    tuning = ScheduleTuning(attn_chunks=chunks, merge_in_partial=merge, ksplit=ksplit)
     p = build_program(spec, batch, sms, lm_head=lm_head, fallback=frozenset(fallback), tuning=tuning)
     check_deadlock_free(p)
     check_ordering(p)

@@ -212,7 +212,7 @@ class _FakeModule:
         assert args["bt_stride"] == args["block_table"].stride(0)
         names = {Buf.HIDDEN_IN: "hidden_in", Buf.RESID: "resid", Buf.Q: "q", Buf.ATTN_O: "attn_o",
                  Buf.ACT: "act", Buf.OUT: "out", Buf.LOGITS: "logits", Buf.PART_O: "part_o",
-                 Buf.PART_ML: "part_ml"}
+                 Buf.PART_ML: "part_ml", Buf.PART_K: "part_k"}
         b = dp.header["batch"]
         bufs = {k: args[n] for k, n in names.items()}
         st_ = vm.VMState(dec.spec, b, dp.header["attn_chunks"], dec.weights, bufs, self.caches, args["positions"],

@@ -45,6 +45,7 @@ from .encoding import (
     ERROR_WORDS,
     LAYOUT,
     LP_COUNT,
+    MAX_BATCH,
     TRACE_WORDS,
     VERSION,
     WATCHDOG_MS_MAX,
@@ -59,7 +60,7 @@ from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks
-from .tuning import DEFAULT_TUNING, ScheduleTuning, resolve, spec_tuning_key
+from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, resolve, spec_tuning_key
 from .variant import KernelVariant
 from .watchdog import WatchdogMixin
 
@@ -232,6 +233,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         s = self.spec
         self.part_o = torch.zeros(parts * s.gqa_group * s.head_dim, dtype=torch.float32, device=self.device)
         self.part_ml = torch.zeros(parts * s.gqa_group * 2, dtype=torch.float32, device=self.device)
+        # K-split o_proj/down partials, [KSPLIT_MAX, MAX_BATCH, H] whatever the batch (the kernel's indexing)
+        self.part_k = torch.zeros(KSPLIT_MAX * MAX_BATCH * s.hidden_size, dtype=torch.float32, device=self.device)
 
     def program(self, batch: int) -> Program:
         return self._entry(batch).program
@@ -463,7 +466,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             lm_head(io.out, self.weights.lm_head, out=io.logits)
 
     def buffers(self, batch: int) -> dict[Buf, torch.Tensor]:
-        """Views of the workspace buffers (RESID, Q, ATTN_O, ACT, PART_O, PART_ML) for `batch`
+        """Views of the workspace buffers (RESID, Q, ATTN_O, ACT, PART_O, PART_ML, PART_K) for `batch`
         tokens, as the last step left them (for op-by-op comparisons with the VM)."""
         s = self.spec
         C = self.attn_chunks(batch)
@@ -472,6 +475,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         out[Buf.PART_O] = self.part_o[: parts * s.gqa_group * s.head_dim].view(
             batch, s.num_kv_heads, C, s.gqa_group, s.head_dim)
         out[Buf.PART_ML] = self.part_ml[: parts * s.gqa_group * 2].view(batch, s.num_kv_heads, C, s.gqa_group, 2)
+        out[Buf.PART_K] = self.part_k.view(KSPLIT_MAX, MAX_BATCH, s.hidden_size)[:, :batch]
         return out
 
     def _bufs(self, b: int, io: _StepIO) -> dict[Buf, torch.Tensor]:

@@ -29,7 +29,9 @@ MAGIC = 0x4D4B5031  # "MKP1"
 #    cleanly on a stuck wait instead of trapping.
 # 3: the last task word is ticket_ctr (was reserved, 0): a counter an ATTN_PARTIAL task increments
 #    once its partial is stored; the task that brings it to attn_chunks merges the chunks.
-VERSION = 3
+# 4: O_PROJ/DOWN may be cut over K (arg2 = ksplit_arg(part, parts), ticket_ctr their range's ticket) with
+#    fp32 partials in PART_K, a new kernel parameter.
+VERSION = 4
 
 
 class Opcode(enum.IntEnum):
@@ -55,10 +57,11 @@ class Buf(enum.IntEnum):
     LOGITS = 6      # fp32 [B, V]
     PART_O = 7      # fp32 [B, nkv, C, G, d]   attention chunk partial o (unnormalised)
     PART_ML = 8     # fp32 [B, nkv, C, G, 2]   attention chunk partial (max score, sum of exp)
+    PART_K = 9      # fp32 [KSPLIT_MAX, MAX_BATCH, H]   K-split o_proj/down partial sums (part, request, row)
     NONE = 15
 
 
-NUM_BUFS = 9
+NUM_BUFS = 10
 
 
 class LayerPtr(enum.IntEnum):
@@ -105,6 +108,7 @@ KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
     ("logits", "void*"),
     ("part_o", "void*"),
     ("part_ml", "void*"),
+    ("part_k", "void*"),
     ("trace", "unsigned long long*"),                    # null, or [num_tasks * TRACE_WORDS]
     ("err", "int*"),                                     # [ERROR_WORDS] device error record (sticky)
     ("err_host", "int*"),                                # null, or a pinned host mirror of `err`
@@ -189,6 +193,9 @@ TRACE_WORDS = 13
 #   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c; ticket_ctr >= 0: merge in
 #     the partial (the task that brings counters[ticket_ctr] to attn_chunks merges; out_buf ATTN_O)
 #   ATTN_COMBINE: arg0 = request b, arg1 = kv head g
+#   O_PROJ, DOWN cut over K (tuning.ksplit): arg2 = ksplit_arg(part p, parts n) (0 = not cut): the task sums
+#     K columns ksplit_range(K, p, n) into PART_K[p]; ticket_ctr = its unit range's ticket: the task that
+#     brings it to n adds PART_K[0..n-1] in that order to the residual and stores the output
 # A wait is (counter, target): the task starts once counters[ctr] >= target; ctr -1 = no wait.
 # The signal adds signal_add to counters[signal_ctr] once the task's stores are visible.
 TASK_FIELDS: tuple[str, ...] = (
@@ -205,6 +212,22 @@ HEADER_FIELDS: tuple[str, ...] = (
 )
 HEADER_WORDS = 8
 H = {name: i for i, name in enumerate(HEADER_FIELDS)}
+
+KSPLIT_SHIFT = 8   # arg2 of a K-split task: parts << KSPLIT_SHIFT | part
+
+
+def ksplit_arg(part: int, parts: int) -> int:
+    if not 0 <= part < parts or parts < 2:
+        raise ValueError(f"K-split part {part} of {parts}: need parts >= 2 and 0 <= part < parts")
+    return parts << KSPLIT_SHIFT | part
+
+
+def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
+    """Columns [lo, hi) of K that part `part` of `parts` sums: 16-column steps shared out evenly (the
+    kernel's ksplit_range, csrc/matvec.cuh)."""
+    steps = K // 16
+    return 16 * (steps * part // parts), 16 * (steps * (part + 1) // parts)
+
 
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
 COUNTER_STRIDE = 8

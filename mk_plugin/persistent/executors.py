@@ -44,6 +44,7 @@ class CudaExecutorMixin:
             "hidden_in": bufs[Buf.HIDDEN_IN], "resid": bufs[Buf.RESID], "q": bufs[Buf.Q],
             "attn_o": bufs[Buf.ATTN_O], "act": bufs[Buf.ACT], "out": bufs[Buf.OUT],
             "logits": bufs.get(Buf.LOGITS), "part_o": bufs[Buf.PART_O], "part_ml": bufs[Buf.PART_ML],
+            "part_k": bufs[Buf.PART_K],
             "trace": None, "err": self.err, "err_host": self._err_host, "watchdog_ms": self.watchdog_ms,
         }
 

@@ -46,9 +46,9 @@ def decode_graph(spec: LlamaSpec, lm_head: bool = False) -> list[FusedOp]:
         table = {
             "qkv_rope": ((h,), ("Q", "KV")),
             "attention": (("Q", "KV"), ("ATTN_O", "PART_O", "PART_ML")),
-            "o_proj": (("ATTN_O", h), ("RESID",)),
+            "o_proj": (("ATTN_O", h), ("RESID", "PART_K")),   # PART_K: K-split partials (tuning.ksplit)
             "gate_up": (("RESID",), ("ACT",)),
-            "down": (("ACT", "RESID"), ("RESID",)),
+            "down": (("ACT", "RESID"), ("RESID", "PART_K")),
         }
         for name in LAYER_OPS:
             r, w = table[name]

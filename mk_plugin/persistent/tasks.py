@@ -31,6 +31,11 @@ counter's final value (all the producing tasks have finished), so "wait" means "
   C == 1. combine (b, g) waits on part[l][b][g] and signals attn[l] (target B * nkv).
 - o_proj waits on attn[l] (it reads all heads); gate_up on o_proj[l] (rms_norm reads the row);
   down on gate_up[l] (the reduction reads all of ACT); final_norm on down[L-1]; lm_head on final.
+- o_proj / down cut over K (tuning.ksplit, n parts): the n tasks of a unit range read K columns
+  encoding.ksplit_range(K, p, n) each, store fp32 partial sums in PART_K[p] and take a ticket of the
+  range (counters[ticket], never waited on); the one that brings it to n adds PART_K[0..n-1] in part order
+  to the residual and stores the output before its signal. Every part signals its unit count, so the
+  op's counter reaches its target only after every range's merge, as with attention's merge-in-partial.
 Write-after-read reuse of Q, ATTN_O, ACT, PART_* and RESID across layers is ordered transitively
 through these chains; schedule.check_ordering proves it for a program.
 """
@@ -39,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import LlamaSpec
-from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode
+from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range
 from .graph import FusedOp, decode_graph, residual_source
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
 
@@ -55,6 +60,7 @@ ATTN_PARTIAL_NS = 3300.0
 ATTN_COMBINE_NS = 2800.0
 ATTN_MERGE_NS = 1500.0   # the last partial's ticket round trip + merge (predicted; not yet fitted to a trace)
 FINAL_NORM_NS = 1500.0
+KSPLIT_MERGE_NS = 1000.0  # a K-split part's ticket round trip (+ the last part's merge; predicted, not fitted)
 SIGNAL_NS = 500.0
 
 OP_OPCODE = {"qkv_rope": Opcode.QKV_ROPE, "o_proj": Opcode.O_PROJ, "gate_up": Opcode.GATE_UP,
@@ -307,15 +313,25 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
             units = op_units(spec, name)
             ctr = bld.counter(op.key, op.key)
             parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
-            for u0, n in split_units(0, units, parts):
+            ks = tuning.ksplit_for(name)   # > 1: each unit range cut into ks tasks over K (KSPLIT_OPS only)
+            for u0, n in split_units(0, units, max(1, round(parts / ks))):
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
-                reads = [(in_buf.name, *all_rows, 0, in_width)]
-                if res_buf is not Buf.NONE:
-                    reads.append((res_buf.name, *all_rows, c0, c1))
-                t = Task(0, OP_OPCODE[name], op, (u0, n, 0), in_buf=in_buf, res_buf=res_buf, out_buf=out_buf,
-                         signal=(ctr, n), reads=reads, writes=[(out_buf.name, *all_rows, c0, c1)],
-                         cost=FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms))
-                pending.append((bld.add(t), [dep]))
+                ticket = bld.counter(f"L{L}.{name}.ticket.u{u0}", op.key) if ks > 1 else None
+                for p in range(ks):
+                    klo, khi = ksplit_range(in_width, p, ks) if ks > 1 else (0, in_width)
+                    reads = [(in_buf.name, *all_rows, klo, khi)]
+                    if res_buf is not Buf.NONE:
+                        reads.append((res_buf.name, *all_rows, c0, c1))
+                    writes = [(out_buf.name, *all_rows, c0, c1)]
+                    cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
+                    if ks > 1:   # PART_K regions: row = part, col = output column (all requests)
+                        writes.append(("PART_K", p, p + 1, c0, c1))
+                        reads.append(("PART_K", 0, ks, c0, c1))
+                        cost = TASK_FIXED_NS + (cost - TASK_FIXED_NS) / ks + KSPLIT_MERGE_NS
+                    t = Task(0, OP_OPCODE[name], op, (u0, n, ksplit_arg(p, ks) if ks > 1 else 0), in_buf=in_buf,
+                             res_buf=res_buf, out_buf=out_buf, signal=(ctr, n), reads=reads, writes=writes,
+                             cost=cost, ticket=ticket)
+                    pending.append((bld.add(t), [dep]))
         op_ranges[op.key] = (first, len(bld.tasks))
 
     for t, deps in pending:

@@ -38,6 +38,10 @@ from .encoding import STAGE_CHOICES, spec_hash
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
 SPLIT_MIN, SPLIT_MAX = 0.125, 8.0
+# Ops whose reduction (K) can be cut across tasks (tasks.py: K-split with a last-arriver merge) and the most
+# parts: the parts' fp32 partials live in PART_K ([KSPLIT_MAX, MAX_BATCH, H], encoding.py).
+KSPLIT_OPS = ("o_proj", "down")
+KSPLIT_MAX = 4
 MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 TUNED_MIN_GAIN = 0.02   # a winner replaces the default only when > 2% faster (graph replay noise ~0.5%)
@@ -57,13 +61,31 @@ class ScheduleTuning:
       one hand-off less per layer on the attention chain (tasks.py). False = combine tasks. The default
       since session 7 (measured -3..-7 us at 1B batch 1/4/8, bench/results/mk_ab_2026-12-01_b200d73.md);
       tables written before then record the default program of their time, read as today's default.
+    ksplit: (op, parts) pairs, op in KSPLIT_OPS, parts 2..KSPLIT_MAX: each of the op's unit ranges is cut
+      into `parts` tasks over K, so a task holds parts x the rows for 1/parts of x (at batch 16 a one-unit
+      down task reads as many activation bytes as weight bytes; bench/NOTES.md session 13). Each part
+      stores fp32 partial sums; the last of a range's parts to finish (a ticket counter) adds them in part
+      order to the residual. The op keeps its task count (tasks_for); unlisted ops are not cut.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
     num_stages: int = 0
     merge_in_partial: bool = True
+    ksplit: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        kseen = set()
+        for item in self.ksplit:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(f"ksplit entry {item!r} is not an (op, parts) pair")
+            op, n = item
+            if op not in KSPLIT_OPS:
+                raise ValueError(f"ksplit op {op!r}: only {', '.join(KSPLIT_OPS)} can be cut over K")
+            if op in kseen:
+                raise ValueError(f"ksplit op {op!r} is given twice")
+            kseen.add(op)
+            if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= KSPLIT_MAX:
+                raise ValueError(f"ksplit parts {n!r} for {op} must be an int in 2..{KSPLIT_MAX}")
         seen = set()
         for item in self.split:
             if not (isinstance(item, tuple) and len(item) == 2):
@@ -108,9 +130,18 @@ class ScheduleTuning:
     def with_merge(self, merge_in_partial: bool) -> ScheduleTuning:
         return replace(self, merge_in_partial=merge_in_partial)
 
+    def ksplit_for(self, op: str) -> int:
+        """Parts op `op`'s reduction is cut into (1: not cut)."""
+        return dict(self.ksplit).get(op, 1)
+
+    def with_ksplit(self, op: str, parts: int) -> ScheduleTuning:
+        rest = tuple((o, n) for o, n in self.ksplit if o != op)
+        return replace(self, ksplit=tuple(sorted(rest if parts == 1 else rest + ((op, int(parts)),))))
+
     @property
     def is_default(self) -> bool:
-        return not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
+        return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
+                and not self.ksplit)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -120,6 +151,7 @@ class ScheduleTuning:
             parts.append(f"stages{self.num_stages}")
         if not self.merge_in_partial:
             parts.append("combine_tasks")
+        parts += [f"{op}/k{n}" for op, n in self.ksplit]
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -127,17 +159,20 @@ class ScheduleTuning:
              "num_stages": self.num_stages}
         if not self.merge_in_partial:   # absent = the default (True)
             d["merge_in_partial"] = False
+        if self.ksplit:                 # absent = no op cut over K
+            d["ksplit"] = dict(self.ksplit)
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        known = ("split", "attn_chunks", "num_stages", "merge_in_partial")
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
+        ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
-                   d.get("merge_in_partial", True))
+                   d.get("merge_in_partial", True), ksplit)
 
 
 DEFAULT_TUNING = ScheduleTuning()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-from .encoding import LAYOUT, MAX_BATCH, STAGE_CHOICES, KernelLayout, Opcode, Rounding
+from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 
 # MK_RELEASE_GATE's default (session 8, measured): hold the weights of the task after a gate_up until
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
@@ -26,20 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"),
-                   ("MK_GROUP_DEPTH", "group_depth", "group_depth"))
-GROUP_BYTES = 16 * LAYOUT.chunk_cols   # one column group (matvec.cuh GROUP_BYTES)
-STAGE_PART_BYTES = 4 * LAYOUT.consumer_warps * MAX_BATCH   # rows_rstd's per-warp row sums at the scratch's end
-
-
-def max_group_depth(num_stages: int) -> int:
-    """The deepest MK_GROUP_DEPTH whose buffers fit the scratch of a num_stages ring (the kernel's
-    static_assert: (d + 1) buffers in the scratch, the first d clear of the row sums at its end)."""
-    union = LAYOUT.with_stages(num_stages).union_bytes
-    return min(union // GROUP_BYTES - 1, (union - STAGE_PART_BYTES) // GROUP_BYTES)
-
-
-GROUP_DEPTH_MAX = max(max_group_depth(n) for n in STAGE_CHOICES)   # at the shallowest ring
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -54,10 +41,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_GROUP_DEPTH (A/B, unmeasured): activation column groups in flight while one is consumed (1: double
-    # buffering). Needs (depth + 1) x 16 KB of scratch: depth 3 with 5 ring stages, 5 with 4 (checked here
-    # against max_group_depth, as the kernel's static_assert checks it at compile time)
-    group_depth: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -68,12 +51,6 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.group_depth, bool) or not isinstance(self.group_depth, int) \
-                or not 1 <= self.group_depth <= GROUP_DEPTH_MAX:
-            raise ValueError(f"group_depth={self.group_depth!r}: column groups in flight, 1..{GROUP_DEPTH_MAX}")
-        if self.group_depth > max_group_depth(self.num_stages):
-            raise ValueError(f"group_depth={self.group_depth} does not fit the scratch of a {self.num_stages}-stage "
-                             f"ring (at most {max_group_depth(self.num_stages)}; fewer stages enlarge the scratch)")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:

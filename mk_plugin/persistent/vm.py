@@ -22,10 +22,11 @@ import torch
 
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
-from .encoding import TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode
+from .encoding import KSPLIT_SHIFT, TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode, ksplit_range
 from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
 from .tasks import UNIT, qkv_unit, qkv_unit_dims, qkv_unit_rows
+from .tuning import KSPLIT_MAX
 
 
 class DeadlockError(RuntimeError):
@@ -174,6 +175,7 @@ def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, po
         Buf.LOGITS: buf(spec.vocab_size, torch.float32),
         Buf.PART_O: buf(0, torch.float32, nkv, C, G, d),
         Buf.PART_ML: buf(0, torch.float32, nkv, C, G, 2),
+        Buf.PART_K: torch.full((KSPLIT_MAX, b, spec.hidden_size), float("nan"), dtype=torch.float32, device=dev),
     }
     return VMState(spec, b, C, weights, bufs, kv_caches, positions, slot_mapping, seq_lens, block_table,
                    cos_sin, [0] * program.num_counters, rounding=Rounding(rounding))
@@ -296,12 +298,29 @@ def _rows(t: dict[str, int], limit: int) -> slice:
     return slice(lo, min(limit, (t["arg0"] + t["arg1"]) * UNIT))
 
 
-def op_o_proj(st: VMState, t: dict[str, int]) -> None:
-    lw = st.weights.layers[t["layer"]]
+def _residual_linear(st: VMState, t: dict[str, int], x: torch.Tensor, w: torch.Tensor) -> None:
+    """o_proj / down: out[:, rows] = residual[:, rows] + x @ w[rows]^T. Cut over K (arg2 != 0): this part's
+    fp32 sum over its columns goes to PART_K[part]; the part that completes the ticket adds the parts in
+    part order (the kernel's ksplit_merge) and stores the output."""
     r = _rows(t, st.spec.hidden_size)
-    y = _stock_rnd(st, st.bufs[Buf.ATTN_O].float() @ lw.o[r].float().t())
+    if t["arg2"] == 0:
+        y = x.float() @ w[r].float().t()
+    else:
+        part, parts = t["arg2"] & ((1 << KSPLIT_SHIFT) - 1), t["arg2"] >> KSPLIT_SHIFT
+        lo, hi = ksplit_range(x.shape[1], part, parts)
+        st.bufs[Buf.PART_K][part, :, r] = x[:, lo:hi].float() @ w[r, lo:hi].float().t()
+        st.counters[t["ticket_ctr"]] += 1
+        if st.counters[t["ticket_ctr"]] < parts:
+            return
+        y = st.bufs[Buf.PART_K][0, :, r].clone()
+        for p in range(1, parts):
+            y = y + st.bufs[Buf.PART_K][p, :, r]
     res = st.bufs[Buf(t["res_buf"])][:, r].float()
-    st.bufs[Buf.RESID][:, r] = (res + y).to(st.dtype)
+    st.bufs[Buf(t["out_buf"])][:, r] = (res + _stock_rnd(st, y)).to(st.dtype)
+
+
+def op_o_proj(st: VMState, t: dict[str, int]) -> None:
+    _residual_linear(st, t, st.bufs[Buf.ATTN_O], st.weights.layers[t["layer"]].o)
 
 
 def op_gate_up(st: VMState, t: dict[str, int]) -> None:
@@ -315,10 +334,7 @@ def op_gate_up(st: VMState, t: dict[str, int]) -> None:
 
 
 def op_down(st: VMState, t: dict[str, int]) -> None:
-    lw = st.weights.layers[t["layer"]]
-    r = _rows(t, st.spec.hidden_size)
-    y = _stock_rnd(st, st.bufs[Buf.ACT].float() @ lw.down[r].float().t())
-    st.bufs[Buf.RESID][:, r] = (st.bufs[Buf.RESID][:, r].float() + y).to(st.dtype)
+    _residual_linear(st, t, st.bufs[Buf.ACT], st.weights.layers[t["layer"]].down)
 
 
 def op_final_norm(st: VMState, t: dict[str, int]) -> None:
