@@ -11,12 +11,12 @@ case $n in
      # 2048 columns: 64 KB of x for the same 256 KB of weights. Predicted at 1B batch 16: down's chunk phase
      # 19 -> ~8 us per task (+~1.5 us merge), -150 us per step; batch 8 -50; batch 1 +0..+20 (the merge's
      # round trip on the chain, nothing to gain: x staged whole). 8B batch 16 -150..-300 (NOTES session 13)
-     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -3
-     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 \
+     timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -3
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 \
        --build default --build ksplit.down=4 --build ksplit.down=2 --build ksplit.down=4,ksplit.o_proj=2
      timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 \
        --build default --build ksplit.down=2 --build ksplit.down=4 --build ksplit.down=2,ksplit.o_proj=2
-     timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+     timeout 50 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
        --ksplit down=4 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 2>&1 | tail -12 ;;
   *) echo "no call $n here: see bench/gpu_session13.sh" ;;
 esac
