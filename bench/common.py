@@ -287,13 +287,19 @@ class ChildFailed(RuntimeError):
 
 def run_child(script: Path, payload: dict[str, Any], env: dict[str, str], log_path: Path,
               timeout: float) -> dict[str, Any]:
-    """Run `python script --child JSON` with env; its output goes to log_path; returns the JSON the
-    child printed after RESULT_MARK. Raises ChildFailed with the log's tail on any failure."""
+    """Run `python script --child @FILE` with env, FILE holding the JSON payload (beside log_path: a
+    soak's fp32 payload carries every token of 2,000 requests, past the kernel's argument-length limit,
+    session 13); its output goes to log_path; returns the JSON the child printed after RESULT_MARK.
+    Raises ChildFailed with the log's tail on any failure."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     wait_gpu_released()
-    cmd = [sys.executable, str(script), "--child", json.dumps(payload)]
+    text = json.dumps(payload)
+    pfile = log_path.with_name(log_path.name + ".payload.json")
+    pfile.write_text(text)
+    cmd = [sys.executable, str(script), "--child", f"@{pfile}"]
+    shown = text if len(text) <= 2000 else f"{len(text)} bytes in {pfile.name}"
     with open(log_path, "w") as log:
-        log.write(f"# {' '.join(cmd[:3])} <payload>\n# payload: {json.dumps(payload)}\n"
+        log.write(f"# {' '.join(cmd[:3])} <payload>\n# payload: {shown}\n"
                   f"# MK_MODE={env.get('MK_MODE')} VLLM_PLUGINS={env.get('VLLM_PLUGINS')!r} "
                   f"VLLM_USE_V2_MODEL_RUNNER={env.get('VLLM_USE_V2_MODEL_RUNNER')}\n")
         log.flush()
@@ -308,6 +314,11 @@ def run_child(script: Path, payload: dict[str, Any], env: dict[str, str], log_pa
         tail = "\n".join(text.splitlines()[-40:])
         raise ChildFailed(f"child {script.name} ({env.get('MK_MODE')}) exited with {rc}; log {log_path}:\n{tail}")
     return json.loads(results[-1])
+
+
+def child_payload(arg: str) -> dict[str, Any]:
+    """Child side of run_child: `--child @FILE` (the JSON in FILE) or `--child JSON`."""
+    return json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
 
 
 def emit_result(obj: dict[str, Any]) -> None:

@@ -583,7 +583,7 @@ def control_row(schedule: list[SoakRequest], stock: dict[int, Any], control: dic
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.child:
-        child_main(json.loads(a.child))
+        child_main(common.child_payload(a.child))
         return 0
     mdir = common.model_dir(a.model)
     params = ScheduleParams(a.requests, int(common.load_hf_config(mdir)["vocab_size"]), a.min_prompt, a.max_prompt,

@@ -343,7 +343,7 @@ def plot_vs_context(rows: list[dict[str, Any]], modes: list[str], path: Path) ->
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.child:
-        child_main(json.loads(a.child))
+        child_main(common.child_payload(a.child))
         return 0
     from mk_plugin.spec import LlamaSpec
 

@@ -433,7 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.child:
-        child_main(json.loads(a.child))
+        child_main(common.child_payload(a.child))
         return 0
     shim = common.ensure_plugin_visible()
     work = Path(tempfile.mkdtemp(prefix="mk_correctness_"))

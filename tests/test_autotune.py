@@ -190,6 +190,8 @@ def test_table_round_trip_min_gain_and_nearest(tmp_path):
     near = back.nearest(k(2))                   # batch 1's split, default chunks
     assert near.tuning == ScheduleTuning((("o_proj", 0.5),), 0) and near.meta["from_batch"] == 1
     assert back.nearest(k(2, lm=True)) is None  # other lm_head: nothing
+    assert back.nearest(k(4)) is None and back.nearest(k(3)) is None   # measured "default wins", and nearest to it
+    assert back.nearest(k(6)) is None and back.nearest(k(16)) is None  # nearest measured: batch 4 / 8, no winner
     assert TuningTable.load(tmp_path / "missing.json", "x").entries == {}
     (tmp_path / "bad.json").write_text('{"format": 99, "entries": []}')
     with pytest.raises(ValueError, match="bad.json is malformed"):
@@ -268,6 +270,9 @@ def test_neighbours_drop_equivalent_values():
     assert c and all(1 <= x <= 32 for x in c)
     merge = [t for k, t in cands if k == "merge_in_partial"]
     assert (merge == [base.with_merge(False)]) == (attention_chunks(2, SPEC.num_kv_heads, SMS) > 1)
+    assert [t.ksplit for k, t in cands if k == "ksplit.down"] == [(("down", 2),), (("down", 4),)]
+    k4 = [t.ksplit for k, t in neighbours(SPEC, 2, SMS, base.with_ksplit("down", 4), lm_head=False) if k == "ksplit.down"]
+    assert k4 == [(), (("down", 2),)]
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

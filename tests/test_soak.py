@@ -407,3 +407,19 @@ def test_checks_hold_the_first_difference_rate_to_the_control() -> None:
     ok = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.4)[0]
     bad = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.2)[0]
     assert ok[2] and "vs control 40.00%" in ok[1] and not bad[2]
+
+
+def test_run_child_passes_a_payload_past_the_argument_limit(tmp_path: Path, monkeypatch) -> None:
+    """Session 13: the soak's fp32 payload (every token of 2,000 requests) as one argv string failed with
+    E2BIG; run_child now hands the child a file, which common.child_payload reads back."""
+    import common
+    monkeypatch.setattr(common, "wait_gpu_released", lambda *a, **k: None)
+    script = tmp_path / "echo_child.py"
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    script.write_text(f"import sys\nsys.path.insert(0, {bench!r})\nimport common\n"
+                      "p = common.child_payload(sys.argv[2])\ncommon.emit_result({'n': len(p['items'])})\n")
+    payload = {"items": [[i, list(range(64))] for i in range(8000)]}   # ~2.5 MB of JSON
+    got = common.run_child(script, payload, dict(__import__("os").environ), tmp_path / "child.log", timeout=120)
+    assert got == {"n": 8000}
+    assert "bytes in child.log.payload.json" in (tmp_path / "child.log").read_text()
+    assert common.child_payload('{"a": 1}') == {"a": 1}

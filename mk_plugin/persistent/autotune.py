@@ -20,7 +20,7 @@ import torch
 from ..testing import compare
 from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
-from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
+from .tuning import DEFAULT_TUNING, KSPLIT_OPS, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
@@ -73,6 +73,10 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             if n not in seen:
                 seen.add(n)
                 out.append((op, base.with_split(op, f)))
+    for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
+        for parts in (1, 2, 4):
+            if parts != base.ksplit_for(op):
+                out.append((f"ksplit.{op}", base.with_ksplit(op, parts)))
     return out
 
 

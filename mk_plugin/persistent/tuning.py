@@ -269,18 +269,22 @@ class TuningTable:
         return e
 
     def nearest(self, key: TuningKey) -> TuningEntry | None:
-        """The winner for `key`, else the winner of the nearest tuned batch size of the same model,
-        SM count, lm_head and fallback (ties: the larger batch), with its split and ring depth but the
-        default attention chunks (chunks are chosen per batch: they scale with B * kv heads)."""
-        e = self.winner(key)
-        if e is not None:
-            return e
+        """The winner for `key` if its batch size was measured (None: the default won there), else what
+        the nearest measured batch size of the same model, SM count, lm_head and fallback found (ties: the
+        larger batch): its winner's split, K-split and ring depth with the default attention chunks (chunks
+        are chosen per batch: they scale with B * kv heads), or None where the default won. A measured
+        "default wins" stops the lookup: session 13's K-split wins at batch 16 and loses at batch 1 and 8
+        (8B), so the batch-16 winner must not reach the batch sizes measured without it."""
+        if key in self.entries:
+            return self.winner(key)
         same = [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
-                == (key.spec_hash, key.num_sms, key.lm_head, key.fallback) and self.winner(k) is not None]
+                == (key.spec_hash, key.num_sms, key.lm_head, key.fallback)]
         if not same:
             return None
         k = min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch))
-        e = self.entries[k]
+        e = self.winner(k)
+        if e is None:
+            return None
         t = e.tuning.with_chunks(0)
         if t.is_default:
             return None
