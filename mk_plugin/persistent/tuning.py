@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -46,6 +46,23 @@ MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 TUNED_MIN_GAIN = 0.02   # a winner replaces the default only when > 2% faster (graph replay noise ~0.5%)
 FORMAT = 1
+
+
+def _check_op_pairs(field_name: str, items: tuple, what: str, ops: tuple[str, ...], bad_op: str,
+                    value_ok: Callable[[object], bool], bad_value: str) -> None:
+    """(op, value) pairs of a ScheduleTuning field: each a pair, ops known and given once, values valid."""
+    seen = set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ValueError(f"{field_name} entry {item!r} is not an (op, {what}) pair")
+        op, v = item
+        if op not in ops:
+            raise ValueError(f"{field_name} op {op!r}{'' if bad_op.startswith(':') else ' '}{bad_op}")
+        if op in seen:
+            raise ValueError(f"{field_name} op {op!r} is given twice")
+        seen.add(op)
+        if not value_ok(v):
+            raise ValueError(f"{field_name} {what} {v!r} for {op} {bad_value}")
 
 
 @dataclass(frozen=True)
@@ -74,31 +91,12 @@ class ScheduleTuning:
     ksplit: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        kseen = set()
-        for item in self.ksplit:
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise ValueError(f"ksplit entry {item!r} is not an (op, parts) pair")
-            op, n = item
-            if op not in KSPLIT_OPS:
-                raise ValueError(f"ksplit op {op!r}: only {', '.join(KSPLIT_OPS)} can be cut over K")
-            if op in kseen:
-                raise ValueError(f"ksplit op {op!r} is given twice")
-            kseen.add(op)
-            if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= KSPLIT_MAX:
-                raise ValueError(f"ksplit parts {n!r} for {op} must be an int in 2..{KSPLIT_MAX}")
-        seen = set()
-        for item in self.split:
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise ValueError(f"split entry {item!r} is not an (op, factor) pair")
-            op, f = item
-            if op not in SPLIT_OPS:
-                raise ValueError(f"split op {op!r} is not tunable; tunable ops: {', '.join(SPLIT_OPS)}")
-            if op in seen:
-                raise ValueError(f"split op {op!r} is given twice")
-            seen.add(op)
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not SPLIT_MIN <= f <= SPLIT_MAX:
-                raise ValueError(f"split factor {f!r} for {op} must be a number in [{SPLIT_MIN}, {SPLIT_MAX}] "
-                                 "(tasks per SM)")
+        _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
+                        lambda f: not isinstance(f, bool) and isinstance(f, (int, float)) and SPLIT_MIN <= f <= SPLIT_MAX,
+                        f"must be a number in [{SPLIT_MIN}, {SPLIT_MAX}] (tasks per SM)")
+        _check_op_pairs("ksplit", self.ksplit, "parts", KSPLIT_OPS, f": only {', '.join(KSPLIT_OPS)} can be cut over K",
+                        lambda n: not isinstance(n, bool) and isinstance(n, int) and 2 <= n <= KSPLIT_MAX,
+                        f"must be an int in 2..{KSPLIT_MAX}")
         if isinstance(self.attn_chunks, bool) or not isinstance(self.attn_chunks, int) \
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
