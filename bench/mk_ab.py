@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # bench/common.py
 
 from mk_plugin import reference as ref
-from mk_plugin.persistent.tuning import ScheduleTuning
+from mk_plugin.persistent.tuning import ScheduleTuning, parse_ksplit
 from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import graph_median_ms
@@ -39,8 +39,7 @@ def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
     items "ksplit.OP=N" cut OP over K in N parts (tuning.ksplit, every batch size) instead of the configured
     tuning."""
     items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "default"]
-    ks = tuple(sorted((i.split("=")[0].removeprefix("ksplit."), int(i.split("=")[1]))
-                      for i in items if i.startswith("ksplit.") and "=" in i))
+    ks = parse_ksplit(i.removeprefix("ksplit.") for i in items if i.startswith("ksplit."))
     tuning = ScheduleTuning(ksplit=ks) if ks else None   # validates op and parts
     return KernelVariant.parse([i for i in items if not i.startswith("ksplit.")]), tuning
 

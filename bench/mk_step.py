@@ -77,11 +77,11 @@ def main() -> None:
     cfg = get_config()                           # MK_TUNING / MK_WATCHDOG_MS, read once here
     forced = None
     if args.stages or args.combine_tasks or args.ksplit:
-        from mk_plugin.persistent.tuning import ScheduleTuning
-        bad = [k for k in args.ksplit if k.count("=") != 1 or not k.split("=")[1].isdigit()]
-        if bad:
-            raise SystemExit(f"--ksplit {bad[0]!r}: give OP=N, e.g. down=4")
-        ksplit = tuple(sorted((k.split("=")[0], int(k.split("=")[1])) for k in args.ksplit))
+        from mk_plugin.persistent.tuning import ScheduleTuning, parse_ksplit
+        try:
+            ksplit = parse_ksplit(args.ksplit)
+        except ValueError as e:
+            raise SystemExit(f"--ksplit: {e}") from None
         forced = ScheduleTuning(num_stages=args.stages, merge_in_partial=not args.combine_tasks,
                                 ksplit=ksplit)  # validates N and the ops
         defines = (*defines, forced.label())              # an A/B row: printed, not appended

@@ -33,8 +33,11 @@ struct WeightPlan {
 
 // Columns [lo, hi) of a K-split o_proj/down task (arg2 = parts << KSPLIT_SHIFT | part): 16-column steps
 // shared out evenly. Mirrors encoding.ksplit_range.
+__device__ __forceinline__ int ksplit_part(int arg2) { return arg2 & ((1 << KSPLIT_SHIFT) - 1); }
+__device__ __forceinline__ int ksplit_parts(int arg2) { return arg2 >> KSPLIT_SHIFT; }
+
 __device__ __forceinline__ void ksplit_range(int K, int arg2, int& lo, int& hi) {
-  const int part = arg2 & ((1 << KSPLIT_SHIFT) - 1), parts = arg2 >> KSPLIT_SHIFT, steps = K >> 4;
+  const int part = ksplit_part(arg2), parts = ksplit_parts(arg2), steps = K >> 4;
   lo = 16 * (steps * part / parts);
   hi = 16 * (steps * (part + 1) / parts);
 }
@@ -477,6 +480,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
+    // (a K part, arg2 != 0, prefetches nothing: ksplit_merge loads the residual; spelled !is_ksplit(t) it
+    // compiles to other SASS than the measured build)
     if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0 && warp / NT < mt)
       residual_prefetch(P, t, p0, warp / NT, warp % NT, lane, rres);
     else if (t.opcode == OP_QKV_ROPE && warp / NT < mt)

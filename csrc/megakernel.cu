@@ -52,7 +52,7 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
     case OP_QKV_ROPE: qkv_rope_epilogue(S, P, t, p0, m, nt, lane, v, rres); break;
     case OP_O_PROJ:
     case OP_DOWN:
-      if (t.arg2 != 0)
+      if (is_ksplit(t))
         ksplit_store(P, t, p0, m, nt, lane, v);
       else
         residual_epilogue(P, t, p0, m, nt, lane, v, rres);

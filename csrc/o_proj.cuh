@@ -46,7 +46,7 @@ __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t
 // part) instead of the output; the part that completes the range's ticket adds them (ksplit_merge).
 __device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                              const float (&v)[4]) {
-  float* pk = reinterpret_cast<float*>(P.buf[BUF_PART_K]) + (size_t)(t.arg2 & ((1 << KSPLIT_SHIFT) - 1)) * MAX_BATCH * H;
+  float* pk = reinterpret_cast<float*>(P.buf[BUF_PART_K]) + (size_t)ksplit_part(t.arg2) * MAX_BATCH * H;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     int b, row;
@@ -60,7 +60,7 @@ __device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int
 // parts'. The last one adds the parts in part order, whichever finished last (bit-identical results), then
 // the residual as residual_epilogue does, and stores the output; its signal follows in consumer_loop.
 __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t) {
-  const int parts = t.arg2 >> KSPLIT_SHIFT;
+  const int parts = ksplit_parts(t.arg2);
   int* last = reinterpret_cast<int*>(S.scratch());
   if (threadIdx.x == 0)
     *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)parts;

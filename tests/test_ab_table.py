@@ -82,3 +82,5 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
         mk_ab.parse_build("MK_NOPE=1")
     with pytest.raises(ValueError, match="ksplit parts 9 for down"):
         mk_ab.parse_build("ksplit.down=9")
+    with pytest.raises(ValueError, match="ksplit item 'down': give OP=N"):   # an item without its parts
+        mk_ab.parse_build("ksplit.down")

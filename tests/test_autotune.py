@@ -90,7 +90,7 @@ def test_tuning_json_label_and_helpers():
 def test_ksplit_program_cuts_ranges_over_k():
     """A K-split op keeps about its task count (ranges = tasks / parts, rounded); each unit range's parts
     share one ticket and cover K once."""
-    from mk_plugin.persistent.encoding import KSPLIT_SHIFT, ksplit_range
+    from mk_plugin.persistent.encoding import ksplit_parts, ksplit_range
     p = build_program(SPEC, 3, SMS, tuning=ScheduleTuning(ksplit=(("down", 3),)))
     d = build_program(SPEC, 3, SMS)
     lo, hi = p.op_ranges["L0.down"]
@@ -102,8 +102,8 @@ def test_ksplit_program_cuts_ranges_over_k():
     assert None not in by_ticket and sum(t.args[1] for t in tasks) == 3 * op_units(SPEC, "down")
     K = SPEC.intermediate_size
     for parts in by_ticket.values():
-        assert [t.args[2] & 255 for t in parts] == list(range(3)) and {t.args[2] >> KSPLIT_SHIFT for t in parts} == {3}
-        cols = [ksplit_range(K, t.args[2] & 255, 3) for t in parts]
+        assert [ksplit_parts(t.args[2]) for t in parts] == [(p, 3) for p in range(3)]
+        cols = [ksplit_range(K, *ksplit_parts(t.args[2])) for t in parts]
         assert cols[0][0] == 0 and cols[-1][1] == K and all(a[1] == b[0] for a, b in itertools.pairwise(cols))
     check_deadlock_free(p)
     check_ordering(p)

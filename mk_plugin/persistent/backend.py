@@ -222,6 +222,9 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self.ws = {Buf.RESID: buf(s.hidden_size), Buf.Q: buf(s.q_size), Buf.ATTN_O: buf(s.q_size),
                    Buf.ACT: buf(s.intermediate_size)}
         self._alloc_parts(max(b * s.num_kv_heads * self.attn_chunks(b) for b in range(1, m + 1)))
+        # K-split o_proj/down partials, [KSPLIT_MAX, MAX_BATCH, H] whatever the batch or tuning (the kernel's
+        # indexing), so retune() never has to grow them
+        self.part_k = torch.zeros(KSPLIT_MAX * MAX_BATCH * s.hidden_size, dtype=torch.float32, device=dev)
         # Triton fallback scratch: the qkv projection and split-KV attention partials.
         self.qkv_tmp = buf(s.qkv_size)
         from ..triton_ops.paged_attention import MAX_SPLITS, paged_attention_workspace_size
@@ -233,8 +236,6 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         s = self.spec
         self.part_o = torch.zeros(parts * s.gqa_group * s.head_dim, dtype=torch.float32, device=self.device)
         self.part_ml = torch.zeros(parts * s.gqa_group * 2, dtype=torch.float32, device=self.device)
-        # K-split o_proj/down partials, [KSPLIT_MAX, MAX_BATCH, H] whatever the batch (the kernel's indexing)
-        self.part_k = torch.zeros(KSPLIT_MAX * MAX_BATCH * s.hidden_size, dtype=torch.float32, device=self.device)
 
     def program(self, batch: int) -> Program:
         return self._entry(batch).program

@@ -222,6 +222,11 @@ def ksplit_arg(part: int, parts: int) -> int:
     return parts << KSPLIT_SHIFT | part
 
 
+def ksplit_parts(arg2: int) -> tuple[int, int]:
+    """(part, parts) of a K-split task's arg2 (ksplit_arg's inverse; the kernel's ksplit_part/ksplit_parts)."""
+    return arg2 & ((1 << KSPLIT_SHIFT) - 1), arg2 >> KSPLIT_SHIFT
+
+
 def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
     """Columns [lo, hi) of K that part `part` of `parts` sums: 16-column steps shared out evenly (the
     kernel's ksplit_range, csrc/matvec.cuh)."""

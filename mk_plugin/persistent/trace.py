@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import Llama3RopeScaling, LlamaSpec
-from .encoding import KSPLIT_SHIFT, TRACE_FIELDS, UNIT, Opcode, ksplit_range
+from .encoding import TRACE_FIELDS, UNIT, Opcode, ksplit_parts, ksplit_range
 from .schedule import FallbackStep, Program, Segment, build_program
 from .tasks import Task, unit_weight_bytes
 from .vm import _chunk, _rows
@@ -105,7 +105,7 @@ def task_bytes(spec: LlamaSpec, task: Task, batch: int, seq_lens: Sequence[int],
     if op == Opcode.QKV_ROPE:        # x rows + input norm; writes q (or K/V into the cache)
         return TaskBytes(unit_weight_bytes(spec, name) * cols // UNIT, 0, B * cols * el, B * h * el + h * el)
     if op in (Opcode.O_PROJ, Opcode.DOWN) and task.args[2]:   # one K part: its columns, fp32 partial out
-        part, parts = task.args[2] & ((1 << KSPLIT_SHIFT) - 1), task.args[2] >> KSPLIT_SHIFT
+        part, parts = ksplit_parts(task.args[2])
         K = spec.q_size if op == Opcode.O_PROJ else spec.intermediate_size
         lo, hi = ksplit_range(K, part, parts)
         return TaskBytes(unit_weight_bytes(spec, name) * cols // UNIT * (hi - lo) // K, 0, B * cols * 4,

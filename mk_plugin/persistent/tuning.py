@@ -176,6 +176,18 @@ class ScheduleTuning:
 DEFAULT_TUNING = ScheduleTuning()
 
 
+def parse_ksplit(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
+    """"OP=N" strings (bench/mk_step.py --ksplit, bench/mk_ab.py ksplit.OP=N) as ScheduleTuning.ksplit pairs,
+    sorted; a malformed item raises ValueError naming it (ops and parts are checked by ScheduleTuning)."""
+    out = []
+    for item in items:
+        op, sep, n = item.partition("=")
+        if not sep or not n.isdigit():
+            raise ValueError(f"ksplit item {item!r}: give OP=N, e.g. down=4")
+        out.append((op, int(n)))
+    return tuple(sorted(out))
+
+
 def tuned_file(device_name: str) -> Path:
     """The packaged table of one GPU model (written by bench/autotune.py --write-tuned)."""
     return TUNED_DIR / f"megakernel_{gpu_slug(device_name)}.json"

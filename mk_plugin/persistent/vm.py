@@ -22,7 +22,7 @@ import torch
 
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
-from .encoding import KSPLIT_SHIFT, TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode, ksplit_range
+from .encoding import TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode, ksplit_parts, ksplit_range
 from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
 from .tasks import UNIT, qkv_unit, qkv_unit_dims, qkv_unit_rows
@@ -306,7 +306,7 @@ def _residual_linear(st: VMState, t: dict[str, int], x: torch.Tensor, w: torch.T
     if t["arg2"] == 0:
         y = x.float() @ w[r].float().t()
     else:
-        part, parts = t["arg2"] & ((1 << KSPLIT_SHIFT) - 1), t["arg2"] >> KSPLIT_SHIFT
+        part, parts = ksplit_parts(t["arg2"])
         lo, hi = ksplit_range(x.shape[1], part, parts)
         st.bufs[Buf.PART_K][part, :, r] = x[:, lo:hi].float() @ w[r, lo:hi].float().t()
         st.counters[t["ticket_ctr"]] += 1
