@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 14's GPU calls (bench/NOTES.md session 14). Run from the project root on the GPU host with .commit
-# carried; output under $2 (default $OUT). Back to back: 1 (~7 min), 2 (~6 min), then the vLLM bundle
-# (gpu_session13.sh 11, 12, 13) and gpu_session13.sh 18 (soak), 15 (8B tbt) as time allows.
+# carried; output under $2 (default $OUT). Back to back: 1 (~3 min), 2 (~1 min), then the vLLM bundle's parts
+# (gpu_session13.sh 11, 12) and 3 (the soak's engines, ~7 min, with part.2 and unpack.sh), 4 (its verdict).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -22,6 +22,16 @@ case $n in
        --build default --build MK_B_LDSM=1 --build MK_ATT_PRELOAD=1 --build MK_B_LDSM=1,MK_ATT_PRELOAD=1
      timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
        --define MK_ATT_PRELOAD=1 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -12 ;;
+  5) # the new default (ldmatrix fragments at NT = 2): its gpu tests, both paths at batch 16
+     timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -3
+     step --model bench/models/llama-3.2-1b --batch 16
+     T=120 step --model bench/models/llama-3.1-8b --batch 16 ;;
+  3) vllm_env   # issue 13: the soak's three engines (1B megakernel, 2000 requests), kept in /root/soak_work
+     timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work \
+       --engines-only 2>&1 | grep -v "^(EngineCore" | tail -8 ;;
+  4) vllm_env   # issue 13: the same soak again: its engines reused from /root/soak_work, then the fp32 verdict
+     timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work \
+       2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   *) echo "no call $n here: see bench/gpu_session13.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s18_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -265,9 +265,13 @@ def fp32_child(p: dict[str, Any]) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     w = ft.load_checkpoint(Path(p["model_dir"]), spec, dev)
     res = {}
-    for it in p["items"]:
+    t0 = time.time()
+    print(f"[fp32] {len(p['items'])} first differences on {dev}", flush=True)
+    for i, it in enumerate(p["items"]):
         bug, worse = ft.fp32_rule(ft.prefill_logits(spec, w, it["tokens"], dev), it["stock_tok"], it["plugin_tok"])
         res[str(it["rid"])] = [bug, worse]
+        if i % 200 == 199:
+            print(f"[fp32] {i + 1} judged in {time.time() - t0:.0f} s", flush=True)
     common.emit_result({"fp32": res})
 
 
@@ -523,6 +527,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outdir", type=Path, default=common.RESULTS)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     p.add_argument("--keep", action="store_true", help="keep the per-request outputs (JSON) in the work folder")
+    p.add_argument("--work", type=Path, default=None,
+                   help="work folder, kept: engines already finished there for the same payload are reused "
+                        "(run the engines in one call, the fp32 verdict in the next)")
+    p.add_argument("--engines-only", action="store_true",
+                   help="run (or reuse) the engines and stop before judging: with --work, the first of two calls")
     p.add_argument("--fp32-rule", action=argparse.BooleanOptionalAction, default=True,
                    help="judge each first difference by the fp32 truth (bench/fp32_truth.py; issue 13), not by "
                         "stock's top-2 gap (a GPU child after the engines)")
@@ -556,15 +565,34 @@ def run_engines(a: argparse.Namespace, payload: dict[str, Any], tag: str, work: 
     results, failures = {}, []
     for name, mode, pl in engine_plan(a, payload):
         log = a.outdir / "logs" / f"soak_{tag}_{name}.log"
+        child = {**pl, "out_json": str(work / f"{name}.json")}
+        saved = reused_engine(work, name, mode, child)
+        if saved is not None:
+            print(f"[soak] {name}: reusing the finished run in {work}", flush=True)
+            results[name] = saved
+            continue
         print(f"[soak] {name} ... (log {log})", flush=True)
         try:
-            results[name] = common.run_child(Path(__file__), {**pl, "out_json": str(work / f"{name}.json")},
+            results[name] = common.run_child(Path(__file__), child,
                                              common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env), log,
                                              a.timeout)
+            (work / f"{name}.result.json").write_text(json.dumps({"mode": mode, "payload": child,
+                                                                  "result": results[name]}))
         except common.ChildFailed as e:
             print(e, file=sys.stderr)
             failures.append(f"{name}: child failed (log {log})")
     return results, failures
+
+
+def reused_engine(work: Path, name: str, mode: str, child: dict[str, Any]) -> dict[str, Any] | None:
+    """An engine run that an earlier soak with the same --work folder finished for the same payload and mode
+    (its result and per-request outputs kept there), else None: a soak longer than one call (the GPU host's
+    10-minute limit) runs its engines in one call and its fp32 verdict in the next."""
+    rfile = work / f"{name}.result.json"
+    if not rfile.is_file() or not Path(child["out_json"]).is_file():
+        return None
+    saved = json.loads(rfile.read_text())
+    return saved["result"] if saved.get("mode") == mode and saved.get("payload") == child else None
 
 
 def control_row(schedule: list[SoakRequest], stock: dict[int, Any], control: dict[int, Any] | None,
@@ -593,9 +621,13 @@ def main(argv: list[str] | None = None) -> int:
                "max_num_seqs": a.max_num_seqs, "kv_blocks": a.kv_blocks, "enforce_eager": a.eager,
                "schedule": asdict(params), "sample_every": a.sample_every}
     tag = f"{common.run_stamp()}_{mdir.name}_{a.mode}"
-    work = Path(tempfile.mkdtemp(prefix="mk_soak_"))
+    work = a.work or Path(tempfile.mkdtemp(prefix="mk_soak_"))
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     engines, failures = run_engines(a, payload, tag, work)
+    if a.engines_only:
+        print(f"[soak] engines done ({', '.join(engines)}; failures: {failures or 'none'}), kept in {work}")
+        return 1 if failures else 0
     schedule = make_schedule(params)
     control_failed = any(f.startswith(CONTROL + ":") for f in failures)
     failures = [f for f in failures if not f.startswith(CONTROL + ":")]  # the control is not judged
@@ -643,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"Poisson arrivals every {a.mean_gap} steps on average, greedy, ignore_eos, logprobs=2. "
                       f"Total time {time.time() - t0:.0f} s (both engines, start-up included).")}
     common.write_record(a.outdir, f"soak_{tag}.md", render(meta, summary, engines, checks, a.warmup_steps))
-    if not a.keep:
+    if not a.keep and a.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(c[2] for c in checks) else 1
 

@@ -30,13 +30,7 @@ static_assert(G % ATT_HG == 0, "head passes must tile the group");
 constexpr int ATT_SCRATCH_FLOATS = 2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D + ATT_HG * D;
 // Block-table entries of the task's token range, staged in shared memory after the merge scratch: the
 // KV loads then depend on one round trip instead of two (a range with more blocks reads them from L2).
-// MK_ATT_PRELOAD's copies (attn_preload) take the end of the scratch: two load steps where that leaves room for
-// 256 block-table entries (1B), else one (8B: D = 128 doubles the merge scratch)
-constexpr int ATT_PRE_AU = !MK_ATT_PRELOAD ? 0
-                           : UNION_BYTES - 4 * (ATT_SCRATCH_FLOATS + 256) >= 2 * CONSUMER_THREADS * 32 ? 2 : 1;
-constexpr int ATT_PRE_BYTES = CONSUMER_THREADS * ATT_PRE_AU * 32;
-constexpr int ATT_PRE_OFF = UNION_BYTES - ATT_PRE_BYTES;
-constexpr int ATT_BT_CAP = (ATT_PRE_OFF / 4 - ATT_SCRATCH_FLOATS);
+constexpr int ATT_BT_CAP = (UNION_BYTES / 4 - ATT_SCRATCH_FLOATS);
 static_assert(ATT_BT_CAP >= 256, "attention scratch");
 
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
@@ -102,71 +96,16 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   }
 }
 
-// Tokens [lo, hi) of chunk c of a request with L tokens (mirrors tasks.py).
-__device__ __forceinline__ void attn_range(int L, int C, int c, int& lo, int& hi) {
-  lo = 0;
-  hi = 0;
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
+  const int b = t.arg0, g = t.arg1, c = t.arg2;
+  const int C = P.chunks;
+  const int L = S.seq_len()[b];
+  int lo = 0, hi = 0;
   if (L > 0) {
     const int cs = (L + C - 1) / C;
     lo = min(L, c * cs);
     hi = min(L, lo + cs);
   }
-}
-
-#if MK_ATT_PRELOAD
-// MK_ATT_PRELOAD: the K/V rows of the task's first ATT_PRE_AU load steps (head pass 0) that earlier launches wrote
-// -- every token before the request's newest, L - 1, whose row this step's qkv_rope writes -- are copied into the
-// end of the scratch (ATT_PRE_OFF) (cp.async, 32 bytes per thread and step) before the task's dependency wait (consumer_loop), so
-// their round trips (block table, then KV) overlap the wait. Nothing in this launch writes those rows, so no
-// acquire has to precede the loads. In registers (the loop's own kr/vr) they spilled 32-216 bytes at the
-// 168-register cap, one step or five.
-struct AttnPre {
-  unsigned have;   // bit u: step u's K and V rows were copied
-};
-
-__device__ __forceinline__ unsigned char* attn_pre_buf(const Smem& S) {
-  return reinterpret_cast<unsigned char*>(S.scratch()) + ATT_PRE_OFF + threadIdx.x * (ATT_PRE_AU * 32);
-}
-
-__device__ __forceinline__ void attn_preload(const Smem& S, const Params& P, const Task& t, int warp, int lane,
-                                             AttnPre& pre) {
-  const int b = t.arg0, g = t.arg1;
-  const int L = S.seq_len()[b];
-  int lo, hi;
-  attn_range(L, P.chunks, t.arg2, lo, hi);
-  const int old_end = min(hi, L - 1);
-  const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
-  const int bs = P.block_size;
-  const int* bt = P.block_table + (size_t)b * P.bt_stride;
-  const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
-  unsigned char* pb = attn_pre_buf(S);
-  pre.have = 0;
-#pragma unroll
-  for (int u = 0; u < ATT_PRE_AU; ++u) {
-    const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    if (tok < old_end) {
-      const int bi = tok / bs;
-      const long long blk = ld_nc_s32(bt + bi);
-      const elem_t* kp = cache + ((blk * 2) * bs + (tok - bi * bs)) * KVS + g * D + e * 8;
-      cp_async16(smem_addr(pb + u * 32), kp);
-      cp_async16(smem_addr(pb + u * 32 + 16), kp + (size_t)bs * KVS);
-      pre.have |= 1u << u;
-    }
-  }
-  cp_async_commit();
-}
-#define MK_ATT_PRE_PARAM , const AttnPre& pre
-#else
-#define MK_ATT_PRE_PARAM
-#endif
-
-__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp,
-                                                  int lane MK_ATT_PRE_PARAM) {
-  const int b = t.arg0, g = t.arg1, c = t.arg2;
-  const int C = P.chunks;
-  const int L = S.seq_len()[b];
-  int lo, hi;
-  attn_range(L, C, c, lo, hi);
   const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
   const int bs = P.block_size;
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
@@ -189,9 +128,6 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   const bool bt_mine = bt_staged && threadIdx.x < nblk;
   const int bt_first = bt_mine ? ld_nc_s32(bt + blk0 + threadIdx.x) : 0;
 
-#if MK_ATT_PRELOAD
-  unsigned have = pre.have;   // cleared after the first load step of head pass 0
-#endif
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
     for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
       float qf[8];
@@ -220,9 +156,6 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         const int tok = base + u * CONSUMER_WARPS * ATT_TPW + sub;
         valid[u] = tok < hi;
         kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-#if MK_ATT_PRELOAD
-        if (u < ATT_PRE_AU && ((have >> u) & 1u)) continue;   // copied before the wait: read below
-#endif
         if (valid[u]) {
           const int bi = tok / bs;
           const long long blk = bt_staged ? bts[bi - blk0] : ld_nc_s32(bt + bi);
@@ -232,19 +165,6 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
           vr[u] = ld_cg_v4(kp + (size_t)bs * KVS);
         }
       }
-#if MK_ATT_PRELOAD
-      if (have) {   // after the other steps' loads have gone out: this thread's own copies
-        cp_async_wait_all();
-#pragma unroll
-        for (int u = 0; u < ATT_PRE_AU; ++u) {
-          if ((have >> u) & 1u) {
-            kr[u] = *reinterpret_cast<const uint4*>(attn_pre_buf(S) + u * 32);
-            vr[u] = *reinterpret_cast<const uint4*>(attn_pre_buf(S) + u * 32 + 16);
-          }
-        }
-        have = 0;
-      }
-#endif
 #pragma unroll
       for (int u = 0; u < ATT_AU; ++u) {
         float kf[8];

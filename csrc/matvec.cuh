@@ -196,19 +196,14 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&a)[4], unsigned addr) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr) : "memory");
 }
 
-// MK_B_LDSM (A/B, unmeasured): the B (activation) fragments of one k-step by ldmatrix, one LDSM.x4 for both
-// n-tiles (x2 at NT = 1) instead of 2 * NT LDS.32 and their swizzle arithmetic: lane l addresses row l & 7 of
-// matrix l >> 3 = (n-tile, k half), the layout mma's col B operand wants (thread t: batch row t / 4, columns
-// 2 (t % 4) and + 1). Rows at or past B are read and then zeroed (their bytes are stale scratch).
-template <int NT>
-__device__ __forceinline__ void ldsm_b(unsigned (&xb)[NT][2], unsigned addr) {
-  if constexpr (NT == 2) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]), "=r"(xb[1][1]) : "r"(addr) : "memory");
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-                 : "=r"(xb[0][0]), "=r"(xb[0][1]) : "r"(addr) : "memory");
-  }
+// The B (activation) fragments of one k-step at NT = 2 by ldmatrix: one LDSM.x4 for both n-tiles instead of four
+// LDS.32 and their swizzle arithmetic. Lane l addresses row l & 7 of matrix l >> 3 = (n-tile, k half), the layout
+// mma's col B operand wants (thread t: batch row t / 4, columns 2 (t % 4) and + 1); rows at or past B are read
+// and then zeroed. Session 14's A/B (MK_B_LDSM, bench/NOTES.md): batch 16 -18 us at 1B, -121 at 8B; at NT = 1
+// (x2 for the one n-tile) +16 / +46 at batch 8, so batch <= 8 keeps the 32-bit loads.
+__device__ __forceinline__ void ldsm_b(unsigned (&xb)[2][2], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]), "=r"(xb[1][1]) : "r"(addr) : "memory");
 }
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
@@ -264,56 +259,56 @@ template <int NT, int JMAX>
 __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* gb,
                                             const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int KC,
                                             int nsteps, int B, int warp, int lane) {
-#if MK_B_LDSM
-  // lane's ldmatrix row: batch row bi = (mat >> 1) * 8 + (lane & 7) of matrix mat = lane >> 3, k half mat & 1
-  const int lbi = min(((lane >> 4) << 3) + (lane & 7), B - 1);   // rows past B: any staged row (zeroed below)
-  const unsigned lrow = smem_addr(gb + lbi * KC * 2);
-  const int lhalf = (lane >> 3) & 1;
+  if constexpr (NT == 2) {   // ldsm_b: measured faster at batch 9..16 only (see there)
+    // lane's ldmatrix row: batch row bi = (mat >> 1) * 8 + (lane & 7) of matrix mat = lane >> 3, k half mat & 1
+    const int lbi = min(((lane >> 4) << 3) + (lane & 7), B - 1);   // rows past B: any staged row (zeroed below)
+    const unsigned lrow = smem_addr(gb + lbi * KC * 2);
+    const int lhalf = (lane >> 3) & 1;
 #pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const int j = warp + jj * CONSUMER_WARPS;
-    unsigned f[NT][2] = {};
-    if (j < nsteps) ldsm_b<NT>(f, lrow + (((2 * j + lhalf) ^ (lbi & 7)) << 4));
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int j = warp + jj * CONSUMER_WARPS;
+      unsigned f[NT][2] = {};
+      if (j < nsteps) ldsm_b(f, lrow + (((2 * j + lhalf) ^ (lbi & 7)) << 4));
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int bi = n * 8 + (lane >> 2);
-      unsigned v0 = 0, v1 = 0;
-      if (j < nsteps && bi < B) {
-        v0 = f[n][0];
-        v1 = f[n][1];
-        if (norm) {
-          const float r = rstd[bi];
-          v0 = norm_pair(v0, r, wv[jj][0]);
-          v1 = norm_pair(v1, r, wv[jj][1]);
+      for (int n = 0; n < NT; ++n) {
+        const int bi = n * 8 + (lane >> 2);
+        unsigned v0 = 0, v1 = 0;
+        if (j < nsteps && bi < B) {
+          v0 = f[n][0];
+          v1 = f[n][1];
+          if (norm) {
+            const float r = rstd[bi];
+            v0 = norm_pair(v0, r, wv[jj][0]);
+            v1 = norm_pair(v1, r, wv[jj][1]);
+          }
         }
+        xb[jj][n][0] = v0;
+        xb[jj][n][1] = v1;
       }
-      xb[jj][n][0] = v0;
-      xb[jj][n][1] = v1;
+    }
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int j = warp + jj * CONSUMER_WARPS;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int bi = n * 8 + (lane >> 2);
+        unsigned v0 = 0, v1 = 0;
+        if (j < nsteps && bi < B) {
+          const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
+          v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
+          v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
+          if (norm) {
+            const float r = rstd[bi];
+            v0 = norm_pair(v0, r, wv[jj][0]);
+            v1 = norm_pair(v1, r, wv[jj][1]);
+          }
+        }
+        xb[jj][n][0] = v0;
+        xb[jj][n][1] = v1;
+      }
     }
   }
-#else
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const int j = warp + jj * CONSUMER_WARPS;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int bi = n * 8 + (lane >> 2);
-      unsigned v0 = 0, v1 = 0;
-      if (j < nsteps && bi < B) {
-        const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
-        v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
-        v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
-        if (norm) {
-          const float r = rstd[bi];
-          v0 = norm_pair(v0, r, wv[jj][0]);
-          v1 = norm_pair(v1, r, wv[jj][1]);
-        }
-      }
-      xb[jj][n][0] = v0;
-      xb[jj][n][1] = v1;
-    }
-  }
-#endif
 }
 
 // Whole-task activation staging: x[B, K] as stored into shared memory, rows padded to K*2 + 16
@@ -376,68 +371,68 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
                                              const float* rstd, int K, int k0, int nsteps, int B, int warp,
                                              int lane) {
   const int rowb = K * 2 + 16;
-#if MK_B_LDSM
-  // ldmatrix rows as in group_frags; padded rows (an odd number of 16-byte units) keep the 8 rows of a
-  // matrix on distinct banks
-  const int lbi = min(((lane >> 4) << 3) + (lane & 7), B - 1);   // rows past B: any staged row (zeroed below)
-  const unsigned lrow = smem_addr(xs + lbi * rowb + k0 * 2 + ((lane >> 3) & 1) * 16);
+  if constexpr (NT == 2) {   // ldsm_b: measured faster at batch 9..16 only (see there)
+    // ldmatrix rows as in group_frags; padded rows (an odd number of 16-byte units) keep the 8 rows of a
+    // matrix on distinct banks
+    const int lbi = min(((lane >> 4) << 3) + (lane & 7), B - 1);   // rows past B: any staged row (zeroed below)
+    const unsigned lrow = smem_addr(xs + lbi * rowb + k0 * 2 + ((lane >> 3) & 1) * 16);
 #pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const int j = warp + jj * CONSUMER_WARPS;
-    const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
-    unsigned w0 = 0, w1 = 0;
-    if (norm && j < nsteps) {
-      w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
-      w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
-    }
-    unsigned f[NT][2] = {};
-    if (j < nsteps) ldsm_b<NT>(f, lrow + j * 32);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int bi = n * 8 + (lane >> 2);
-      unsigned v0 = 0, v1 = 0;
-      if (j < nsteps && bi < B) {
-        v0 = f[n][0];
-        v1 = f[n][1];
-        if (norm) {
-          const float r = rstd[bi];
-          v0 = norm_pair(v0, r, w0);
-          v1 = norm_pair(v1, r, w1);
-        }
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int j = warp + jj * CONSUMER_WARPS;
+      const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
+      unsigned w0 = 0, w1 = 0;
+      if (norm && j < nsteps) {
+        w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
+        w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
       }
-      xb[jj][n][0] = v0;
-      xb[jj][n][1] = v1;
+      unsigned f[NT][2] = {};
+      if (j < nsteps) ldsm_b(f, lrow + j * 32);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int bi = n * 8 + (lane >> 2);
+        unsigned v0 = 0, v1 = 0;
+        if (j < nsteps && bi < B) {
+          v0 = f[n][0];
+          v1 = f[n][1];
+          if (norm) {
+            const float r = rstd[bi];
+            v0 = norm_pair(v0, r, w0);
+            v1 = norm_pair(v1, r, w1);
+          }
+        }
+        xb[jj][n][0] = v0;
+        xb[jj][n][1] = v1;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int j = warp + jj * CONSUMER_WARPS;
+      const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
+      unsigned w0 = 0, w1 = 0;
+      if (norm && j < nsteps) {
+        w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
+        w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int bi = n * 8 + (lane >> 2);
+        unsigned v0 = 0, v1 = 0;
+        if (j < nsteps && bi < B) {
+          const unsigned char* p = xs + bi * rowb + off;
+          v0 = *reinterpret_cast<const unsigned*>(p);
+          v1 = *reinterpret_cast<const unsigned*>(p + 16);
+          if (norm) {
+            const float r = rstd[bi];
+            v0 = norm_pair(v0, r, w0);
+            v1 = norm_pair(v1, r, w1);
+          }
+        }
+        xb[jj][n][0] = v0;
+        xb[jj][n][1] = v1;
+      }
     }
   }
-#else
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const int j = warp + jj * CONSUMER_WARPS;
-    const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
-    unsigned w0 = 0, w1 = 0;
-    if (norm && j < nsteps) {
-      w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
-      w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int bi = n * 8 + (lane >> 2);
-      unsigned v0 = 0, v1 = 0;
-      if (j < nsteps && bi < B) {
-        const unsigned char* p = xs + bi * rowb + off;
-        v0 = *reinterpret_cast<const unsigned*>(p);
-        v1 = *reinterpret_cast<const unsigned*>(p + 16);
-        if (norm) {
-          const float r = rstd[bi];
-          v0 = norm_pair(v0, r, w0);
-          v1 = norm_pair(v1, r, w1);
-        }
-      }
-      xb[jj][n][0] = v0;
-      xb[jj][n][1] = v1;
-    }
-  }
-#endif
 }
 
 // The chunk loop of one pass at NT = 2 (matvec_task's at NT = 1 is the one-part case; the fragment loads

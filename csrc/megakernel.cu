@@ -102,11 +102,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     // the norm weight's pointer (an immutable table in global memory) is loaded before the wait, so its
     // round trip overlaps the wait instead of following it
     const elem_t* early_nw = norm_weight(P, t);
-#if MK_ATT_PRELOAD
-    AttnPre pre;   // an attention task's KV rows written before this launch, loaded before the wait
-    pre.have = 0;
-    if (t.opcode == OP_ATTN_PARTIAL) attn_preload(S, P, t, warp, lane, pre);
-#endif
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;
@@ -134,11 +129,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_GATE_UP:
       case OP_DOWN:
       case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles, early_nw); break;
-#if MK_ATT_PRELOAD
-      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane, pre); break;
-#else
       case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
-#endif
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
       default: break;

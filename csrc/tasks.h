@@ -176,12 +176,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
 #endif
-#ifndef MK_B_LDSM
-#define MK_B_LDSM 0
-#endif
-#ifndef MK_ATT_PRELOAD
-#define MK_ATT_PRELOAD 0
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

@@ -163,16 +163,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
-    # session 14's A/B switches: off by default, one -D each, labelled by name
-    both = KernelVariant.parse(["MK_B_LDSM=1", "MK_ATT_PRELOAD=1"])
-    assert both.b_ldsm and both.att_preload and both.label() == "b_ldsm,att_preload"
-    assert both.defines() == ("-DMK_B_LDSM=1", "-DMK_ATT_PRELOAD=1")
-    assert not KernelVariant().b_ldsm and not KernelVariant().att_preload
-    for name in ("b_ldsm", "att_preload"):
-        with pytest.raises(ValueError, match=f"{name}=1 must be true or false"):
-            KernelVariant(**{name: 1})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="MK_B_LDSM=2: bad value"):
-        KernelVariant.parse(["MK_B_LDSM=2"])
+    # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
+    for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
+        with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
+            KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):

@@ -423,3 +423,17 @@ def test_run_child_passes_a_payload_past_the_argument_limit(tmp_path: Path, monk
     assert got == {"n": 8000}
     assert "bytes in child.log.payload.json" in (tmp_path / "child.log").read_text()
     assert common.child_payload('{"a": 1}') == {"a": 1}
+
+
+def test_an_engine_run_is_reused_only_for_the_same_payload_and_mode(tmp_path) -> None:
+    # a soak longer than one GPU call: engines in one call (--engines-only --work DIR), the verdict in the next
+    child = {"model_dir": "/m", "max_num_seqs": 16, "out_json": str(tmp_path / "stock.json")}
+    assert soak.reused_engine(tmp_path, "stock", "stock", child) is None   # nothing run yet
+    (tmp_path / "stock.result.json").write_text(json.dumps({"mode": "stock", "payload": child, "result": {"a": 1}}))
+    assert soak.reused_engine(tmp_path, "stock", "stock", child) is None   # outputs missing
+    (tmp_path / "stock.json").write_text("{}")
+    assert soak.reused_engine(tmp_path, "stock", "stock", child) == {"a": 1}
+    assert soak.reused_engine(tmp_path, "stock", "megakernel", child) is None
+    assert soak.reused_engine(tmp_path, "stock", "stock", {**child, "max_num_seqs": 8}) is None
+    a = soak.parse_args(["--work", str(tmp_path), "--engines-only"])
+    assert a.work == tmp_path and a.engines_only

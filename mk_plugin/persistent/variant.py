@@ -26,8 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_B_LDSM", "b_ldsm", "b_ldsm"),
-                   ("MK_ATT_PRELOAD", "att_preload", "att_preload"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -42,12 +41,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_B_LDSM (A/B, unmeasured): activation fragments by ldmatrix (one LDSM per k-step for both n-tiles) instead
-    # of 2 * NT 32-bit shared loads and their swizzle arithmetic (session 13's ncu: batch 16 is bound by that work)
-    b_ldsm: bool = False
-    # MK_ATT_PRELOAD (A/B, unmeasured): an attention task issues the KV loads of its first load step for the tokens
-    # written before this step before its dependency wait, so the KV round trip leaves the qkv -> o_proj chain
-    att_preload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -58,9 +51,6 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        for name in ("b_ldsm", "att_preload"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
