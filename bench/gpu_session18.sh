@@ -22,10 +22,12 @@ case $n in
        --build default --build MK_B_LDSM=1 --build MK_ATT_PRELOAD=1 --build MK_B_LDSM=1,MK_ATT_PRELOAD=1
      timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
        --define MK_ATT_PRELOAD=1 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -12 ;;
-  5) # the new default (ldmatrix fragments at NT = 2): its gpu tests, both paths at batch 16
+  5) # the new default (ldmatrix fragments at NT = 2): its gpu tests, both paths at batch 16, phase traces at 1B
      timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -3
      step --model bench/models/llama-3.2-1b --batch 16
-     T=120 step --model bench/models/llama-3.1-8b --batch 16 ;;
+     T=120 step --model bench/models/llama-3.1-8b --batch 16
+     for b in 1 16; do timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+       --records-dir "$out" --model bench/models/llama-3.2-1b --batch $b 2>&1 | tail -9; done ;;
   3) vllm_env   # issue 13: the soak's three engines (1B megakernel, 2000 requests), kept in /root/soak_work
      timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work \
        --engines-only 2>&1 | grep -v "^(EngineCore" | tail -8 ;;
