@@ -25,7 +25,8 @@ Verdict (judge, per request, on the request id; the engines may batch differentl
   near tie    (--no-fp32-rule only) a first difference where stock's top-2 logprob gap < 0.05;
   BUG         a first difference the fp32 truth rejects (or, without it, not a near tie), a short or
               missing output, or missing logprobs.
-PASS = no BUG; the plugin-vs-stock first-difference rate <= 1.5x the stock-vs-stock control's (>= 99%
+PASS = no BUG (with the control judged by the fp32 rule too: no BUG but the rule's, whose count may be at most
+1.5x the control's, make_checks); the plugin-vs-stock first-difference rate <= 1.5x the stock-vs-stock control's (>= 99%
 identical when no control ran); the plugin run took the mk decode path; both runs preempted (when
 vLLM's counter is readable); and no memory growth in the plugin run over the second half of the run
 (samples from step max(--warmup-steps, half the last sample's step)): worker torch.cuda
@@ -268,8 +269,9 @@ def fp32_child(p: dict[str, Any]) -> None:
     t0 = time.time()
     print(f"[fp32] {len(p['items'])} first differences on {dev}", flush=True)
     for i, it in enumerate(p["items"]):
-        bug, worse = ft.fp32_rule(ft.prefill_logits(spec, w, it["tokens"], dev), it["stock_tok"], it["plugin_tok"])
-        res[str(it["rid"])] = [bug, worse]
+        truth = ft.prefill_logits(spec, w, it["tokens"], dev)
+        bug, worse = ft.fp32_rule(truth, it["stock_tok"], it["plugin_tok"])
+        res[it.get("key", str(it["rid"]))] = [bug, worse, ft.bf16_ulp(float(truth.max()))]
         if i % 200 == 199:
             print(f"[fp32] {i + 1} judged in {time.time() - t0:.0f} s", flush=True)
     common.emit_result({"fp32": res})
@@ -289,6 +291,25 @@ def apply_fp32_rule(verdicts: list[Verdict], fp32: dict[int, tuple[bool, float]]
     return out
 
 
+def split_fp32(got: dict[str, list[Any]]) -> dict[str, dict[int, tuple[bool, float, float]]]:
+    """The fp32 child's results by set ("plugin": plugin vs stock, "control": stock-control vs stock), keyed by
+    request id: (bug, how much worse the second engine's token is than stock's in fp32 logits, one bf16 ulp)."""
+    out: dict[str, dict[int, tuple[bool, float, float]]] = {"plugin": {}, "control": {}}
+    for key, v in got.items():
+        which, _, rid = key.rpartition(":")
+        out[which or "plugin"][int(rid)] = (bool(v[0]), float(v[1]), float(v[2]) if len(v) > 2 else float("nan"))
+    return out
+
+
+def fp32_balance(res: dict[int, tuple[bool, float, float]]) -> dict[str, int]:
+    """How the first differences of one pair of engines split by the fp32 truth: the second engine's token worse
+    than stock's by more than one bf16 ulp (the rule's "bug"), better by more than one ulp, or within it. Coin
+    flips between two equally good tokens split evenly; a less accurate path shows as worse >> better."""
+    worse = sum(b for b, _, _ in res.values())
+    better = sum(-x > u for _, x, u in res.values())
+    return {"n": len(res), "worse": worse, "better": better, "within": len(res) - worse - better}
+
+
 def summarize(verdicts: list[Verdict]) -> dict[str, Any]:
     n = len(verdicts)
     identical = sum(v.kind == "identical" for v in verdicts)
@@ -296,6 +317,7 @@ def summarize(verdicts: list[Verdict]) -> dict[str, Any]:
     bugs = [v for v in verdicts if v.kind == "BUG"]
     frac = identical / n if n else 0.0
     return {"requests": n, "identical": identical, "identical_frac": frac, "near_ties": ties, "bugs": bugs,
+            "fp32_bugs": [v for v in bugs if v.note.startswith("fp32:")],
             "ok": n > 0 and not bugs and frac >= MIN_IDENTICAL_FRAC}
 
 
@@ -379,11 +401,17 @@ def render(meta: dict[str, str], summary: dict[str, Any], engines: dict[str, dic
 
 
 def make_checks(summary: dict[str, Any], engines: dict[str, dict[str, Any]], plugin: str, path: str, warmup: int,
-                mem_tol: float, smi_tol: float, control_diff: float | None = None) -> list[tuple[str, str, bool]]:
+                mem_tol: float, smi_tol: float, control_diff: float | None = None,
+                control_fp32: dict[str, int] | None = None) -> list[tuple[str, str, bool]]:
     """(check, result, passed) rows of the verdict. With the stock-vs-stock control's first-difference rate
     (control_diff), the plugin's may be at most CONTROL_RATIO times it (issue 13: identical end to end
     measures bf16 noise with these weights); without a control, the identical fraction is held to
-    MIN_IDENTICAL_FRAC."""
+    MIN_IDENTICAL_FRAC. With the control's first differences judged by the same fp32 rule (control_fp32:
+    fp32_balance), the plugin's fp32-rule "bugs" may be at most CONTROL_RATIO times the control's: on the
+    H200 (session 14) the rule rejected 124 of the megakernel's 450 first differences while, by more than 0.0156
+    logits, the plugin's token was the worse in 144 and the better in 135, i.e. one bf16 ulp of the best logit is below what stock's own
+    rounding moves; a real kernel error shows as worse >> better and as many more rejections than stock's.
+    Short or missing outputs and logprobs stay bugs outright."""
     n, ident = summary["requests"], summary["identical"]
     diff = 1.0 - summary["identical_frac"] if n else 1.0
     first = (f"identical end to end (>= {MIN_IDENTICAL_FRAC:.0%}; no control run)",
@@ -395,8 +423,18 @@ def make_checks(summary: dict[str, Any], engines: dict[str, dict[str, Any]], plu
         first,
         (f"first differences on near ties (stock top-2 gap < {vc.TIE_GAP})", f"{len(summary['near_ties'])} near ties",
          True),
-        ("bugs (non-tie difference, short/missing output or logprobs)", str(len(summary["bugs"])),
-         not summary["bugs"]),
+    ]
+    fp32_bugs = summary.get("fp32_bugs", [])
+    if control_fp32 is None:
+        checks.append(("bugs (non-tie difference, short/missing output or logprobs)", str(len(summary["bugs"])),
+                       not summary["bugs"]))
+    else:
+        other = len(summary["bugs"]) - len(fp32_bugs)
+        checks += [("bugs other than the fp32 rule's (short/missing output or logprobs)", str(other), other == 0),
+                   (f"first differences the fp32 rule rejects <= {CONTROL_RATIO}x the stock-vs-stock control's",
+                    f"{len(fp32_bugs)} vs control {control_fp32['worse']} (of {control_fp32['n']})",
+                    len(fp32_bugs) <= CONTROL_RATIO * control_fp32["worse"])]
+    checks += [
         (f"{plugin} run took the mk decode path", path, path == "ok"),
     ]
     for name, r in engines.items():
@@ -638,25 +676,37 @@ def main(argv: list[str] | None = None) -> int:
                 for m, r in engines.items()}
         verdicts = [judge(r, outs["stock"].get(r.rid), outs[a.mode].get(r.rid)) for r in schedule]
         fp32_failed = False
+        control = outs.get(CONTROL)
+        balance: dict[str, dict[str, int]] = {}
         if a.fp32_rule:  # issue 13: a first difference is a bug only if the fp32 truth says so
-            items = fp32_items(verdicts, schedule, params, outs["stock"], outs[a.mode])
+            # the control's first differences (stock vs stock) go through the same rule: its yardstick
+            sets = [("plugin", verdicts, outs[a.mode])]
+            if control is not None:
+                sets.append(("control", [judge(r, outs["stock"].get(r.rid), control.get(r.rid)) for r in schedule],
+                             control))
+            items = [{**it, "key": f"{name}:{it['rid']}"} for name, vs, other in sets
+                     for it in fp32_items(vs, schedule, params, outs["stock"], other)]
             try:
-                got = common.run_child(Path(__file__), {"kind": "fp32", "model_dir": str(wdir), "items": items},
-                                       common.child_env("stock", a.runner), a.outdir / "logs" / f"soak_{tag}_fp32.log",
-                                       a.timeout)["fp32"]
-                verdicts = apply_fp32_rule(verdicts, {int(k): (bool(b), float(x)) for k, (b, x) in got.items()})
+                got = split_fp32(common.run_child(Path(__file__), {"kind": "fp32", "model_dir": str(wdir),
+                                                                   "items": items}, common.child_env("stock", a.runner),
+                                                  a.outdir / "logs" / f"soak_{tag}_fp32.log", a.timeout)["fp32"])
+                verdicts = apply_fp32_rule(verdicts, {k: (b, x) for k, (b, x, _) in got["plugin"].items()})
+                balance = {name: fp32_balance(got[name]) for name, _, _ in sets}
             except common.ChildFailed as e:
                 print(e, file=sys.stderr)
                 fp32_failed = True
         summary = summarize(verdicts)
         judged = {m: r for m, r in engines.items() if m != CONTROL}
-        control = outs.get(CONTROL)
         control_diff = None
         if a.control_max_num_seqs and control is not None:
             cs = summarize([judge(r, outs["stock"].get(r.rid), control.get(r.rid)) for r in schedule])
             control_diff = 1.0 - cs["identical_frac"] if cs["requests"] else None
         checks = make_checks(summary, judged, a.mode, common.path_check(a.mode, engines[a.mode]["status"]),
-                             a.warmup_steps, a.mem_tol_mib, a.smi_tol_mib, control_diff)
+                             a.warmup_steps, a.mem_tol_mib, a.smi_tol_mib, control_diff, balance.get("control"))
+        for name, b in balance.items():   # reported: how the first differences split by the fp32 truth
+            who = a.mode if name == "plugin" else "stock-control"
+            checks.append((f"reference, not judged: {who} vs stock by fp32, worse / better / within one bf16 ulp",
+                           f"{b['worse']} / {b['better']} / {b['within']} of {b['n']}", True))
         if fp32_failed:
             checks.append(("first differences judged by the fp32 truth", "the fp32 child failed (see its log)", False))
         if a.control_max_num_seqs:

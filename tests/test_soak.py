@@ -437,3 +437,34 @@ def test_an_engine_run_is_reused_only_for_the_same_payload_and_mode(tmp_path) ->
     assert soak.reused_engine(tmp_path, "stock", "stock", {**child, "max_num_seqs": 8}) is None
     a = soak.parse_args(["--work", str(tmp_path), "--engines-only"])
     assert a.work == tmp_path and a.engines_only
+
+
+def test_fp32_results_split_by_set_and_balance() -> None:
+    got = {"plugin:3": [True, 0.05, 0.0156], "plugin:4": [False, -0.03, 0.0156], "control:3": [False, 0.01, 0.0156],
+           "7": [False, 0.0, 0.0156]}   # an unkeyed item is the plugin's
+    s = soak.split_fp32(got)
+    assert s["plugin"][3] == (True, 0.05, 0.0156) and s["control"][3] == (False, 0.01, 0.0156) and 7 in s["plugin"]
+    assert soak.fp32_balance(s["plugin"]) == {"n": 3, "worse": 1, "better": 1, "within": 1}
+    assert soak.fp32_balance(s["control"]) == {"n": 1, "worse": 0, "better": 0, "within": 1}
+
+
+def test_checks_hold_the_fp32_rejections_to_the_controls() -> None:
+    # issue 13's rule on both pairs: the plugin's fp32 "bugs" may be 1.5x the control's; other bugs are bugs
+    eng = {"megakernel": engine_result(3, [100.0] * 3, MK_STATUS)}
+    fp32_bug = soak.Verdict(1, 1, 1, "BUG", first_diff=0, note="fp32: the plugin's token is +0.0300 below stock's")
+    summary = soak.summarize([soak.Verdict(0, 1, 1, "identical"), fp32_bug, fp32_bug])
+    rows = {c[0]: c for c in soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
+                                              control_fp32={"n": 9, "worse": 2, "better": 2, "within": 5})}
+    rule = next(c for k, c in rows.items() if k.startswith("first differences the fp32 rule rejects"))
+    assert rule[2] and rule[1] == "2 vs control 2 (of 9)"
+    assert rows["bugs other than the fp32 rule's (short/missing output or logprobs)"][2]
+    tight = soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
+                             control_fp32={"n": 9, "worse": 1, "better": 2, "within": 6})
+    assert not next(c for c in tight if c[0].startswith("first differences the fp32 rule rejects"))[2]
+    short = soak.summarize([fp32_bug, soak.Verdict(2, 1, 1, "BUG", note="plugin: not finished")])
+    other = soak.make_checks(short, eng, "megakernel", "ok", 0, 64, 256,
+                             control_fp32={"n": 9, "worse": 2, "better": 2, "within": 5})
+    assert not next(c for c in other if c[0].startswith("bugs other than"))[2]
+    # without the control's fp32 judgement the rule's rejections are bugs outright, as before
+    plain = soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256)
+    assert not next(c for c in plain if c[0].startswith("bugs (non-tie"))[2]
