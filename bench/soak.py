@@ -56,7 +56,10 @@ near saturation (the model saturates below a gap of ~8.6). At ~3-4 ms a step (1B
 at batch 1-8 in bench/results/tbt.csv, plus logprobs and per-step output handling) that is ~60 s;
 prefill of ~3M tokens is ~30-60 s for 1B; engine start ~35 s ("init engine ... took 33.54 s" in the
 correctness logs); writing the 1B checkpoint once ~10-20 s. So ~2-3 min per engine. llama-3.1-8b:
-~3x the step time, ~20-30 min.
+~3x the step time, ~20-30 min. The fp32 child after the engines: ~0.11 s per first difference on the H200
+(session 14: 450 in 48 s), i.e. ~6 min for the plugin's and the control's ~3,400 at 2,000 requests, so a
+2,000-request soak takes two GPU calls of <= 10 min: --work DIR --engines-only, then the same command without
+--engines-only (the engines are reused from DIR).
 """
 from __future__ import annotations
 

@@ -260,6 +260,8 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
                                             const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int KC,
                                             int nsteps, int B, int warp, int lane) {
   if constexpr (NT == 2) {   // ldsm_b: measured faster at batch 9..16 only (see there)
+    // (the mask-and-normalise lines below repeat smem_x_frags': as one shared helper they changed the PTX of
+    // matvec_task<2>, i.e. no longer the measured build; checked in session 14)
     // lane's ldmatrix row: batch row bi = (mat >> 1) * 8 + (lane & 7) of matrix mat = lane >> 3, k half mat & 1
     const int lbi = min(((lane >> 4) << 3) + (lane & 7), B - 1);   // rows past B: any staged row (zeroed below)
     const unsigned lrow = smem_addr(gb + lbi * KC * 2);
