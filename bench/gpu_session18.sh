@@ -34,6 +34,10 @@ case $n in
   4) vllm_env   # issue 13: the same soak again: its engines reused from /root/soak_work, then the fp32 verdict
      timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work \
        2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  6) # issue 11: where attention's 4.4 us (batch 1) and 12.5 us (batch 16) per task go: the phase-traced build now
+     # splits attn_partial into q/block-table loads, the KV loop, the merges and the ticket (trace_phases)
+     for b in 1 16; do timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+       --records-dir "$out" --model bench/models/llama-3.2-1b --batch $b 2>&1 | grep -E "attn|path|megakernel"; done ;;
   *) echo "no call $n here: see bench/gpu_session13.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s18_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -127,6 +127,12 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   // trips overlap (storing it at once would wait for it before q's loads issue).
   const bool bt_mine = bt_staged && threadIdx.x < nblk;
   const int bt_first = bt_mine ? ld_nc_s32(bt + blk0 + threadIdx.x) : 0;
+  // MK_TRACE_PHASES (bench only): thread 0's ns in the trace's phase fields, summed over head passes: stage = q
+  // and block-table loads up to the pass's first barrier, chunks = the KV loop, reduce = the merges across lane
+  // groups and warps and the stores; what follows (ticket, merge of the chunks) is the table's "other".
+  const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
+  unsigned long long ph_t = ph_on ? global_ns() : 0ull, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
+  const unsigned long long ph_entry = ph_t;
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
     for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
@@ -140,6 +146,11 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       for (int i = threadIdx.x + CONSUMER_THREADS; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
     }
     consumer_sync();
+    if (ph_on) {
+      const unsigned long long now = global_ns();
+      ph_stage += now - ph_t;
+      ph_t = now;
+    }
     float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
 #pragma unroll
     for (int hh = 0; hh < ATT_HG; ++hh) {
@@ -204,6 +215,11 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         }
       }
     }
+    if (ph_on) {
+      const unsigned long long now = global_ns();
+      ph_chunks += now - ph_t;
+      ph_t = now;
+    }
     // Merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
 #pragma unroll
     for (int off = ATT_LPT; off < 32; off <<= 1) {
@@ -259,6 +275,18 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       }
     }
     consumer_sync();
+    if (ph_on) {
+      const unsigned long long now = global_ns();
+      ph_reduce += now - ph_t;
+      ph_t = now;
+    }
+  }
+  if (ph_on) {
+    unsigned long long* tr = P.trace + (size_t)(*S.cur_task()) * TRACE_WORDS;
+    tr[TR_PH_STAGE] = ph_stage;
+    tr[TR_PH_CHUNKS] = ph_chunks;
+    tr[TR_PH_REDUCE] = ph_reduce;
+    tr[TR_PH_ENTRY] = ph_entry;
   }
   if (t.ticket_ctr >= 0) {
     // Every thread's partial stores precede thread 0's ticket (the consumer_sync above); the ticket

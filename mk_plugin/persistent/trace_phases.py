@@ -15,7 +15,11 @@ end each phase, summed over the task's passes), as a per-op table of medians.
     release  the signal's red.release.gpu (its fence waits until the CTA's stores are visible), every
              task type
     other    busy - entry - stage - chunks - reduce - release: the row statistics of column-group
-             staging, the return and the barrier before the release (for attention: the whole task)
+             staging, the return and the barrier before the release
+
+For attn_partial (since session 14) the same fields hold: entry ~0 (the task starts at ready), stage = q and
+block-table loads to the head pass's first barrier, chunks = the KV loop (thread 0's warp), reduce = the lane-group
+and warp merges and the partial stores; "other" is then the ticket and, for the last chunk, the merge.
 """
 from __future__ import annotations
 
