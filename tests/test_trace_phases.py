@@ -70,3 +70,13 @@ def test_release_by_lag_buckets_by_the_next_weights_start():
     assert got["gate_up"] == {"0-2 us": (1, 3.0), "no later weights": (1, 0.8)}
     assert got["down"] == {">= 5 us": (1, 1.0)} and got["qkv_rope"] == {"not started": (1, 0.4)}
     assert got["o_proj"] == {"no later weights": (1, 0.5)}
+
+
+def test_attention_phases_fill_the_same_columns():
+    # since session 14 attention records q/block-table loads (stage), its KV loop (chunks) and the merges
+    # (reduce); the ticket and the chunk merge stay in "other"
+    r = rec(0, Opcode.ATTN_PARTIAL, 1000, 5400, 800, 2000, 700, 400)
+    r["ph_entry"] = 1000
+    row = tp.phase_table([r])[0]
+    assert (row.op, row.stage_us, row.chunks_us, row.reduce_us, row.release_us) == ("attn_partial", 0.8, 2.0, 0.7, 0.4)
+    assert row.entry_us == 0.0 and row.other_us == pytest.approx(0.5)
