@@ -468,3 +468,45 @@ def test_checks_hold_the_fp32_rejections_to_the_controls() -> None:
     # without the control's fp32 judgement the rule's rejections are bugs outright, as before
     plain = soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256)
     assert not next(c for c in plain if c[0].startswith("bugs (non-tie"))[2]
+
+
+def test_main_judges_the_control_by_the_same_fp32_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the control engine and the fp32 rule: one child judges both pairs' first differences (keyed by set),
+    and the plugin passes with as many rule rejections as the control has."""
+    args = ["--requests", "30", "--max-prompt", "50", "--max-out", "6", "--mode", "triton", "--outdir", str(tmp_path)]
+    p = soak.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
+    sched = soak.make_schedule(p)
+    diverge = {"triton": sched[4].rid, soak.CONTROL: sched[7].rid}
+
+    def fake_run_engines(a: Any, payload: dict[str, Any], tag: str, work: Path
+                         ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        res = {}
+        for name in ("stock", "triton", soak.CONTROL):
+            outs = {}
+            for r in sched:
+                toks = [(r.rid + k) % 50 for k in range(r.max_tokens)]
+                if diverge.get(name) == r.rid:
+                    toks[0] += 100
+                outs[str(r.rid)] = out(toks, [1.0] * r.max_tokens)
+            f = work / f"{name}.json"
+            f.write_text(json.dumps(outs))
+            status = MK_STATUS if name == "triton" else [{"class": "LlamaForCausalLM"}]
+            res[name] = {**engine_result(3, [100.0] * 3, status), "out_json": str(f)}
+        return res, []
+
+    seen: list[str] = []
+
+    def fake_child(script: Path, payload: dict[str, Any], env: dict[str, str], log: Path, timeout: float):
+        assert payload["kind"] == "fp32"
+        seen.extend(it["key"] for it in payload["items"])
+        return {"fp32": {it["key"]: [True, 0.05, 0.0156] for it in payload["items"]}}
+
+    monkeypatch.setattr(soak, "run_engines", fake_run_engines)
+    monkeypatch.setattr(soak.common, "run_child", fake_child)
+    monkeypatch.setattr(vc, "seeded_checkpoint", lambda mdir, wdir, seed: tmp_path / "weights")
+    assert soak.main(args) == 0
+    assert sorted(seen) == sorted([f"plugin:{diverge['triton']}", f"control:{diverge[soak.CONTROL]}"])
+    text = next(tmp_path.glob("soak_*_llama-3.2-1b_triton.md")).read_text()
+    assert "| first differences the fp32 rule rejects <= 1.5x the stock-vs-stock control's | 1 vs control 1 (of 1) |" \
+        in text and "OVERALL: PASS" in text
+    assert "triton vs stock by fp32, worse / better / within one bf16 ulp | 1 / 0 / 0 of 1" in text
