@@ -281,13 +281,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       ph_t = now;
     }
   }
-  if (ph_on) {
-    unsigned long long* tr = P.trace + (size_t)(*S.cur_task()) * TRACE_WORDS;
-    tr[TR_PH_STAGE] = ph_stage;
-    tr[TR_PH_CHUNKS] = ph_chunks;
-    tr[TR_PH_REDUCE] = ph_reduce;
-    tr[TR_PH_ENTRY] = ph_entry;
-  }
+  if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
   if (t.ticket_ctr >= 0) {
     // Every thread's partial stores precede thread 0's ticket (the consumer_sync above); the ticket
     // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.

@@ -158,6 +158,18 @@ struct Smem {
   __device__ __forceinline__ int* seq_len() const { return reinterpret_cast<int*>(slot() + MAX_BATCH); }
 };
 
+// MK_TRACE_PHASES (bench only): thread 0 stores its task's phase times (ns) and its entry timestamp into the
+// current task's trace record (encoding.TRACE_FIELDS; mk_plugin.persistent.trace_phases reads them).
+__device__ __forceinline__ void trace_phase_times(const Smem& S, const Params& P, unsigned long long stage,
+                                                  unsigned long long chunks, unsigned long long reduce,
+                                                  unsigned long long entry) {
+  unsigned long long* tr = P.trace + (size_t)(*S.cur_task()) * TRACE_WORDS;
+  tr[TR_PH_STAGE] = stage;
+  tr[TR_PH_CHUNKS] = chunks;
+  tr[TR_PH_REDUCE] = reduce;
+  tr[TR_PH_ENTRY] = entry;
+}
+
 // Consumer threads b < batch copy request b's position, KV slot and length into shared memory; the
 // consumer loop's first barrier orders the copies before any use.
 __device__ __forceinline__ void step_inputs(const Smem& S, const Params& P) {

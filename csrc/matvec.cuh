@@ -668,13 +668,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     consumer_sync();
     if (ph_on) ph_reduce += global_ns() - ph_mark;
   }
-  if (ph_on) {
-    unsigned long long* tr = P.trace + (size_t)(*S.cur_task()) * TRACE_WORDS;
-    tr[TR_PH_STAGE] = ph_stage;
-    tr[TR_PH_CHUNKS] = ph_chunks;
-    tr[TR_PH_REDUCE] = ph_reduce;
-    tr[TR_PH_ENTRY] = ph_entry;
-  }
+  if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
   *wait_out += wait_cycles;
   if (is_ksplit(t)) ksplit_merge(S, P, t);   // o_proj.cuh: the last part of the range adds the parts
   return it;
