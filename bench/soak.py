@@ -680,13 +680,14 @@ def main(argv: list[str] | None = None) -> int:
         verdicts = [judge(r, outs["stock"].get(r.rid), outs[a.mode].get(r.rid)) for r in schedule]
         fp32_failed = False
         control = outs.get(CONTROL)
+        control_verdicts = None if control is None else [judge(r, outs["stock"].get(r.rid), control.get(r.rid))
+                                                         for r in schedule]
         balance: dict[str, dict[str, int]] = {}
         if a.fp32_rule:  # issue 13: a first difference is a bug only if the fp32 truth says so
             # the control's first differences (stock vs stock) go through the same rule: its yardstick
             sets = [("plugin", verdicts, outs[a.mode])]
-            if control is not None:
-                sets.append(("control", [judge(r, outs["stock"].get(r.rid), control.get(r.rid)) for r in schedule],
-                             control))
+            if control_verdicts is not None:
+                sets.append(("control", control_verdicts, control))
             items = [{**it, "key": f"{name}:{it['rid']}"} for name, vs, other in sets
                      for it in fp32_items(vs, schedule, params, outs["stock"], other)]
             try:
@@ -701,13 +702,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(verdicts)
         judged = {m: r for m, r in engines.items() if m != CONTROL}
         control_diff = None
-        if a.control_max_num_seqs and control is not None:
-            cs = summarize([judge(r, outs["stock"].get(r.rid), control.get(r.rid)) for r in schedule])
+        if a.control_max_num_seqs and control_verdicts is not None:
+            cs = summarize(control_verdicts)
             control_diff = 1.0 - cs["identical_frac"] if cs["requests"] else None
         checks = make_checks(summary, judged, a.mode, common.path_check(a.mode, engines[a.mode]["status"]),
                              a.warmup_steps, a.mem_tol_mib, a.smi_tol_mib, control_diff, balance.get("control"))
         for name, b in balance.items():   # reported: how the first differences split by the fp32 truth
-            who = a.mode if name == "plugin" else "stock-control"
+            who = a.mode if name == "plugin" else CONTROL
             checks.append((f"reference, not judged: {who} vs stock by fp32, worse / better / within one bf16 ulp",
                            f"{b['worse']} / {b['better']} / {b['within']} of {b['n']}", True))
         if fp32_failed:
