@@ -146,11 +146,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       for (int i = threadIdx.x + CONSUMER_THREADS; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
     }
     consumer_sync();
-    if (ph_on) {
-      const unsigned long long now = global_ns();
-      ph_stage += now - ph_t;
-      ph_t = now;
-    }
+    if (ph_on) phase_lap(ph_t, ph_stage);
     float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
 #pragma unroll
     for (int hh = 0; hh < ATT_HG; ++hh) {
@@ -215,11 +211,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         }
       }
     }
-    if (ph_on) {
-      const unsigned long long now = global_ns();
-      ph_chunks += now - ph_t;
-      ph_t = now;
-    }
+    if (ph_on) phase_lap(ph_t, ph_chunks);
     // Merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
 #pragma unroll
     for (int off = ATT_LPT; off < 32; off <<= 1) {
@@ -275,11 +267,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
       }
     }
     consumer_sync();
-    if (ph_on) {
-      const unsigned long long now = global_ns();
-      ph_reduce += now - ph_t;
-      ph_t = now;
-    }
+    if (ph_on) phase_lap(ph_t, ph_reduce);
   }
   if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
   if (t.ticket_ctr >= 0) {

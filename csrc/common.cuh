@@ -158,6 +158,13 @@ struct Smem {
   __device__ __forceinline__ int* seq_len() const { return reinterpret_cast<int*>(slot() + MAX_BATCH); }
 };
 
+// MK_TRACE_PHASES (bench only): the time since `mark` added to `acc`, and `mark` moved to now.
+__device__ __forceinline__ void phase_lap(unsigned long long& mark, unsigned long long& acc) {
+  const unsigned long long now = global_ns();
+  acc += now - mark;
+  mark = now;
+}
+
 // MK_TRACE_PHASES (bench only): thread 0 stores its task's phase times (ns) and its entry timestamp into the
 // current task's trace record (encoding.TRACE_FIELDS; mk_plugin.persistent.trace_phases reads them).
 __device__ __forceinline__ void trace_phase_times(const Smem& S, const Params& P, unsigned long long stage,

@@ -199,8 +199,8 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&a)[4], unsigned addr) {
 // The B (activation) fragments of one k-step at NT = 2 by ldmatrix: one LDSM.x4 for both n-tiles instead of four
 // LDS.32 and their swizzle arithmetic. Lane l addresses row l & 7 of matrix l >> 3 = (n-tile, k half), the layout
 // mma's col B operand wants (thread t: batch row t / 4, columns 2 (t % 4) and + 1); rows at or past B are read
-// and then zeroed. Session 14's A/B (MK_B_LDSM, bench/NOTES.md): batch 16 -18 us at 1B, -121 at 8B; at NT = 1
-// (x2 for the one n-tile) +16 / +46 at batch 8, so batch <= 8 keeps the 32-bit loads.
+// and then zeroed. Session 14's A/B (MK_B_LDSM, bench/NOTES.md): batch 16 -23 us at 1B, -122 at 8B; at NT = 1
+// (x2 for the one n-tile) +17 / +45 at batch 8, so batch <= 8 keeps the 32-bit loads.
 __device__ __forceinline__ void ldsm_b(unsigned (&xb)[2][2], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(xb[0][0]), "=r"(xb[0][1]), "=r"(xb[1][0]), "=r"(xb[1][1]) : "r"(addr) : "memory");
@@ -574,11 +574,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
-    if (ph_on) {
-      const unsigned long long now = global_ns();
-      ph_stage += now - ph_mark;
-      ph_mark = now;
-    }
+    if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp, lane, lane_off, acc,
                                  wait_cycles, ph_on, ph_gwait);
