@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 15's GPU calls (bench/NOTES.md session 15). Run from the project root on the GPU host with .commit
+# carried; output under $2 (default $OUT).
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  1) # issue 11: MK_ACT_LL (gate_up -> down by flagged words at batch 1): its gpu tests, the counter build's tests
+     # with it, the A/B (predicted 1B batch 1 -40..-70 us, 8B batch 1 -60..-120; batch 8 the same programs:
+     # +-noise), then its phase trace at 1B batch 1
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_act_ll_gpu.py 2>&1 | tail -3
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "vs_vm or whole_step or graph or watchdog" --mk-define MK_ACT_LL=1 2>&1 | tail -3
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 --rounds 3 \
+       --build default --build MK_ACT_LL=1
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 --rounds 3 \
+       --build default --build MK_ACT_LL=1
+     timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+       --define MK_ACT_LL=1 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -12 ;;
+  *) echo "no call $n here: see bench/gpu_session18.sh" ;;
+esac
+} 2>&1 | tee "$out/gpu_s19_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
