@@ -18,6 +18,14 @@ case $n in
        --build default --build MK_ACT_LL=1
      timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
        --define MK_ACT_LL=1 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -12 ;;
+  2) # issue 11: MK_ACT_LL measured +55 us at 1B batch 1 (call 1): is it the ungated down prefetch slowing the
+     # stragglers of gate_up (2: the release gate kept) or the polls' L2 traffic (3: gate kept, sleeping reloads)?
+     # Predicted: 2 and 3 at -10..-20 us against default if the prefetch was the cost; then the LL tests at 2, and
+     # the sanitizer on the current default (2 layers, batch 1 and 16)
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 --rounds 3 \
+       --build default --build MK_ACT_LL=1 --build MK_ACT_LL=2 --build MK_ACT_LL=3
+     timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_act_ll_gpu.py 2>&1 | tail -3
+     MK_SAN_BATCHES="1 16" MK_SAN_TIMEOUT=100 timeout 330 bash bench/sanitize.sh "$out" 2 2>&1 | grep -E "SUMMARY|exit code" ;;
   *) echo "no call $n here: see bench/gpu_session18.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s19_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -79,7 +79,7 @@ __device__ __forceinline__ void stage_x_ll(const Smem& S, const Params& P, unsig
     if (stale) {
       const unsigned long long t0 = global_ns();
       for (unsigned polls = 1; stale; ++polls) {
-        if (polls > 64) __nanosleep(128);
+        if (polls > (MK_ACT_LL == 3 ? 0u : 64u)) __nanosleep(128);
 #pragma unroll
         for (int u = 0; u < U; ++u)
           if ((stale >> u) & 1u) ld_relaxed_gpu_u64x2(P.act_ll + 2 * (size_t)(base + u * CONSUMER_THREADS), a[u], c[u]);

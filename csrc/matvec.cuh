@@ -147,9 +147,10 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     prev_op = t.opcode;
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
-    // (MK_ACT_LL: a gate_up that hands ACT over by flagged words has no release, so nothing to wait for)
+    // (MK_ACT_LL=1: a gate_up that hands ACT over by flagged words has no release, so no gate; 2, 3: the gate
+    // opens when its consumers are done)
     if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1) &&
-        !(MK_ACT_LL && gate_op == OP_GATE_UP && P.act_ll != nullptr))
+        !(MK_ACT_LL == 1 && gate_op == OP_GATE_UP && P.act_ll != nullptr))
       release_gate(S, P, ti, lane);
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import test_persistent_gpu as _pg  # tests/test_persistent_gpu.py
 import torch
-from test_persistent_gpu import DEV, _run_mk, gpu_batch  # tests/test_persistent_gpu.py
+from test_persistent_gpu import DEV, _run_mk, gpu_batch
 
 from mk_plugin import reference as ref
 from mk_plugin.persistent.backend import MegakernelDecoder
@@ -18,11 +19,13 @@ from mk_plugin.persistent.errors import MegakernelHang
 from mk_plugin.persistent.schedule import Segment
 
 pytestmark = pytest.mark.gpu
+models = _pg.models   # its weights fixture, shared
+ACT_LL = 2   # the mode under test (variant.KernelVariant.act_ll)
 
 
 def _decoders(spec, w, mk_variant):
     mk = lambda ll: MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=replace(mk_variant, act_ll=ll))
-    return mk(False), mk(True)
+    return mk(0), mk(ACT_LL)
 
 
 @pytest.mark.parametrize("name,layers,seq_lens", [
@@ -82,7 +85,7 @@ def test_act_ll_missing_writer_is_a_watchdog_record(models, mk_variant):
     spec, w = models("llama-3.2-1b", 2)
     batch = gpu_batch(spec, [300], seed=23)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    ll = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, variant=replace(mk_variant, act_ll=True))
+    ll = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, variant=replace(mk_variant, act_ll=ACT_LL))
     good_out, good_logits, _c = _run_mk(ll, spec, w, batch, cs)
     good = ll.program(1)
     seg = good.segments[0]
