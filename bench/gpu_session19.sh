@@ -26,6 +26,10 @@ case $n in
        --build default --build MK_ACT_LL=1 --build MK_ACT_LL=2 --build MK_ACT_LL=3
      timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_act_ll_gpu.py 2>&1 | tail -3
      MK_SAN_BATCHES="1 16" MK_SAN_TIMEOUT=100 timeout 330 bash bench/sanitize.sh "$out" 2 2>&1 | grep -E "SUMMARY|exit code" ;;
+  3) # issue 11: all MK_ACT_LL modes +50..+60 us (call 2), and attention/qkv/o_proj slower too in its phase trace:
+     # the words' stores and the code (4: stored, unused) or the polls (1)? Predicted: 4 = default if the polls
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 --rounds 3 \
+       --build default --build MK_ACT_LL=4 --build MK_ACT_LL=1 ;;
   *) echo "no call $n here: see bench/gpu_session18.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s19_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -579,7 +579,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
     if (staged) {
-      if (MK_ACT_LL && t.opcode == OP_DOWN && act_ll_task(P, t))   // MK_ACT_LL: the flagged words are down's wait and load
+      if (MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_DOWN && act_ll_task(P, t))   // MK_ACT_LL: the flagged words are down's wait and load
         stage_x_ll(S, P, xs, t.layer, B);
       else
         stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);

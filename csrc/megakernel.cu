@@ -112,7 +112,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
         const unsigned target = (unsigned)t.wait_target[w];
         // (MK_ACT_LL: a down task that takes ACT by flagged words waits in its staging instead)
         if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1) ||
-            (MK_ACT_LL && t.opcode == OP_DOWN && act_ll_task(P, t)))
+            (MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_DOWN && act_ll_task(P, t)))
           continue;
         unsigned v;
         if (task_counter_wait(P, ti, c, target, v) != WAIT_OK) {
@@ -141,7 +141,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
     // (MK_ACT_LL: a gate_up whose words carry the hand-off releases nothing; only its down tasks wait on it)
-    if (threadIdx.x == 0 && t.signal_ctr >= 0 && !(MK_ACT_LL && t.opcode == OP_GATE_UP && act_ll_task(P, t)))
+    if (threadIdx.x == 0 && t.signal_ctr >= 0 && !(MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_GATE_UP && act_ll_task(P, t)))
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {
