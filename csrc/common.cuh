@@ -118,8 +118,6 @@ struct Params {
   int batch;
   int chunks;
   int tasks_at;
-  // MK_ACT_LL: this launch's flagged ACT words (act_ll.cuh), null when the program or the build has none
-  unsigned long long* act_ll;
 };
 
 // Shared memory map (dynamic): ring slots | union scratch | misc (mbarriers, rstd, params).

@@ -3,7 +3,6 @@
 // the gate tile also receives the up tile's sums (vu).
 #pragma once
 #include "matvec.cuh"
-#include "act_ll.cuh"
 
 namespace mk {
 
@@ -11,19 +10,15 @@ __device__ __forceinline__ void gate_up_epilogue(const Params& P, const Task& t,
                                                  const float (&v)[4], const float (&vu)[4]) {
   elem_t* act = buf_ptr(P, t.out_buf);
   const int u = p0 + (m >> 1);
-  unsigned bits[4] = {0u, 0u, 0u, 0u};   // MK_ACT_LL: the stored values, for the flagged words
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int b = nt * 8 + (lane & 3) * 2 + (e & 1);
     const int col = u * UNIT + (lane >> 2) + (e >> 1) * 8;
     if (b < P.batch) {
       const float gt = stock_rnd(v[e]);   // STOCK: vLLM's gate_up GEMM stores g and u first
-      const elem_t a = from_f(gt / (1.f + __expf(-gt)) * stock_rnd(vu[e]));
-      act[(size_t)b * I + col] = a;
-      if (MK_ACT_LL) bits[e] = a.bits;
+      act[(size_t)b * I + col] = from_f(gt / (1.f + __expf(-gt)) * stock_rnd(vu[e]));
     }
   }
-  if (MK_ACT_LL && act_ll_task(P, t)) act_ll_store(P, t.layer, u * UNIT, nt, lane, bits);
 }
 
 }  // namespace mk

@@ -21,7 +21,6 @@
 // queue by both sides) uses slot it % NUM_STAGES with mbarrier parity (it / NUM_STAGES) & 1.
 #pragma once
 #include "common.cuh"
-#include "act_ll.cuh"
 
 namespace mk {
 
@@ -147,11 +146,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     prev_op = t.opcode;
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
-    // (MK_ACT_LL=1: a gate_up that hands ACT over by flagged words has no release, so no gate; 2, 3: the gate
-    // opens when its consumers are done)
-    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1) &&
-        !(MK_ACT_LL == 1 && gate_op == OP_GATE_UP && P.act_ll != nullptr))
-      release_gate(S, P, ti, lane);
+    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;
     const int uend = t.arg0 + t.arg1;
@@ -578,12 +573,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-    if (staged) {
-      if (MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_DOWN && act_ll_task(P, t))   // MK_ACT_LL: the flagged words are down's wait and load
-        stage_x_ll(S, P, xs, t.layer, B);
-      else
-        stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
-    }
+    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp, lane, lane_off, acc,

@@ -110,10 +110,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       for (int w = 0; w < NUM_WAITS; ++w) {
         const int c = t.wait_ctr[w];
         const unsigned target = (unsigned)t.wait_target[w];
-        // (MK_ACT_LL: a down task that takes ACT by flagged words waits in its staging instead)
-        if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1) ||
-            (MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_DOWN && act_ll_task(P, t)))
-          continue;
+        if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1)) continue;
         unsigned v;
         if (task_counter_wait(P, ti, c, target, v) != WAIT_OK) {
           stop = 1;
@@ -140,8 +137,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     consumer_sync();  // all of this task's stores precede the release below
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
-    // (MK_ACT_LL: a gate_up whose words carry the hand-off releases nothing; only its down tasks wait on it)
-    if (threadIdx.x == 0 && t.signal_ctr >= 0 && !(MK_ACT_LL && MK_ACT_LL != 4 && t.opcode == OP_GATE_UP && act_ll_task(P, t)))
+    if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {
@@ -198,10 +194,6 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     P.batch = prog[HDR_BATCH];
     P.chunks = prog[HDR_ATTN_CHUNKS];
     P.tasks_at = prog[HDR_TASKS_AT];
-    // MK_ACT_LL: the program's flagged ACT words, used where down stages all of ACT (the host's test too)
-    P.act_ll = MK_ACT_LL && prog[HDR_ACT_LL] > 0 && staged_fits(I, P.batch, false)
-                   ? reinterpret_cast<unsigned long long*>(counters + prog[HDR_ACT_LL])
-                   : nullptr;
     *S.cur_task() = -1;
     if (MK_RELEASE_GATE) *S.released() = __ldg(prog + HEADER_WORDS + blockIdx.x);  // none released yet
     // A program built for another model, batch limit or grid must never run: record which check

@@ -55,10 +55,10 @@ enum RoundingMode : int {
 constexpr int NUM_BUFS = 10;
 constexpr int LP_COUNT = 6;
 constexpr int PROGRAM_MAGIC = 0x4d4b5031;
-constexpr int PROGRAM_VERSION = 5;
+constexpr int PROGRAM_VERSION = 4;
 constexpr int TASK_WORDS = 16;
 constexpr int NUM_WAITS = 2;
-constexpr int HEADER_WORDS = 9;
+constexpr int HEADER_WORDS = 8;
 constexpr int COUNTER_STRIDE = 8;
 constexpr int MAX_BATCH = 16;
 constexpr int UNIT = 16;
@@ -69,8 +69,7 @@ enum ErrorCode : int {
   ERR_NONE = 0,
   ERR_COUNTER_TIMEOUT = 1,
   ERR_MBAR_TIMEOUT = 2,
-  ERR_BAD_PROGRAM = 3,
-  ERR_ACT_TIMEOUT = 4
+  ERR_BAD_PROGRAM = 3
 };
 
 enum HeaderCheck : int {
@@ -111,7 +110,6 @@ constexpr int HDR_NUM_TASKS = 4;
 constexpr int HDR_ATTN_CHUNKS = 5;
 constexpr int HDR_TASKS_AT = 6;
 constexpr int HDR_SPEC_HASH = 7;
-constexpr int HDR_ACT_LL = 8;
 
 // Task record fields (int32 word index)
 constexpr int F_OPCODE = 0;
@@ -151,7 +149,7 @@ struct TaskRecord {
 };
 static_assert(sizeof(TaskRecord) == TASK_WORDS * 4, "task record size");
 static_assert(F_TICKET_CTR == TASK_WORDS - 1, "field count");
-static_assert(HDR_ACT_LL == HEADER_WORDS - 1, "header size");
+static_assert(HDR_SPEC_HASH == HEADER_WORDS - 1, "header size");
 
 // Kernel layout (one CTA per SM)
 constexpr int CONSUMER_WARPS = 8;
@@ -177,9 +175,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
-#endif
-#ifndef MK_ACT_LL
-#define MK_ACT_LL 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -154,10 +154,6 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert KernelVariant.parse(["MK_RELEASE_GATE=0"]).defines() == ("-DMK_RELEASE_GATE=0",)
     with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
         KernelVariant(release_gate=512)
-    ll = KernelVariant.parse(["MK_ACT_LL=2"])   # session 15's A/B: flagged ACT words from gate_up to down
-    assert ll.act_ll == 2 and ll.defines() == ("-DMK_ACT_LL=2",) and ll.label() == "act_ll=2"
-    with pytest.raises(ValueError, match="act_ll=4: 0 off"):
-        KernelVariant(act_ll=4)
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_ATTN_PREFETCH'"):
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone

@@ -102,29 +102,3 @@ def test_checkers_catch_broken_programs():
 
     with pytest.raises(AssertionError, match="unordered conflict"):
         check_ordering(_with_waits(p, drop_dependency))
-
-
-@pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
-def test_act_ll_only_where_down_stages_all_of_act(model):
-    """The header word act_ll (MK_ACT_LL's flagged ACT words) is set exactly for launches whose down tasks
-    are uncut, stage all of ACT whole and wait on nothing but their own layer's gate_up in the same launch;
-    the words sit right after the counters in the zeroed counters array, and prefixes keep the word."""
-    spec = LlamaSpec.from_json_file(MODELS / model)
-    p = build_program(spec, 1, 132)
-    off = p.num_counters * enc.COUNTER_STRIDE
-    assert [s.act_ll for s in p.segments] == [off]
-    assert p.counter_words == off + spec.intermediate_size   # one 8-byte word per two ACT columns
-    assert all(int(s.encoded[enc.H["act_ll"]]) == off for s in p.segments)
-    assert enc.decode(p.segments[0].encoded).header["act_ll"] == off
-    pre = p.prefix(p.op_end("L0.down"))
-    assert [s.act_ll for s in pre.segments] == [off] and int(pre.segments[0].encoded[enc.H["act_ll"]]) == off
-    assert enc.staged_fits(spec.intermediate_size, 1, False) and not enc.staged_fits(spec.intermediate_size, 2, False)
-    none = [build_program(spec, 2, 132),                                                  # ACT by column groups
-            build_program(spec, 1, 132, tuning=ScheduleTuning(ksplit=(("down", 2),))),   # down cut over K
-            build_program(spec, 1, 132, fallback=frozenset({"gate_up"})),              # writer not in the launch
-            build_program(spec, 1, 132, fallback=frozenset({"down"}))]
-    for q in none:
-        assert all(s.act_ll == 0 and int(s.encoded[enc.H["act_ll"]]) == 0 for s in q.segments)
-        assert q.counter_words == max(1, q.num_counters) * enc.COUNTER_STRIDE
-    with pytest.raises(ValueError, match="act_ll=12"):
-        enc.encode([], [[]], batch=1, attn_chunks=1, spec_hash=0, act_ll=12)

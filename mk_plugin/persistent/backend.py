@@ -41,6 +41,7 @@ from ..triton_ops._device import device_name
 from ..triton_ops.step_ops import OpBuffers
 from ..weights import ModelWeights
 from .encoding import (
+    COUNTER_STRIDE,
     ERROR_WORDS,
     LAYOUT,
     LP_COUNT,
@@ -319,7 +320,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self.check_meta(meta, prog.batch)
         segs = [torch.from_numpy(s.encoded).to(self.device) if isinstance(s, Segment) else None
                 for s in prog.steps]
-        counters = torch.zeros(prog.counter_words, dtype=torch.int32, device=self.device)
+        counters = torch.zeros(max(1, prog.num_counters) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
         traces = None
         if self.trace:
             traces = [torch.zeros(len(s.tasks) * TRACE_WORDS, dtype=torch.int64, device=self.device)

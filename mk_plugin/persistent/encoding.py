@@ -31,8 +31,7 @@ MAGIC = 0x4D4B5031  # "MKP1"
 #    once its partial is stored; the task that brings it to attn_chunks merges the chunks.
 # 4: O_PROJ/DOWN may be cut over K (arg2 = ksplit_arg(part, parts), ticket_ctr their range's ticket) with
 #    fp32 partials in PART_K, a new kernel parameter.
-# 5: header word act_ll: where gate_up may hand ACT to down as flagged words (MK_ACT_LL), 0 = not in this launch.
-VERSION = 5
+VERSION = 4
 
 
 class Opcode(enum.IntEnum):
@@ -89,7 +88,7 @@ KERNEL_PARAMS: tuple[tuple[str, str], ...] = (
     ("prog", "const int* __restrict__"),                 # this launch's program (int32 words)
     ("wptr", "const unsigned long long* __restrict__"),  # [(L + 1) * LP_COUNT] weight addresses
     ("kvptr", "const unsigned long long* __restrict__"), # [L] kv cache base addresses
-    ("counters", "unsigned*"),                           # [Program.counter_words], zeroed each step
+    ("counters", "unsigned*"),                           # [num_counters * COUNTER_STRIDE], zeroed
     ("positions", "const long long*"),                   # [B] int64
     ("slots", "const long long*"),                       # [B] int64 slot_mapping (-1: padded)
     ("seq_lens", "const int*"),                          # [>= B] int32 (0: padded)
@@ -154,7 +153,6 @@ class ErrorCode(enum.IntEnum):
     COUNTER_TIMEOUT = 1  # a task's dependency counter did not reach its target within the budget
     MBAR_TIMEOUT = 2     # a weight-ring mbarrier phase did not complete within the budget
     BAD_PROGRAM = 3      # the launch's program header failed the kernel's check (see HeaderCheck)
-    ACT_TIMEOUT = 4      # MK_ACT_LL: a flagged ACT word did not reach its layer's flag within the budget
 
 
 class HeaderCheck(enum.IntFlag):
@@ -209,16 +207,10 @@ TASK_WORDS = 16
 NUM_WAITS = 2
 F = {name: i for i, name in enumerate(TASK_FIELDS)}
 
-# act_ll: word offset, in the counters array, of this launch's flagged ACT words (0: none). A launch may
-# hand ACT from gate_up to down as 8-byte words of (two ACT elements | layer + 1), zeroed with the
-# counters each step, when every down task of the launch reads all of ACT staged whole (act_ll_eligible):
-# a kernel built with MK_ACT_LL=1 then skips gate_up's release and down's counter wait, and down's
-# staging polls the words (one store and one poll per hand-off instead of a fenced release, a counter
-# poll and a load). The program's counters and waits stay as they are: the VM and the checkers read them.
 HEADER_FIELDS: tuple[str, ...] = (
-    "magic", "version", "num_queues", "batch", "num_tasks", "attn_chunks", "tasks_at", "spec_hash", "act_ll",
+    "magic", "version", "num_queues", "batch", "num_tasks", "attn_chunks", "tasks_at", "spec_hash",
 )
-HEADER_WORDS = 9
+HEADER_WORDS = 8
 H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 
 KSPLIT_SHIFT = 8   # arg2 of a K-split task: parts << KSPLIT_SHIFT | part
@@ -336,15 +328,6 @@ def kernel_defines(spec: LlamaSpec) -> list[str]:
     return out
 
 
-STAGE_PART_BYTES = 4 * 8 * MAX_BATCH   # matvec.cuh: the per-warp row sums at the end of the scratch
-
-
-def staged_fits(k: int, batch: int, norm: bool, layout: KernelLayout = LAYOUT) -> bool:
-    """Whether a matvec task stages its activations x[batch, k] whole in shared memory (matvec.cuh
-    staged_fits, the same arithmetic): rows of k * 2 + 16 bytes, one more row for a norm weight."""
-    return (batch + (1 if norm else 0)) * (k * 2 + 16) <= layout.union_bytes - STAGE_PART_BYTES
-
-
 def spec_hash_of(defines: list[str]) -> int:
     """31-bit hash of the model defines; stored in each program header and compiled into the
     kernel, which traps if a program built for another model is launched on it."""
@@ -374,12 +357,9 @@ def tasks_offset(num_queues: int) -> int:
 
 
 def encode(records: list[list[int]], queues: list[list[int]], *, batch: int, attn_chunks: int,
-           spec_hash: int, act_ll: int = 0) -> np.ndarray:
+           spec_hash: int) -> np.ndarray:
     """Pack task records (lists of TASK_WORDS ints, indexed by position in `records`) and per-SM
-    queues (lists of record indices, in execution order) into one int32 program array. act_ll: the
-    header word of that name (see HEADER_FIELDS), a multiple of COUNTER_STRIDE."""
-    if act_ll < 0 or act_ll % COUNTER_STRIDE:
-        raise ValueError(f"act_ll={act_ll}: a word offset >= 0 that is a multiple of {COUNTER_STRIDE}")
+    queues (lists of record indices, in execution order) into one int32 program array."""
     nq = len(queues)
     order = [i for q in queues for i in q]
     if sorted(order) != list(range(len(records))):
@@ -387,8 +367,7 @@ def encode(records: list[list[int]], queues: list[list[int]], *, batch: int, att
     at = tasks_offset(nq)
     prog = np.zeros(at + len(order) * TASK_WORDS, dtype=np.int32)
     hdr = {"magic": MAGIC, "version": VERSION, "num_queues": nq, "batch": batch,
-           "num_tasks": len(order), "attn_chunks": attn_chunks, "tasks_at": at, "spec_hash": spec_hash,
-           "act_ll": act_ll}
+           "num_tasks": len(order), "attn_chunks": attn_chunks, "tasks_at": at, "spec_hash": spec_hash}
     for k, v in hdr.items():
         prog[H[k]] = v
     off = 0

@@ -81,9 +81,6 @@ class MegakernelHang(MegakernelError):
                     MBAR_TAG_DRAIN // 1000: "producer draining its in-flight copies"}.get(tag, f"tag {r['counter']}")
             what = (f"mbarrier wait ({side}): slot {slot}, phase parity {r['expected']}, weight chunk "
                     f"{r['seen']}, after {r['elapsed_us'] / 1000:.1f} ms")
-        elif code == ErrorCode.ACT_TIMEOUT:
-            what = (f"flagged ACT word wait (MK_ACT_LL): flag {r['expected']} expected, {r['seen']} seen after "
-                    f"{r['elapsed_us'] / 1000:.1f} ms")
         elif code == ErrorCode.BAD_PROGRAM:
             bits = [f.name for f in HeaderCheck if r["seen"] & f.value]
             what = f"program header check failed: {', '.join(bits) or r['seen']}"

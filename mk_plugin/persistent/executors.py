@@ -19,7 +19,7 @@ from .schedule import FallbackStep, Program
 class _Entry:
     program: Program
     seg_progs: list[torch.Tensor | None]   # device int32 program per step (None: fallback step)
-    counters: torch.Tensor                 # int32 [Program.counter_words]: counters, flagged ACT words
+    counters: torch.Tensor                 # int32 [num_counters * COUNTER_STRIDE]
     traces: list[torch.Tensor | None] | None = None  # int64 [num_tasks * TRACE_WORDS] per segment
     meta: ProgramMeta | None = field(default=None)
 

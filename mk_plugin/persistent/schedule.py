@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..spec import LlamaSpec
-from .encoding import COUNTER_STRIDE, Opcode, encode, megakernel_supports, spec_hash, staged_fits
+from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
 from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
@@ -60,7 +60,6 @@ class Segment:
     queues: list[list[int]]            # per SM, indices into tasks
     encoded: np.ndarray                # int32 program (encoding.encode)
     predicted_ns: float = 0.0          # the time model's span of this launch (list_schedule)
-    act_ll: int = 0                    # header word act_ll: the flagged ACT words' offset in the counters, 0 none
 
 
 @dataclass
@@ -99,15 +98,6 @@ class Program:
     def num_counters(self) -> int:
         return len(self.counters)
 
-    @property
-    def counter_words(self) -> int:
-        """int32 words of the counters array the launches get (zeroed each step): the counters, then
-        the flagged ACT words of an act_ll segment (batch x I/2 8-byte words)."""
-        words = max(1, self.num_counters) * COUNTER_STRIDE
-        if any(s.act_ll for s in self.segments):
-            words = act_ll_offset(self.num_counters) + self.batch * self.spec.intermediate_size
-        return words
-
     def op_end(self, key: str) -> int:
         """The tid just past op `key` (e.g. 'L3.gate_up', 'final_norm'): a bisection point."""
         return self.op_ranges[key][1]
@@ -129,39 +119,14 @@ class Program:
             waits = [s.waits[i] for i in keep]
             queues = [[remap[i] for i in q if i in remap] for q in s.queues]
             steps.append(Segment(s.ops, tasks, waits, queues,
-                                 _encode_segment(self.spec, self.batch, self.attn_chunks, tasks, waits, queues,
-                                                 s.act_ll), act_ll=s.act_ll))
+                                 _encode_segment(self.spec, self.batch, self.attn_chunks, tasks, waits, queues)))
         return replace(self, steps=steps, prefix_len=n)
 
 
 def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
-                    waits: list[list[tuple[int, int]]], queues: list[list[int]], act_ll: int = 0) -> np.ndarray:
+                    waits: list[list[tuple[int, int]]], queues: list[list[int]]) -> np.ndarray:
     records = [t.record(w) for t, w in zip(tasks, waits)]
-    return encode(records, queues, batch=batch, attn_chunks=chunks, spec_hash=spec_hash(spec), act_ll=act_ll)
-
-
-def act_ll_offset(num_counters: int) -> int:
-    """Word offset of the flagged ACT words in the counters array: right after the counters (>= 1 slot)."""
-    return max(1, num_counters) * COUNTER_STRIDE
-
-
-def act_ll_eligible(spec: LlamaSpec, batch: int, tasks: list[Task], waits: list[list[tuple[int, int]]],
-                    counters: list[Counter]) -> bool:
-    """Whether a launch may hand ACT from gate_up to down as flagged words (encoding.HEADER_FIELDS act_ll):
-    it runs down tasks, every one of them uncut over K (arg2 = 0), staging all of ACT whole (staged_fits at
-    the default layout: a kernel with a shallower ring has a larger scratch), and waiting on nothing but its
-    own layer's gate_up, which runs in the same launch (so its words are written in this launch)."""
-    if not staged_fits(spec.intermediate_size, batch, False):
-        return False
-    ops = {t.op.key for t in tasks}
-    downs = [(t, w) for t, w in zip(tasks, waits) if t.opcode == Opcode.DOWN]
-    if not downs:
-        return False
-    for t, w in downs:
-        up = f"L{t.op.layer}.gate_up"
-        if t.args[2] != 0 or up not in ops or [counters[c].producer for c, _ in w] != [up]:
-            return False
-    return True
+    return encode(records, queues, batch=batch, attn_chunks=chunks, spec_hash=spec_hash(spec))
 
 
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
@@ -183,9 +148,8 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
         # A wait on an op in another segment is dropped: the launch boundary orders it.
         waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
         queues, span = list_schedule(tasks, num_sms, waits)
-        ll = act_ll_offset(len(ts.counters)) if act_ll_eligible(spec, batch, tasks, waits, ts.counters) else 0
         steps.append(Segment(part, tasks, waits, queues,
-                             _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues, ll), span, ll))
+                             _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
                    ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
 

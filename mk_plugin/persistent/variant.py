@@ -26,7 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ACT_LL", "act_ll", "act_ll"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_ACT_LL (session 15's A/B): gate_up hands ACT to down as flagged words where the program allows it
-    # (encoding.HEADER_FIELDS act_ll): no release fence after gate_up, down polls the words. 1: and no release
-    # gate after gate_up (measured +55 us at 1B batch 1); 2: the gate kept (it opens when gate_up's consumers
-    # are done); 3: the gate kept and the stale words' reloads sleep from the first one; 4 (a probe): gate_up
-    # stores the words, the hand-off stays the counter's
-    act_ll: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -59,8 +53,6 @@ class KernelVariant:
                              f"0..{(1 << len(Opcode)) - 1}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if isinstance(self.act_ll, bool) or self.act_ll not in (0, 1, 2, 3, 4):
-            raise ValueError(f"act_ll={self.act_ll!r}: 0 off, 1 no release gate, 2 the gate kept, 3 and sleeping polls, 4 the words stored, unused")
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
