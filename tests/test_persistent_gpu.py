@@ -86,6 +86,7 @@ OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [B
 @pytest.mark.parametrize("name,layers,seq_lens", [
     ("tiny", 2, [5, 0, 37]),
     ("llama-3.2-1b", 2, [1, 0, 300, 77]),
+    ("llama-3.2-1b", 2, [300]),   # batch 1: every linear op stages its activations whole
     # batch 8 and 16: every linear op's activations come through the column-group staging
     ("llama-3.2-1b", 1, [33, 0, 511, 17, 1, 250, 4000, 96]),
     ("llama-3.2-1b", 1, [7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2]),
