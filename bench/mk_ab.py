@@ -9,8 +9,9 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
         --build default --build MK_RELEASE_GATE=96 --build MK_RELEASE_GATE=96,MK_NUM_STAGES=5
     python bench/ab_table.py LOG
 
-A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and ksplit.OP=N
-program items (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2). A/B rows are
+A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and program items:
+ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
+(tuning.attn_chunks: attention KV chunks per request and kv head). A/B rows are
 not appended to mk_step.csv (like mk_step.py --define): the log and its table are the record.
 """
 from __future__ import annotations
@@ -40,8 +41,13 @@ def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
     tuning."""
     items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "default"]
     ks = parse_ksplit(i.removeprefix("ksplit.") for i in items if i.startswith("ksplit."))
-    tuning = ScheduleTuning(ksplit=ks) if ks else None   # validates op and parts
-    return KernelVariant.parse([i for i in items if not i.startswith("ksplit.")]), tuning
+    chunks = [i.removeprefix("chunks=") for i in items if i.startswith("chunks=")]
+    if len(chunks) > 1 or (chunks and not chunks[0].isdigit()):
+        raise ValueError(f"build {text!r}: give one chunks=N (attention KV chunks per request and kv head)")
+    tuning = None
+    if ks or chunks:   # validates op, parts and chunk count
+        tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0)
+    return KernelVariant.parse([i for i in items if not i.startswith(("ksplit.", "chunks="))]), tuning
 
 
 def build_label(variant: KernelVariant, tuning: ScheduleTuning | None = None) -> str:
