@@ -48,6 +48,8 @@ __device__ __forceinline__ unsigned slice_word(const uint4 (&v)[N], int w) {
   return u4_word(v[w >> 2], w & 3);
 }
 
+// (Its first lines repeat attn_partial_task's set-up while the two loops are A/B alternatives: after the
+// measurement one of them leaves, and with it the repetition.)
 __device__ __noinline__ void attn_partial_mma(const Smem S, const Params& P, const Task t, int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
