@@ -28,8 +28,6 @@ __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t
   }
 }
 
-// The residual values rres come from residual_prefetch (same thread, same elements: down reads then
-// writes RESID in place).
 // MK_RSTD_PARTS: the unit's sums of squares of the stored rows per request, lane's two requests (elements e
 // and e + 2 are one request's rows r and r + 8) summed over the 8 row lanes by a fixed butterfly.
 __device__ __forceinline__ void rstd_parts_store(const Params& P, int unit, int nt, int lane, const float (&y)[4]) {
@@ -45,6 +43,8 @@ __device__ __forceinline__ void rstd_parts_store(const Params& P, int unit, int 
   if (lane < 4 && b + 1 < P.batch) st_f32(ps + b + 1, s1);
 }
 
+// The residual values rres come from residual_prefetch (same thread, same elements: down reads then
+// writes RESID in place).
 __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   const float (&v)[4], const unsigned (&rres)[4]) {
   elem_t* out = buf_ptr(P, t.out_buf);
@@ -76,6 +76,16 @@ __device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int
   }
 }
 
+// Element o of a K-split range's output: the parts' partials added in part order, then the residual (as
+// residual_epilogue adds it); stored, and returned for MK_RSTD_PARTS's sums of squares.
+__device__ __forceinline__ elem_t ksplit_merged(const float* pk, const elem_t* res, elem_t* out, size_t o, int parts) {
+  float v = ld_cg_f32(pk + o);
+  for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
+  const elem_t s = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
+  out[o] = s;
+  return s;
+}
+
 // After a K-split task's passes (their last consumer_sync orders every partial store before thread 0's
 // ticket): the ticket (acq_rel) releases this part's partials and, for the last taker, acquires the other
 // parts'. The last one adds the parts in part order, whichever finished last (bit-identical results), then
@@ -100,12 +110,8 @@ __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const T
       const int b = in ? i / rows : 0, row = r0 + (i - b * rows);
       float y = 0.f;
       if (in) {
-        const size_t o = (size_t)b * H + row;
-        float v = ld_cg_f32(pk + o);
-        for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
-        const elem_t s = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
-        out[o] = s;
-        y = to_f(s) * to_f(s);
+        const float s = to_f(ksplit_merged(pk, res, out, (size_t)b * H + row, parts));
+        y = s * s;
       }
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
@@ -114,10 +120,7 @@ __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const T
   } else {
     for (int i = threadIdx.x; i < P.batch * rows; i += CONSUMER_THREADS) {
       const int b = i / rows, row = r0 + (i - b * rows);
-      const size_t o = (size_t)b * H + row;
-      float v = ld_cg_f32(pk + o);
-      for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
-      out[o] = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
+      ksplit_merged(pk, res, out, (size_t)b * H + row, parts);
     }
   }
 }
