@@ -96,70 +96,16 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   }
 }
 
-// Tokens [lo, hi) of chunk c of request b, C = P.chunks (cs = ceil(L / C), lo = min(L, c*cs), hi = min(L, lo + cs)).
-__device__ __forceinline__ void attn_range(const Smem& S, int C, int b, int c, int& lo, int& hi) {
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
+  const int b = t.arg0, g = t.arg1, c = t.arg2;
+  const int C = P.chunks;
   const int L = S.seq_len()[b];
-  lo = 0;
-  hi = 0;
+  int lo = 0, hi = 0;
   if (L > 0) {
     const int cs = (L + C - 1) / C;
     lo = min(L, c * cs);
     hi = min(L, lo + cs);
   }
-}
-
-// After a head pass's KV loop: the consumer warps' states (wm, wl [warp][HG], wo [warp][HG][D], exp2 units)
-// merged and stored: o / l into ATTN_O when direct (C == 1), else this chunk's partial (o, m in natural-log
-// units, l). Shared by the CUDA-core loop below and the tensor-core one (attention_mma.cuh). Begins and ends
-// with consumer_sync().
-__device__ __forceinline__ void attn_warps_store(const Params& P, const float* wm, const float* wl, const float* wo,
-                                                 int C, int b, int g, int c, int h0, bool direct) {
-  consumer_sync();
-  for (int idx = threadIdx.x; idx < ATT_HG * D; idx += CONSUMER_THREADS) {
-    const int hh = idx / D, j = idx - hh * D;
-    float M = NEG_INF;
-    for (int w = 0; w < CONSUMER_WARPS; ++w) M = fmaxf(M, wm[w * ATT_HG + hh]);
-    float ls = 0.f, os = 0.f;
-    for (int w = 0; w < CONSUMER_WARPS; ++w) {
-      const float mw = wm[w * ATT_HG + hh];
-      const float a = (mw == NEG_INF) ? 0.f : fast_exp2(mw - M);
-      ls = fmaf(wl[w * ATT_HG + hh], a, ls);
-      os = fmaf(wo[(w * ATT_HG + hh) * D + j], a, os);
-    }
-    const int head = g * G + h0 + hh;
-    if (direct) {
-      buf_ptr(P, BUF_ATTN_O)[(size_t)b * QS + head * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
-    } else {
-      const size_t pi = ((size_t)(b * NKV + g) * C + c) * G + h0 + hh;
-      st_f32(reinterpret_cast<float*>(P.buf[BUF_PART_O]) + pi * D + j, os);
-      if (j == 0) {
-        float* ml = reinterpret_cast<float*>(P.buf[BUF_PART_ML]) + pi * 2;
-        st_f32(ml, M * LN2);  // back to natural-log units of the scaled score (-inf stays -inf)
-        st_f32(ml + 1, ls);
-      }
-    }
-  }
-  consumer_sync();
-}
-
-// A merge-in-partial task (ticket_ctr >= 0) after its partial's stores: the ticket, and the merge of the
-// chunks by the task that takes the last one.
-__device__ __forceinline__ void attn_ticket_merge(const Smem& S, const Params& P, const Task& t, int C, int b, int g) {
-  if (t.ticket_ctr < 0) return;
-  // Every thread's partial stores precede thread 0's ticket (the consumer_sync before this); the ticket
-  // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
-  int* last = reinterpret_cast<int*>(S.scratch());
-  if (threadIdx.x == 0)
-    *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
-  consumer_sync();
-  if (*last) attn_merge(P, b, g);
-}
-
-__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
-  const int b = t.arg0, g = t.arg1, c = t.arg2;
-  const int C = P.chunks;
-  int lo, hi;
-  attn_range(S, C, b, c, lo, hi);
   const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
   const int bs = P.block_size;
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
@@ -295,11 +241,44 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         }
       }
     }
-    attn_warps_store(P, wm, wl, wo, C, b, g, c, h0, direct);
+    consumer_sync();
+    for (int idx = threadIdx.x; idx < ATT_HG * D; idx += CONSUMER_THREADS) {
+      const int hh = idx / D, j = idx - hh * D;
+      float M = NEG_INF;
+      for (int w = 0; w < CONSUMER_WARPS; ++w) M = fmaxf(M, wm[w * ATT_HG + hh]);
+      float ls = 0.f, os = 0.f;
+      for (int w = 0; w < CONSUMER_WARPS; ++w) {
+        const float mw = wm[w * ATT_HG + hh];
+        const float a = (mw == NEG_INF) ? 0.f : fast_exp2(mw - M);
+        ls = fmaf(wl[w * ATT_HG + hh], a, ls);
+        os = fmaf(wo[(w * ATT_HG + hh) * D + j], a, os);
+      }
+      const int head = g * G + h0 + hh;
+      if (direct) {
+        buf_ptr(P, BUF_ATTN_O)[(size_t)b * QS + head * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
+      } else {
+        const size_t pi = ((size_t)(b * NKV + g) * C + c) * G + h0 + hh;
+        st_f32(reinterpret_cast<float*>(P.buf[BUF_PART_O]) + pi * D + j, os);
+        if (j == 0) {
+          float* ml = reinterpret_cast<float*>(P.buf[BUF_PART_ML]) + pi * 2;
+          st_f32(ml, M * LN2);  // back to natural-log units of the scaled score (-inf stays -inf)
+          st_f32(ml + 1, ls);
+        }
+      }
+    }
+    consumer_sync();
     if (ph_on) phase_lap(ph_t, ph_reduce);
   }
   if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
-  attn_ticket_merge(S, P, t, C, b, g);
+  if (t.ticket_ctr >= 0) {
+    // Every thread's partial stores precede thread 0's ticket (the consumer_sync above); the ticket
+    // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
+    int* last = reinterpret_cast<int*>(S.scratch());
+    if (threadIdx.x == 0)
+      *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
+    consumer_sync();
+    if (*last) attn_merge(P, b, g);
+  }
 }
 
 __device__ __forceinline__ void attn_combine_task(const Smem& S, const Params& P, const Task& t) {

@@ -320,39 +320,6 @@ __device__ __forceinline__ void rstd_from_parts(const float* part, int batch, fl
   }
 }
 
-// MK_RSTD_PARTS: the residual's sums of squares per 16-row unit, [H / UNIT][MAX_BATCH] fp32 after PART_K's
-// partials (encoding.RSTD_FROM_PARTS), written by the o_proj / down tasks that store the residual rows.
-__device__ __forceinline__ float* rstd_parts(const Params& P) {
-  return reinterpret_cast<float*>(P.buf[BUF_PART_K]) + (size_t)KSPLIT_MAX * MAX_BATCH * H;
-}
-
-// MK_RSTD_PARTS: rstd[b] = rsqrt(sum_u parts[u][b] / H + eps) for b < batch, from the writers' unit sums: one
-// L2 round trip (warp w sums requests w and w + 8, its lanes units u = lane, lane + 32, ..; then a fixed
-// butterfly: bit-reproducible) instead of rows_rstd's rounds over the rows. Ends with consumer_sync().
-__device__ __forceinline__ void parts_rstd(const Params& P, int batch, float* rstd, int warp, int lane) {
-  constexpr int NU = H / UNIT, PER = (NU + 31) / 32;
-  const float* ps = rstd_parts(P);
-  float v[2][PER];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int b = warp + h * CONSUMER_WARPS, u = lane + 32 * i;
-      v[h][i] = b < batch && u < NU ? ld_cg_f32(ps + u * MAX_BATCH + b) : 0.f;
-    }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) ss += v[h][i];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const int b = warp + h * CONSUMER_WARPS;
-    if (lane == 0 && b < batch) rstd[b] = rsqrtf(ss / (float)H + EPS);
-  }
-  consumer_sync();
-}
-
 // Per-row 1/rms of a [batch, H] activation, fp32 statistics of its stored values:
 // rstd[b] = rsqrt(sum_k x[b,k]^2 / H + eps), into shared memory. All consumer threads share each
 // row (16-byte L2 loads, four rows in flight per round), partial sums meet in `part` (scratch,

@@ -542,12 +542,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
   if (!staged) group_issue(xs, x, wp.K, wp.ldx, 0, B, KG);
-  if (!staged && nw != nullptr) {
-    if (MK_RSTD_PARTS && t.arg2 == RSTD_FROM_PARTS)   // the residual's writers stored its unit sums of squares
-      parts_rstd(P, B, S.rstd(), warp, lane);
-    else
-      rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
-  }
+  if (!staged && nw != nullptr)
+    rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
   unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0, ph_gwait = 0;
   const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;

@@ -37,7 +37,6 @@
 #include "matvec.cuh"
 #include "qkv_rope.cuh"
 #include "attention.cuh"
-#include "attention_mma.cuh"
 #include "o_proj.cuh"
 #include "gate_up.cuh"
 #include "down.cuh"
@@ -130,12 +129,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_GATE_UP:
       case OP_DOWN:
       case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles, early_nw); break;
-      case OP_ATTN_PARTIAL:   // MK_ATT_MMA: the KV loop on tensor cores (attention_mma.cuh)
-        if (MK_ATT_MMA)
-          attn_partial_mma(S, P, t, warp, lane);
-        else
-          attn_partial_task(S, P, t, warp, lane);
-        break;
+      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
       default: break;

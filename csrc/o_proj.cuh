@@ -28,39 +28,18 @@ __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t
   }
 }
 
-// MK_RSTD_PARTS: the unit's sums of squares of the stored rows per request, lane's two requests (elements e
-// and e + 2 are one request's rows r and r + 8) summed over the 8 row lanes by a fixed butterfly.
-__device__ __forceinline__ void rstd_parts_store(const Params& P, int unit, int nt, int lane, const float (&y)[4]) {
-  float s0 = fmaf(y[0], y[0], y[2] * y[2]), s1 = fmaf(y[1], y[1], y[3] * y[3]);
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-  }
-  const int b = nt * 8 + 2 * lane;
-  float* ps = rstd_parts(P) + (size_t)unit * MAX_BATCH;
-  if (lane < 4 && b < P.batch) st_f32(ps + b, s0);
-  if (lane < 4 && b + 1 < P.batch) st_f32(ps + b + 1, s1);
-}
-
 // The residual values rres come from residual_prefetch (same thread, same elements: down reads then
 // writes RESID in place).
 __device__ __forceinline__ void residual_epilogue(const Params& P, const Task& t, int p0, int m, int nt, int lane,
                                                   const float (&v)[4], const unsigned (&rres)[4]) {
   elem_t* out = buf_ptr(P, t.out_buf);
-  float y[4] = {0.f, 0.f, 0.f, 0.f};   // MK_RSTD_PARTS: the stored values
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     int b, row;
     residual_elem(p0, m, nt, lane, e, b, row);
     // STOCK: vLLM's GEMM stores its output before the residual add
-    if (b < P.batch) {
-      const elem_t o = from_f(bits_to_f((unsigned short)rres[e]) + stock_rnd(v[e]));
-      out[(size_t)b * H + row] = o;
-      if (MK_RSTD_PARTS) y[e] = to_f(o);
-    }
+    if (b < P.batch) out[(size_t)b * H + row] = from_f(bits_to_f((unsigned short)rres[e]) + stock_rnd(v[e]));
   }
-  if (MK_RSTD_PARTS) rstd_parts_store(P, p0 + m, nt, lane, y);
 }
 
 // K-split o_proj/down (tuning.ksplit): a part's fp32 sums go to PART_K[part][b][row] (MAX_BATCH rows per
@@ -74,16 +53,6 @@ __device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int
     residual_elem(p0, m, nt, lane, e, b, row);
     if (b < P.batch) st_f32(pk + (size_t)b * H + row, v[e]);
   }
-}
-
-// Element o of a K-split range's output: the parts' partials added in part order, then the residual (as
-// residual_epilogue adds it); stored, and returned for MK_RSTD_PARTS's sums of squares.
-__device__ __forceinline__ elem_t ksplit_merged(const float* pk, const elem_t* res, elem_t* out, size_t o, int parts) {
-  float v = ld_cg_f32(pk + o);
-  for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
-  const elem_t s = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
-  out[o] = s;
-  return s;
 }
 
 // After a K-split task's passes (their last consumer_sync orders every partial store before thread 0's
@@ -101,27 +70,12 @@ __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const T
   const elem_t* res = buf_ptr(P, t.res_buf);
   elem_t* out = buf_ptr(P, t.out_buf);
   const int rows = t.arg1 * UNIT, r0 = t.arg0 * UNIT;
-  if constexpr (MK_RSTD_PARTS) {
-    // warp-aligned rounds, so a half warp holds one request's 16 rows of one unit (rows is a multiple of 16):
-    // their sum of squares by a fixed butterfly, stored by its first lane
-    for (int base = threadIdx.x & ~31; base < P.batch * rows; base += CONSUMER_THREADS) {
-      const int i = base + (threadIdx.x & 31);
-      const bool in = i < P.batch * rows;
-      const int b = in ? i / rows : 0, row = r0 + (i - b * rows);
-      float y = 0.f;
-      if (in) {
-        const float s = to_f(ksplit_merged(pk, res, out, (size_t)b * H + row, parts));
-        y = s * s;
-      }
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
-      if (in && (i & 15) == 0) st_f32(rstd_parts(P) + (size_t)(row / UNIT) * MAX_BATCH + b, y);
-    }
-  } else {
-    for (int i = threadIdx.x; i < P.batch * rows; i += CONSUMER_THREADS) {
-      const int b = i / rows, row = r0 + (i - b * rows);
-      ksplit_merged(pk, res, out, (size_t)b * H + row, parts);
-    }
+  for (int i = threadIdx.x; i < P.batch * rows; i += CONSUMER_THREADS) {
+    const int b = i / rows, row = r0 + (i - b * rows);
+    const size_t o = (size_t)b * H + row;
+    float v = ld_cg_f32(pk + o);
+    for (int p = 1; p < parts; ++p) v += ld_cg_f32(pk + (size_t)p * MAX_BATCH * H + o);
+    out[o] = from_f(bits_to_f(ld_cg_u16(res + o)) + stock_rnd(v));
   }
 }
 

@@ -63,8 +63,6 @@ constexpr int COUNTER_STRIDE = 8;
 constexpr int MAX_BATCH = 16;
 constexpr int UNIT = 16;
 constexpr int KSPLIT_SHIFT = 8;   // arg2 of a K-split o_proj/down task: parts << 8 | part
-constexpr int KSPLIT_MAX = 4;   // PART_K's parts; the residual's unit sums of squares follow
-constexpr int RSTD_FROM_PARTS = 1;   // arg2 of QKV_ROPE / GATE_UP: rstd from them
 
 // Watchdog error record (encoding.ERROR_FIELDS)
 enum ErrorCode : int {
@@ -177,12 +175,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
-#endif
-#ifndef MK_ATT_MMA
-#define MK_ATT_MMA 0
-#endif
-#ifndef MK_RSTD_PARTS
-#define MK_RSTD_PARTS 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -154,12 +154,6 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert KernelVariant.parse(["MK_RELEASE_GATE=0"]).defines() == ("-DMK_RELEASE_GATE=0",)
     with pytest.raises(ValueError, match="release_gate=512: a mask of opcodes"):
         KernelVariant(release_gate=512)
-    mma = KernelVariant.parse(["MK_ATT_MMA=1"])   # session 15's tensor-core attention, to be measured
-    assert mma.att_mma is True and mma.defines() == ("-DMK_ATT_MMA=1",) and mma.label() == "att_mma"
-    with pytest.raises(ValueError, match="att_mma=1 must be true or false"):
-        KernelVariant(att_mma=1)
-    rp = KernelVariant.parse(["MK_RSTD_PARTS=1", "MK_ATT_MMA=1"])   # session 15's norm statistics from the writers
-    assert rp.rstd_parts and rp.att_mma and rp.defines() == ("-DMK_ATT_MMA=1", "-DMK_RSTD_PARTS=1")
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_ATTN_PREFETCH'"):
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone

@@ -102,19 +102,3 @@ def test_checkers_catch_broken_programs():
 
     with pytest.raises(AssertionError, match="unordered conflict"):
         check_ordering(_with_waits(p, drop_dependency))
-
-
-def test_norm_fused_tasks_say_when_the_residual_writers_stored_its_sums_of_squares():
-    """arg2 = RSTD_FROM_PARTS (MK_RSTD_PARTS's rstd from the o_proj / down tasks' unit sums) on gate_up, and on qkv_rope
-    past layer 0, exactly when the op that wrote their residual runs in the megakernel; nothing else changes."""
-    spec = LlamaSpec.tiny()
-    for fallback in (frozenset(), frozenset({"o_proj"}), frozenset({"down"}), frozenset({"attention"})):
-        p = build_program(spec, 9, 6, fallback=fallback)
-        for s in p.segments:
-            for t in s.tasks:
-                up = t.opcode == enc.Opcode.GATE_UP and "o_proj" not in fallback
-                qkv = t.opcode == enc.Opcode.QKV_ROPE and t.op.layer > 0 and "down" not in fallback
-                want = enc.RSTD_FROM_PARTS if up or qkv else 0
-                if t.opcode in (enc.Opcode.GATE_UP, enc.Opcode.QKV_ROPE):
-                    assert t.args[2] == want, (sorted(fallback), t.op.key)
-        check_ordering(p)   # the unit sums are RSTD_PARTS regions: written by o_proj / down, read by the norm ops

@@ -47,7 +47,6 @@ from .encoding import (
     LP_COUNT,
     MAX_BATCH,
     TRACE_WORDS,
-    UNIT,
     VERSION,
     WATCHDOG_MS_MAX,
     Buf,
@@ -224,10 +223,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                    Buf.ACT: buf(s.intermediate_size)}
         self._alloc_parts(max(b * s.num_kv_heads * self.attn_chunks(b) for b in range(1, m + 1)))
         # K-split o_proj/down partials, [KSPLIT_MAX, MAX_BATCH, H] whatever the batch or tuning (the kernel's
-        # indexing), so retune() never has to grow them; then the residual's sums of squares per 16-row unit,
-        # [H / 16, MAX_BATCH] (MK_RSTD_PARTS, encoding.RSTD_FROM_PARTS)
-        self.part_k = torch.zeros(KSPLIT_MAX * MAX_BATCH * s.hidden_size + s.hidden_size // UNIT * MAX_BATCH,
-                                  dtype=torch.float32, device=dev)
+        # indexing), so retune() never has to grow them
+        self.part_k = torch.zeros(KSPLIT_MAX * MAX_BATCH * s.hidden_size, dtype=torch.float32, device=dev)
         # Triton fallback scratch: the qkv projection and split-KV attention partials.
         self.qkv_tmp = buf(s.qkv_size)
         from ..triton_ops.paged_attention import MAX_SPLITS, paged_attention_workspace_size
@@ -479,8 +476,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         out[Buf.PART_O] = self.part_o[: parts * s.gqa_group * s.head_dim].view(
             batch, s.num_kv_heads, C, s.gqa_group, s.head_dim)
         out[Buf.PART_ML] = self.part_ml[: parts * s.gqa_group * 2].view(batch, s.num_kv_heads, C, s.gqa_group, 2)
-        out[Buf.PART_K] = self.part_k[:KSPLIT_MAX * MAX_BATCH * s.hidden_size].view(KSPLIT_MAX, MAX_BATCH,
-                                                                                  s.hidden_size)[:, :batch]
+        out[Buf.PART_K] = self.part_k.view(KSPLIT_MAX, MAX_BATCH, s.hidden_size)[:, :batch]
         return out
 
     def _bufs(self, b: int, io: _StepIO) -> dict[Buf, torch.Tensor]:

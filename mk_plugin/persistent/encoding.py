@@ -57,8 +57,7 @@ class Buf(enum.IntEnum):
     LOGITS = 6      # fp32 [B, V]
     PART_O = 7      # fp32 [B, nkv, C, G, d]   attention chunk partial o (unnormalised)
     PART_ML = 8     # fp32 [B, nkv, C, G, 2]   attention chunk partial (max score, sum of exp)
-    PART_K = 9      # fp32 [KSPLIT_MAX, MAX_BATCH, H]   K-split o_proj/down partial sums (part, request, row),
-                    # then [H / UNIT, MAX_BATCH] the residual's sums of squares per unit (MK_RSTD_PARTS)
+    PART_K = 9      # fp32 [KSPLIT_MAX, MAX_BATCH, H]   K-split o_proj/down partial sums (part, request, row)
     NONE = 15
 
 
@@ -190,7 +189,6 @@ TRACE_WORDS = 13
 
 # Task record: 16 int32 words = 64 bytes. Meaning of arg0..arg2 per opcode:
 #   QKV_ROPE, O_PROJ, GATE_UP, DOWN, FINAL_NORM, LM_HEAD: arg0 = first unit, arg1 = unit count
-#   QKV_ROPE, GATE_UP: arg2 = RSTD_FROM_PARTS or 0 (below)
 #     (a unit = 16 output columns; see tasks.py for the unit -> weight row map of each op)
 #   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c; ticket_ctr >= 0: merge in
 #     the partial (the task that brings counters[ticket_ctr] to attn_chunks merges; out_buf ATTN_O)
@@ -216,12 +214,6 @@ HEADER_WORDS = 8
 H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 
 KSPLIT_SHIFT = 8   # arg2 of a K-split task: parts << KSPLIT_SHIFT | part
-KSPLIT_MAX = 4     # the most K parts of an o_proj/down unit range (PART_K's first dimension)
-# arg2 of a QKV_ROPE / GATE_UP task: 1 when the residual it normalises was written by megakernel tasks of this
-# step (o_proj, or the previous layer's down), which store its sums of squares per unit after PART_K's partials;
-# a kernel built with MK_RSTD_PARTS=1 then takes rstd from them (one round trip) instead of reading the rows
-# (rows_rstd), where its activations do not fit shared memory whole. Other kernels ignore it.
-RSTD_FROM_PARTS = 1
 
 
 def ksplit_arg(part: int, parts: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..spec import LlamaSpec
-from .encoding import RSTD_FROM_PARTS, Opcode, encode, megakernel_supports, spec_hash
+from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
 from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
@@ -144,7 +144,7 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
             steps.append(FallbackStep(part, ts.op_ranges[part.key]))
             continue
         keys = {op.key for op in part}
-        tasks = [_rstd_flag(t, fallback) for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
+        tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
         # A wait on an op in another segment is dropped: the launch boundary orders it.
         waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
         queues, span = list_schedule(tasks, num_sms, waits)
@@ -152,19 +152,6 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
                    ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
-
-
-def _rstd_flag(t: Task, fallback: frozenset[str]) -> Task:
-    """t with arg2 = RSTD_FROM_PARTS when it is a norm-fused task (qkv_rope of layer >= 1, gate_up) whose residual
-    was written by megakernel tasks of this step (the previous layer's down, this layer's o_proj), which store
-    its sums of squares per unit (encoding.RSTD_FROM_PARTS); every other task unchanged."""
-    if t.opcode == Opcode.GATE_UP:
-        writer = "o_proj"
-    elif t.opcode == Opcode.QKV_ROPE and t.op.layer > 0:
-        writer = "down"
-    else:
-        return t
-    return t if writer in fallback else replace(t, args=(t.args[0], t.args[1], RSTD_FROM_PARTS))
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:

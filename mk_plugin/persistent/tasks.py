@@ -271,12 +271,9 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                             base = (0 if kind == "k" else spec.kv_size) + head * d
                             for c0 in (base + s * 8, base + d // 2 + s * 8):
                                 writes.append((f"KV{L}", 0, B, c0, c0 + 8))
-                    reads = [(src.name, 0, B, 0, spec.hidden_size)]
-                    if L > 0:   # the residual's unit sums of squares (encoding.RSTD_FROM_PARTS)
-                        reads.append(("RSTD_PARTS", 0, B, 0, spec.hidden_size // UNIT))
                     t = bld.add(Task(0, Opcode.QKV_ROPE, op, (u0, n, 0), in_buf=src, out_buf=Buf.Q,
                                      signal=(ctr, n), cost=matvec_ns(spec, name, n, num_sms),
-                                     reads=reads, writes=writes))
+                                     reads=[(src.name, 0, B, 0, spec.hidden_size)], writes=writes))
                     pending.append((t, [f"L{L - 1}.down"] if L > 0 else []))
         elif name == "attention":
             merge = C > 1 and tuning.merge_in_partial
@@ -326,10 +323,6 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                     if res_buf is not Buf.NONE:
                         reads.append((res_buf.name, *all_rows, c0, c1))
                     writes = [(out_buf.name, *all_rows, c0, c1)]
-                    if name in ("o_proj", "down"):   # the residual's unit sums of squares: col = unit
-                        writes.append(("RSTD_PARTS", *all_rows, u0, u0 + n))
-                    elif name == "gate_up":
-                        reads.append(("RSTD_PARTS", *all_rows, 0, spec.hidden_size // UNIT))
                     cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
                     if ks > 1:   # PART_K regions: row = part, col = output column (all requests)
                         writes.append(("PART_K", p, p + 1, c0, c1))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
-from .encoding import KSPLIT_MAX, STAGE_CHOICES, spec_hash
+from .encoding import STAGE_CHOICES, spec_hash
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -41,6 +41,7 @@ SPLIT_MIN, SPLIT_MAX = 0.125, 8.0
 # Ops whose reduction (K) can be cut across tasks (tasks.py: K-split with a last-arriver merge) and the most
 # parts: the parts' fp32 partials live in PART_K ([KSPLIT_MAX, MAX_BATCH, H], encoding.py).
 KSPLIT_OPS = ("o_proj", "down")
+KSPLIT_MAX = 4
 MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 TUNED_MIN_GAIN = 0.02   # a winner replaces the default only when > 2% faster (graph replay noise ~0.5%)

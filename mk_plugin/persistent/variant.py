@@ -26,8 +26,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_MMA", "att_mma", "att_mma"),
-                   ("MK_RSTD_PARTS", "rstd_parts", "rstd_parts"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,6 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    att_mma: bool = False   # MK_ATT_MMA (session 15, to be measured): attention's KV loop on tensor cores
-    # MK_RSTD_PARTS (session 15, to be measured): norm-fused ops take rstd from the residual writers' unit sums
-    rstd_parts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -55,9 +51,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        for name in ("phases", "att_mma", "rstd_parts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
+        if not isinstance(self.phases, bool):
+            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
