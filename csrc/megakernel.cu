@@ -55,9 +55,9 @@ __device__ __forceinline__ void matvec_epilogue(const Smem& S, const Params& P, 
       if (is_ksplit(t))
         ksplit_store(P, t, p0, m, nt, lane, v);
       else
-        residual_epilogue(P, t, p0, m, nt, lane, v, rres);
+        residual_epilogue(S, P, t, p0, m, nt, lane, v, rres);
       break;
-    case OP_GATE_UP: gate_up_epilogue(P, t, p0, m, nt, lane, v, vu); break;
+    case OP_GATE_UP: gate_up_epilogue(S, P, t, p0, m, nt, lane, v, vu); break;
     case OP_LM_HEAD: lm_head_epilogue(P, t, p0, m, nt, lane, v); break;
     default: break;
   }
@@ -137,6 +137,12 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     consumer_sync();  // all of this task's stores precede the release below
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
+#if MK_BULK_RELEASE   // bulk_release.cuh: the output goes out from the stage, the release has no MEMBAR
+    if (threadIdx.x == 0 && bulk_task(t, P.batch))
+      bulk_release(S, P, t, t.signal_ctr >= 0 ? P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE : nullptr,
+                   (unsigned)t.signal_add);
+    else
+#endif
     if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence

@@ -26,7 +26,10 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_BULK_RELEASE", "bulk_release", "bulk"))
+# MK_BULK_RELEASE (A/B, default 0, session 16): the output stage past the layout's shared memory (bytes); the
+# kernel's BULK_STAGE_BYTES (common.cuh) must match
+BULK_STAGE_BYTES = 768
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,10 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
+    # MK_BULK_RELEASE: 1 = gate_up / o_proj / down (uncut) tasks whose output fits BULK_STAGE_BYTES store it by
+    # a bulk copy from shared memory and release with a relaxed add after the copy completes (no MEMBAR: it
+    # waits for the SM's in-flight weight copies); 2 = the same with fence.proxy.async.global before the add
+    bulk_release: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -51,6 +58,8 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
+        if isinstance(self.bulk_release, bool) or self.bulk_release not in (0, 1, 2):
+            raise ValueError(f"bulk_release={self.bulk_release!r}: 0 (off), 1 or 2")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -67,7 +76,9 @@ class KernelVariant:
 
     @property
     def layout(self) -> KernelLayout:
-        return LAYOUT.with_stages(self.num_stages)
+        lay = LAYOUT.with_stages(self.num_stages)
+        # the bulk release's output stage sits past the layout (common.cuh BULK_STAGE_OFF = SMEM_BYTES)
+        return replace(lay, misc_bytes=lay.misc_bytes + BULK_STAGE_BYTES) if self.bulk_release else lay
 
     def with_stages(self, num_stages: int) -> KernelVariant:
         """The same build with another ring depth (0: the layout's default)."""

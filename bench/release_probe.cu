@@ -1,0 +1,223 @@
+// Release probe (bench/release_probe.py): what does one cross-SM hand-off cost while the releasing SM
+// streams weights? The megakernel's release (thread 0: red.release.gpu.add after the task's stores,
+// SASS MEMBAR.ALL.GPU) was measured to wait for the SM's own in-flight cp.async.bulk weight copies
+// (bench/NOTES.md session 8: gate_up's release 3.3 us with down's copies in flight, 0.4-0.8 us
+// without), which is why the producer holds copies behind a release gate. This probe measures the
+// hand-off latency of other release forms under the same load, before any of them enters csrc/.
+// Independent of the megakernel's headers on purpose.
+//
+// Grid: one CTA per SM, all co-resident. Warp 0 = producer: when `stream` is set, it streams
+// `chunks` chunks of 32 KB (16 copies of 2 KB: the megakernel's per-row pattern at KC = 1024) from
+// the CTA's own region of `src` into a 6-slot ring; warp 1 frees each slot as soon as it is full (no
+// compute: HBM-bound, like gate_up's phase). Warp 2 of CTAs 0 and 1 plays ping-pong: CTA 0 writes a
+// 256-byte payload (64 words, every lane two), releases flag 0 and waits for flag 1; CTA 1 waits for
+// flag 0, checks the payload, writes its own and releases flag 1; `iters` rounds. The payload words
+// carry the round number, so a release form that does not order the payload before the flag shows up
+// as mismatches (counted, never hidden).
+//
+// mode 0: generic st.global of the payload, __syncwarp, lane 0 red.release.gpu.global.add (the kernel's form)
+// mode 1: payload to shared memory, fence.proxy.async, lane 0 cp.async.bulk.global.shared::cta of
+//         the 256 bytes, commit, wait_group 0 (the write is complete), red.relaxed.gpu.global.add:
+//         no MEMBAR; the bulk group waited for is this thread's store only
+// mode 2: mode 1's bulk store, then red.release.gpu (the bulk path's cost with the fence kept)
+// mode 3: generic stores, fence.acq_rel.cta only, red.relaxed.gpu: NOT a valid release (no gpu-scope
+//         ordering): the floor of a hand-off with no fence at all, mismatches expected to be possible
+// mode 4: mode 1 with fence.proxy.async.global between the wait and the relaxed add (MK_BULK_RELEASE=2)
+// The reader always polls with ld.acquire.gpu and reads the payload with ld.relaxed.gpu.
+//
+// out[0] = CTA 0's ns for all rounds, out[1] = payload mismatches (both sides), out[2] = CTA 0's end
+// time, out[3] = the earliest producer end time (atomicMin; the host sets it to ~0 first: streaming
+// must outlast the ping-pong), out[4] = 1 when a wait timed out (a probe bug or a broken form).
+
+#define RP_THREADS 96
+#define RP_NS 6
+#define RP_SLOT 32768u
+#define RP_COPY 2048u
+#define RP_PAYLOAD_WORDS 64
+#define RP_BUDGET_NS 2000000000ull
+
+__device__ __forceinline__ unsigned long long rp_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void rp_mbar_init(unsigned addr, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void rp_arrive_expect_tx(unsigned addr, unsigned bytes) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}"
+               ::"r"(addr), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void rp_arrive(unsigned addr) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(addr) : "memory");
+}
+
+__device__ __forceinline__ bool rp_try_wait(unsigned addr, unsigned parity) {
+  unsigned ok;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(ok) : "r"(addr), "r"(parity) : "memory");
+  return ok != 0;
+}
+
+__device__ __forceinline__ void rp_wait(unsigned addr, unsigned parity, unsigned long long* out) {
+  if (rp_try_wait(addr, parity)) return;
+  const unsigned long long t0 = rp_ns();
+  while (!rp_try_wait(addr, parity)) {
+    if (rp_ns() - t0 > RP_BUDGET_NS) {
+      out[4] = 1;
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void rp_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
+}
+
+__device__ __forceinline__ void rp_bulk_s2g(void* dst, unsigned src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned rp_ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned rp_ld_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void rp_red_release(unsigned* p) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+__device__ __forceinline__ void rp_red_relaxed(unsigned* p) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+
+// One side's release of round value v: the payload (64 words = v) and then the flag.
+__device__ __forceinline__ void rp_release(int mode, unsigned* payload, unsigned* flag, unsigned* stage, unsigned v,
+                                           int lane) {
+  if (mode == 0 || mode == 3) {
+    payload[lane] = v;
+    payload[lane + 32] = v;
+  } else {
+    stage[lane] = v;
+    stage[lane + 32] = v;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem writes -> the bulk copy
+  }
+  __syncwarp();
+  if (lane == 0) {
+    if (mode == 1 || mode == 2 || mode == 4) rp_bulk_s2g(payload, (unsigned)__cvta_generic_to_shared(stage), 4 * RP_PAYLOAD_WORDS);
+    if (mode == 3) asm volatile("fence.acq_rel.cta;" ::: "memory");
+    if (mode == 4) asm volatile("fence.proxy.async.global;" ::: "memory");
+    if (mode == 0 || mode == 2)
+      rp_red_release(flag);
+    else
+      rp_red_relaxed(flag);
+  }
+  __syncwarp();
+}
+
+// Wait until *flag >= target (lane 0, acquire), then count payload words != v (whole warp).
+__device__ __forceinline__ unsigned rp_take(const unsigned* payload, const unsigned* flag, unsigned target, unsigned v,
+                                            int lane, unsigned long long* out) {
+  if (lane == 0) {
+    const unsigned long long t0 = rp_ns();
+    while (rp_ld_acquire(flag) < target) {
+      if (rp_ns() - t0 > RP_BUDGET_NS) {
+        out[4] = 1;
+        break;
+      }
+    }
+  }
+  __syncwarp();
+  unsigned bad = (rp_ld_relaxed(payload + lane) != v) + (rp_ld_relaxed(payload + lane + 32) != v);
+  for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  return bad;
+}
+
+extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
+    release_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int iters,
+                  int chunks, unsigned* flags, unsigned* payloads, unsigned long long* out) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
+  const unsigned full0 = ring + RP_NS * RP_SLOT, empty0 = full0 + 8 * RP_NS;
+  unsigned* stage = reinterpret_cast<unsigned*>(smem + RP_NS * RP_SLOT + 16 * RP_NS);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < RP_NS; ++s) {
+      rp_mbar_init(full0 + 8 * s, 1);
+      rp_mbar_init(empty0 + 8 * s, 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
+  const int n = stream ? chunks : 0;
+  if (warp == 0) {  // producer
+    long long off = 0;
+    for (int it = 0; it < n; ++it) {
+      const int slot = it % RP_NS;
+      const unsigned parity = (unsigned)(it / RP_NS) & 1u;
+      rp_wait(empty0 + 8 * slot, parity ^ 1u, out);
+      if (lane == 0) rp_arrive_expect_tx(full0 + 8 * slot, RP_SLOT);
+      __syncwarp();
+      if (lane < (int)(RP_SLOT / RP_COPY))
+        rp_bulk_g2s(ring + slot * RP_SLOT + lane * RP_COPY, region + off + lane * RP_COPY, RP_COPY, full0 + 8 * slot);
+      off += RP_SLOT;
+      if (off + RP_SLOT > region_bytes) off = 0;
+    }
+    for (int it = n > RP_NS ? n - RP_NS : 0; it < n; ++it) rp_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
+    if (lane == 0 && n > 0) atomicMin(out + 3, rp_ns());
+  } else if (warp == 1) {  // frees each slot once full
+    for (int it = 0; it < n; ++it) {
+      rp_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
+      rp_arrive(empty0 + 8 * (it % RP_NS));
+    }
+  } else if (blockIdx.x < 2) {  // ping-pong
+    const int me = blockIdx.x, other = 1 - me;
+    unsigned* mine = payloads + me * RP_PAYLOAD_WORDS;
+    const unsigned* theirs = payloads + other * RP_PAYLOAD_WORDS;
+    unsigned bad = 0;
+    // let the streaming reach its steady state first (the ring fills in ~6 us)
+    const unsigned long long w0 = rp_ns();
+    while (stream && rp_ns() - w0 < 20000ull) {
+    }
+    const unsigned long long t0 = rp_ns();
+    for (int i = 0; i < iters; ++i) {
+      const unsigned v0 = 2u * i + 1u, v1 = 2u * i + 2u;
+      if (me == 0) {
+        rp_release(mode, mine, flags + 0, stage, v0, lane);
+        bad += rp_take(theirs, flags + 1, (unsigned)i + 1u, v1, lane, out);
+      } else {
+        bad += rp_take(theirs, flags + 0, (unsigned)i + 1u, v0, lane, out);
+        rp_release(mode, mine, flags + 1, stage, v1, lane);
+      }
+      // one lane reads the error word and the warp follows it (lanes must leave together: rp_take syncs)
+      const int stop = __shfl_sync(0xffffffffu, lane == 0 ? (int)*(volatile unsigned long long*)(out + 4) : 0, 0);
+      if (stop) break;
+    }
+    if (lane == 0) {
+      atomicAdd(out + 1, (unsigned long long)bad);
+      if (me == 0) {
+        const unsigned long long t1 = rp_ns();
+        out[0] = t1 - t0;
+        out[2] = t1;
+      }
+    }
+  }
+}

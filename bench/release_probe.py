@@ -1,0 +1,144 @@
+"""Release probe: what does one cross-SM hand-off cost while the releasing SM streams weights?
+
+The megakernel's release (red.release.gpu: MEMBAR.ALL.GPU) waits for the SM's own in-flight
+cp.async.bulk weight copies (bench/NOTES.md session 8), so the producer holds the next task's copies
+behind a release gate and every release on the chain pays for the copies in flight. This probe
+(bench/release_probe.cu, independent of csrc/) measures the hand-off latency (payload + flag, one
+ping-pong between two SMs, half a round trip) of four release forms, with every SM streaming 32 KB
+chunks from HBM (stream 1) or idle (stream 0):
+
+    python bench/release_probe.py [--iters 1000] [--reps 5] [--out FILE.md]
+
+mode 0 generic stores + red.release.gpu (the megakernel's release); 1 payload by a bulk store from shared
+memory + wait_group 0 + red.relaxed.gpu (no MEMBAR); 2 the bulk store + red.release.gpu; 3 generic stores
++ fence.acq_rel.cta + red.relaxed.gpu: not a valid release, the no-fence floor; 4 mode 1 with
+fence.proxy.async.global before the add (csrc/bulk_release.cuh's MK_BULK_RELEASE=2). `mismatches` counts payload
+words that the reader saw stale after the flag (a form that does not order them). Reading it: if mode 0
+under streaming is far above mode 0 idle and mode 1 under streaming is near its idle figure, the bulk
+store's completion does not wait for the SM's weight copies and a release built on it can drop the gate.
+Every row is also appended to bench/results/release_probe.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py: git_commit, today, append_csv, RESULTS
+
+SOURCE = Path(__file__).resolve().with_suffix(".cu")
+KERNEL = "release_probe"
+THREADS = 96
+RING_BYTES = 6 * 32768
+SMEM_BYTES = RING_BYTES + 16 * 6 + 256      # the ring, 6 full + 6 empty mbarriers, the payload stage
+REGION_BYTES = 8 << 20                      # streamed per CTA, cycled (132 x 8 MB >> the 50 MB L2)
+MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed", 2: "bulk store + red.release",
+         3: "st + fence.cta + red.relaxed (invalid)", 4: "bulk store + wait + proxy fence + red.relaxed"}
+CSV = common.RESULTS / "release_probe.csv"
+CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "iters", "ns_per_handoff", "mismatches")
+TABLE_HEADER = ("mode", "form", "stream", "ns per hand-off (median)", "min", "max", "mismatches")
+
+
+def build_source() -> str:
+    return SOURCE.read_text()
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    """NVRTC options as the project's runtime.py (nvcc takes -arch=X for --gpu-architecture=X)."""
+    return ("-std=c++17", f"--gpu-architecture={arch}")
+
+
+def handoff_ns(total_ns: int, iters: int) -> float:
+    """One round is two hand-offs (CTA 0 -> 1 -> 0)."""
+    if iters < 1:
+        raise ValueError(f"iters {iters}: want >= 1")
+    return total_ns / (2 * iters)
+
+
+def table_row(mode: int, stream: int, ns: list[float], mismatches: int) -> list[str]:
+    ns = sorted(ns)
+    return [str(mode), MODES[mode], "on" if stream else "off", f"{common.median(ns):.0f}", f"{ns[0]:.0f}",
+            f"{ns[-1]:.0f}", str(mismatches)]
+
+
+def _device():
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise SystemExit(f"release_probe needs CuPy and a CUDA GPU (cupy import failed: {e})") from e
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        raise SystemExit(f"release_probe needs a CUDA GPU: {e}") from e
+    if n == 0:
+        raise SystemExit("release_probe needs a CUDA GPU: none is visible")
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    if props["major"] < 9:
+        raise SystemExit(f"cp.async.bulk needs sm_90 or newer; this GPU is sm_{props['major']}{props['minor']}")
+    return cp, props
+
+
+def run(iters: int, reps: int) -> tuple[str, list[list]]:
+    if iters < 1 or reps < 1:
+        raise SystemExit(f"--iters {iters} --reps {reps}: want >= 1 each")
+    cp, props = _device()
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    grid = int(props["multiProcessorCount"])
+    arch = f"sm_{props['major']}{props['minor']}a"
+    fn = cp.RawModule(code=build_source(), options=compile_options(arch)).get_function(KERNEL)
+    fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
+    flags = cp.zeros(64, dtype=cp.uint32)
+    payloads = cp.zeros(128, dtype=cp.uint32)
+    out = cp.zeros(8, dtype=cp.uint64)
+    rows_md, rows_csv = [], []
+    commit, date = common.git_commit(), common.today()
+    for stream in (0, 1):
+        for mode in MODES:
+            chunks, ns, bad = 4 * iters, [], 0
+            while len(ns) < reps:
+                flags.fill(0)
+                payloads.fill(0)
+                out.fill(0)
+                out[3] = cp.uint64(2**64 - 1)
+                fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
+                                         cp.int32(iters), cp.int32(chunks), flags, payloads, out),
+                   shared_mem=SMEM_BYTES)
+                o = [int(v) for v in out.get()]
+                if o[4]:
+                    raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
+                if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
+                    chunks *= 2
+                    if chunks > 1 << 22:
+                        raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
+                    continue
+                ns.append(handoff_ns(o[0], iters))
+                bad += o[1]
+            rows_md.append(table_row(mode, stream, ns, bad))
+            rows_csv.append([date, name, commit, mode, stream, iters, f"{common.median(ns):.1f}", bad])
+    title = (f"### release_probe: {name}, {grid} SMs, {iters} ping-pong rounds, median of {reps} launches, "
+             f"commit {commit}, {date}")
+    notes = ("stream on: every SM's producer streams 32 KB chunks (16 x 2 KB cp.async.bulk) into a 6-slot ring "
+             "freed at once (HBM-bound); ns per hand-off = CTA 0's time for the rounds / (2 x rounds).")
+    return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=1000, help="ping-pong rounds per launch (default 1000)")
+    p.add_argument("--reps", type=int, default=5, help="launches per (mode, stream) (median; default 5)")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    a = p.parse_args(argv)
+    md, rows = run(a.iters, a.reps)
+    if a.out is not None:
+        common.write_record(a.out.parent, a.out.name, md)
+    print(md)
+    common.append_csv(CSV, CSV_HEADER, rows)
+    print(f"appended {len(rows)} rows to {CSV}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

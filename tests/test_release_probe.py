@@ -1,0 +1,62 @@
+"""bench/release_probe.py on CPU: bench/release_probe.cu compiles for sm_90a without spills from exactly
+build_source() + compile_options() (nvcc as in tests/test_bulk_probe.py: a missing nvcc fails, never skips;
+the NVRTC build skips visibly without libnvrtc), and the table arithmetic is as documented."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cuda_tools import libnvrtc_path, nvcc_path, nvrtc_compile  # tests/cuda_tools.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import release_probe as rp
+
+
+def test_probe_kernel_compiles_without_spills(tmp_path):
+    nvcc = nvcc_path()
+    assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
+    src = tmp_path / "release_probe.cu"
+    src.write_text(rp.build_source())
+    opts = [o.replace("--gpu-architecture=", "-arch=") for o in rp.compile_options("sm_90a")]
+    r = subprocess.run([nvcc, *opts, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "p.cubin"), str(src)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, f"nvcc failed:\n{log[-4000:]}"
+    assert re.search(r"Compiling entry function 'release_probe' for 'sm_90a'", log), log[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills == [("0", "0")], f"register spills or no ptxas report:\n{log[-2000:]}"
+    assert "warning" not in log.lower(), log[-2000:]
+
+
+@pytest.mark.skipif(libnvrtc_path() is None, reason="no libnvrtc on this machine")
+def test_nvrtc_compiles_the_probe():
+    rc, log = nvrtc_compile(libnvrtc_path(), rp.build_source(), "release_probe.cu", rp.compile_options("sm_90a"))
+    assert rc == 0, f"NVRTC failed:\n{log[-4000:]}"
+    assert "warning" not in log.lower(), log[-2000:]
+
+
+def test_shared_memory_fits_one_cta_per_sm():
+    # the ring, 12 mbarriers and the 256-byte payload stage under the H200's 227 KB opt-in limit
+    assert rp.SMEM_BYTES == 6 * 32768 + 96 + 256 < 227 * 1024
+    assert f"#define RP_SLOT {rp.RING_BYTES // 6}u" in rp.build_source()
+
+
+def test_handoff_is_half_a_round():
+    assert rp.handoff_ns(4_000_000, 1000) == 2000.0
+    with pytest.raises(ValueError, match="iters 0"):
+        rp.handoff_ns(1, 0)
+
+
+def test_table_row():
+    row = rp.table_row(1, 1, [900.0, 1100.0, 1000.0], 0)
+    assert len(row) == len(rp.TABLE_HEADER)
+    assert row == ["1", rp.MODES[1], "on", "1000", "900", "1100", "0"]
+
+
+def test_no_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(SystemExit, match="CuPy and a CUDA GPU"):
+        rp.run(10, 1)
