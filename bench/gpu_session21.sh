@@ -36,6 +36,14 @@ case $n in
      T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
      T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16 ;;
+  2) # MK_BULK_RELEASE failed one op-by-op case in call 1 (1B, 2 layers, batch 1): which op, and is it repeatable?
+     # The default build once, then modes 1 and 2 three times each (E lines: the first diverging op's buffer).
+     t="tests/test_persistent_gpu.py::test_megakernel_vs_vm_op_by_op[llama-3.2-1b-2-seq_lens1]"
+     for m in 0 1 1 1 2 2 2; do
+       echo "== MK_BULK_RELEASE=$m"
+       timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider "$t" --mk-define MK_BULK_RELEASE=$m 2>&1 \
+         | grep -E "^E .*(assert not|: \{)|passed|failed" | cut -c1-400 | head -4
+     done ;;
   *) echo "no call $n here: see bench/gpu_session20.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s21_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
