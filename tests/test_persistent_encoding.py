@@ -181,6 +181,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     for bad in (3, -1, True):
         with pytest.raises(ValueError, match="bulk_release=.*: 0 \\(off\\), 1 or 2"):
             KernelVariant(bulk_release=bad)
+    q = KernelVariant.parse(["MK_BULK_RELEASE=1", "MK_BULK_QKV=1"])
+    assert q.defines() == ("-DMK_BULK_RELEASE=1", "-DMK_BULK_QKV=1") and q.label() == "bulk=1,bulk_qkv"
+    with pytest.raises(ValueError, match="bulk_qkv needs bulk_release"):
+        KernelVariant.parse(["MK_BULK_QKV=1"])
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_LDSM_BATCH'"):
         KernelVariant.parse(["MK_LDSM_BATCH=2"])   # measured no faster in session 8: removed
     with pytest.raises(ValueError, match="unknown kernel variant 'MK_RES_PREFETCH'"):
