@@ -35,7 +35,12 @@ case $n in
      # gate_up | attn_partial; never measured alone: session 8 measured 96, 48, 50, 126). Predicted batch 16 ctx 4096
      # -5..-15% if attention is slowed by the weight copies in flight, +1..+3% at ctx 512 batch 1 if not.
      timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
-       --batch 1 16 --rounds 2 --build default --build MK_RELEASE_GATE=36 ;;
+       --batch 1 16 --rounds 2 --build default --build MK_RELEASE_GATE=36
+     # and where attention's time goes there (phase traces of both builds: KV loop vs merges, per task)
+     for d in "" "--define MK_RELEASE_GATE=36"; do
+       timeout 60 python3 bench/mk_step.py --reps 30 --no-triton --trace --define MK_TRACE_PHASES=1 $d --ctx 4096 \
+         --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 2>&1 | grep -E "attn_partial|step_us|megakernel"
+     done ;;
   2) # the winner's gpu tests (all of test_persistent_gpu.py) and the sanitizer on it (2 layers, batch 1 and 8):
      # WIN="MK_BULK_RELEASE=1 MK_BULK_QKV=1" bash bench/gpu_session22.sh 2
      md=""; for d in ${WIN:?set WIN to the winning defines}; do md="$md --mk-define $d"; done
