@@ -110,7 +110,8 @@ def config_bytes(cfg: Config, chunks_per_cta: int, grid: int) -> int:
 
 
 def build_source() -> str:
-    return SOURCE.read_text()
+    """The probe's source with bench/probe_ring.cuh inlined (one text for NVRTC and nvcc)."""
+    return common.inline_includes(SOURCE)
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
@@ -131,28 +132,11 @@ def table_row(cfg: Config, ms: float | None, nbytes: int, grid: int, skip: str |
     return head + [f"{ms:.3f}", f"{gbps:.0f}", f"{gbps / grid:.2f}", f"{100 * gbps / COPY_GBPS:.0f}%"]
 
 
-def _device():
-    try:
-        import cupy as cp
-    except ImportError as e:
-        raise SystemExit(f"bulk_probe needs CuPy and a CUDA GPU (cupy import failed: {e})") from e
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError as e:
-        raise SystemExit(f"bulk_probe needs a CUDA GPU: {e}") from e
-    if n == 0:
-        raise SystemExit("bulk_probe needs a CUDA GPU: none is visible")
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    if props["major"] < 9:
-        raise SystemExit(f"cp.async.bulk needs sm_90 or newer; this GPU is sm_{props['major']}{props['minor']}")
-    return cp, props
-
-
 def run(gb: float, reps: int) -> tuple[str, list[list]]:
     """Measure every config; returns (markdown, csv rows)."""
     if reps < 1:
         raise SystemExit(f"--reps {reps}: want >= 1")
-    cp, props = _device()
+    cp, props = common.probe_device("bulk_probe")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     grid = int(props["multiProcessorCount"])
     limit = int(props.get("sharedMemPerBlockOptin", H200_SMEM_OPTIN))   # not in every CuPy's property dict

@@ -181,6 +181,46 @@ def bench_decode_batch(spec: Any, seq_lens: Sequence[int], seed: int, device: An
     return b, caches, pos, sl, bt, slots
 
 
+# ---- the CUDA probes (bulk_probe.py, release_probe.py) ---------------------------------------------
+def inline_includes(source: Path) -> str:
+    """A probe's .cu text with its local `#include "X"` lines replaced by X's text (from the same folder, once
+    each, `#pragma once` dropped): NVRTC (CuPy RawModule) gets one self-contained source, as nvcc does."""
+    seen: set[str] = set()
+
+    def expand(path: Path) -> str:
+        out = []
+        for line in path.read_text().splitlines():
+            name = line.strip()[len('#include "'):-1] if line.strip().startswith('#include "') else None
+            if name is not None:
+                if name not in seen:
+                    seen.add(name)
+                    out.append(expand(path.parent / name))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return expand(source) + "\n"
+
+
+def probe_device(tool: str) -> tuple[Any, dict]:
+    """(cupy, the current device's properties) for a cp.async.bulk probe, or SystemExit naming what is missing
+    (CuPy, a GPU, sm_90)."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise SystemExit(f"{tool} needs CuPy and a CUDA GPU (cupy import failed: {e})") from e
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        raise SystemExit(f"{tool} needs a CUDA GPU: {e}") from e
+    if n == 0:
+        raise SystemExit(f"{tool} needs a CUDA GPU: none is visible")
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    if props["major"] < 9:
+        raise SystemExit(f"cp.async.bulk needs sm_90 or newer; this GPU is sm_{props['major']}{props['minor']}")
+    return cp, props
+
+
 # ---- child processes -------------------------------------------------------------------------------
 def plugin_entry_point_installed() -> bool:
     from importlib.metadata import entry_points

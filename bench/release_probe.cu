@@ -34,52 +34,7 @@
 #define RP_SLOT 32768u
 #define RP_COPY 2048u
 #define RP_PAYLOAD_WORDS 64
-#define RP_BUDGET_NS 2000000000ull
-
-__device__ __forceinline__ unsigned long long rp_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ void rp_mbar_init(unsigned addr, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void rp_arrive_expect_tx(unsigned addr, unsigned bytes) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}"
-               ::"r"(addr), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void rp_arrive(unsigned addr) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(addr) : "memory");
-}
-
-__device__ __forceinline__ bool rp_try_wait(unsigned addr, unsigned parity) {
-  unsigned ok;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-      "selp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(ok) : "r"(addr), "r"(parity) : "memory");
-  return ok != 0;
-}
-
-__device__ __forceinline__ void rp_wait(unsigned addr, unsigned parity, unsigned long long* out) {
-  if (rp_try_wait(addr, parity)) return;
-  const unsigned long long t0 = rp_ns();
-  while (!rp_try_wait(addr, parity)) {
-    if (rp_ns() - t0 > RP_BUDGET_NS) {
-      out[4] = 1;
-      return;
-    }
-  }
-}
-
-__device__ __forceinline__ void rp_bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
-}
+#include "probe_ring.cuh"
 
 __device__ __forceinline__ void rp_bulk_s2g(void* dst, unsigned src, unsigned bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
@@ -136,9 +91,9 @@ __device__ __forceinline__ void rp_release(int mode, unsigned* payload, unsigned
 __device__ __forceinline__ unsigned rp_take(const unsigned* payload, const unsigned* flag, unsigned target, unsigned v,
                                             int lane, unsigned long long* out) {
   if (lane == 0) {
-    const unsigned long long t0 = rp_ns();
+    const unsigned long long t0 = probe_ns();
     while (rp_ld_acquire(flag) < target) {
-      if (rp_ns() - t0 > RP_BUDGET_NS) {
+      if (probe_ns() - t0 > PROBE_WAIT_BUDGET_NS) {
         out[4] = 1;
         break;
       }
@@ -159,8 +114,8 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
   unsigned* stage = reinterpret_cast<unsigned*>(smem + RP_NS * RP_SLOT + 16 * RP_NS);
   if (threadIdx.x == 0) {
     for (int s = 0; s < RP_NS; ++s) {
-      rp_mbar_init(full0 + 8 * s, 1);
-      rp_mbar_init(empty0 + 8 * s, 32);
+      probe_mbar_init(full0 + 8 * s, 1);
+      probe_mbar_init(empty0 + 8 * s, 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -173,20 +128,20 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     for (int it = 0; it < n; ++it) {
       const int slot = it % RP_NS;
       const unsigned parity = (unsigned)(it / RP_NS) & 1u;
-      rp_wait(empty0 + 8 * slot, parity ^ 1u, out);
-      if (lane == 0) rp_arrive_expect_tx(full0 + 8 * slot, RP_SLOT);
+      probe_wait(empty0 + 8 * slot, parity ^ 1u, out);
+      if (lane == 0) probe_arrive_expect_tx(full0 + 8 * slot, RP_SLOT);
       __syncwarp();
       if (lane < (int)(RP_SLOT / RP_COPY))
-        rp_bulk_g2s(ring + slot * RP_SLOT + lane * RP_COPY, region + off + lane * RP_COPY, RP_COPY, full0 + 8 * slot);
+        probe_bulk_g2s(ring + slot * RP_SLOT + lane * RP_COPY, region + off + lane * RP_COPY, RP_COPY, full0 + 8 * slot);
       off += RP_SLOT;
       if (off + RP_SLOT > region_bytes) off = 0;
     }
-    for (int it = n > RP_NS ? n - RP_NS : 0; it < n; ++it) rp_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
-    if (lane == 0 && n > 0) atomicMin(out + 3, rp_ns());
+    for (int it = n > RP_NS ? n - RP_NS : 0; it < n; ++it) probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
+    if (lane == 0 && n > 0) atomicMin(out + 3, probe_ns());
   } else if (warp == 1) {  // frees each slot once full
     for (int it = 0; it < n; ++it) {
-      rp_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
-      rp_arrive(empty0 + 8 * (it % RP_NS));
+      probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
+      probe_arrive(empty0 + 8 * (it % RP_NS));
     }
   } else if (blockIdx.x < 2) {  // ping-pong
     const int me = blockIdx.x, other = 1 - me;
@@ -194,10 +149,10 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     const unsigned* theirs = payloads + other * RP_PAYLOAD_WORDS;
     unsigned bad = 0;
     // let the streaming reach its steady state first (the ring fills in ~6 us)
-    const unsigned long long w0 = rp_ns();
-    while (stream && rp_ns() - w0 < 20000ull) {
+    const unsigned long long w0 = probe_ns();
+    while (stream && probe_ns() - w0 < 20000ull) {
     }
-    const unsigned long long t0 = rp_ns();
+    const unsigned long long t0 = probe_ns();
     for (int i = 0; i < iters; ++i) {
       const unsigned v0 = 2u * i + 1u, v1 = 2u * i + 2u;
       if (me == 0) {
@@ -214,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     if (lane == 0) {
       atomicAdd(out + 1, (unsigned long long)bad);
       if (me == 0) {
-        const unsigned long long t1 = rp_ns();
+        const unsigned long long t1 = probe_ns();
         out[0] = t1 - t0;
         out[2] = t1;
       }

@@ -42,7 +42,8 @@ TABLE_HEADER = ("mode", "form", "stream", "ns per hand-off (median)", "min", "ma
 
 
 def build_source() -> str:
-    return SOURCE.read_text()
+    """The probe's source with bench/probe_ring.cuh inlined (one text for NVRTC and nvcc)."""
+    return common.inline_includes(SOURCE)
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
@@ -63,27 +64,10 @@ def table_row(mode: int, stream: int, ns: list[float], mismatches: int) -> list[
             f"{ns[-1]:.0f}", str(mismatches)]
 
 
-def _device():
-    try:
-        import cupy as cp
-    except ImportError as e:
-        raise SystemExit(f"release_probe needs CuPy and a CUDA GPU (cupy import failed: {e})") from e
-    try:
-        n = cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError as e:
-        raise SystemExit(f"release_probe needs a CUDA GPU: {e}") from e
-    if n == 0:
-        raise SystemExit("release_probe needs a CUDA GPU: none is visible")
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    if props["major"] < 9:
-        raise SystemExit(f"cp.async.bulk needs sm_90 or newer; this GPU is sm_{props['major']}{props['minor']}")
-    return cp, props
-
-
 def run(iters: int, reps: int) -> tuple[str, list[list]]:
     if iters < 1 or reps < 1:
         raise SystemExit(f"--iters {iters} --reps {reps}: want >= 1 each")
-    cp, props = _device()
+    cp, props = common.probe_device("release_probe")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     grid = int(props["multiProcessorCount"])
     arch = f"sm_{props['major']}{props['minor']}a"
