@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 17's GPU calls (bench/NOTES.md session 16, "Next"). Run from the project root on the GPU host with
-# .commit carried; output under $2 (default $OUT). Calls 1 and 2 need no vLLM; the vLLM calls 11, 12 (carrying
+# .commit carried; output under $2 (default $OUT). Calls 1-3 need no vLLM; the vLLM calls 11, 12 (carrying
 # .gpuhost/part.0 / part.1), then 4 with part.2 and unpack.sh, as gpu_session20.sh's.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
@@ -41,8 +41,26 @@ case $n in
        timeout 60 python3 bench/mk_step.py --reps 30 --no-triton --trace --define MK_TRACE_PHASES=1 $d --ctx 4096 \
          --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 2>&1 | grep -E "attn_partial|step_us|megakernel"
      done ;;
-  2) # the winner's gpu tests (all of test_persistent_gpu.py) and the sanitizer on it (2 layers, batch 1 and 8):
-     # WIN="MK_BULK_RELEASE=1 MK_BULK_QKV=1" bash bench/gpu_session22.sh 2
+  2) # issue 11: MK_ATT_TMA (attention's K/V through the ring by tensor-map copies; built without device time).
+     # Correctness first: the op-by-op GPU-vs-VM cases, the whole step, graph replays, the tensor-map encode,
+     # then the race detector (its copies stream before the dependency: the newest token must come from global
+     # memory), then the A/B. Predicted (bench/NOTES.md session 16): 1B ctx 512 batch 1 -10..-25 us, batch 8
+     # -40..-80, batch 16 -100..-175; ctx 4096 batch 16 -500..-750; 8B ctx 4096 batch 16 -1.5..-2.6 ms.
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
+       -k "vs_vm or whole_step or graph or driver_encodes" --mk-define MK_ATT_TMA=1 2>&1 \
+       | grep -E "^E .*(assert not|: \{)|passed|failed|FAILED" | cut -c1-400 | head -12
+     timeout 90 python3 bench/race_stress.py --batch 1 3 16 --replays 500 --define MK_ATT_TMA=1 2>&1 \
+       | grep -E "^llama|Error|error" | head -4
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 3 \
+       --build default --build MK_ATT_TMA=1
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 --build default --build MK_ATT_TMA=1
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 --build default --build MK_ATT_TMA=1
+     timeout 60 python3 bench/mk_step.py --reps 30 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_ATT_TMA=1 \
+       --ctx 4096 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 2>&1 | grep -E "attn_partial|megakernel" ;;
+  3) # the winners' gpu tests (all of test_persistent_gpu.py) and the sanitizer on them (2 layers, batch 1 and 8):
+     # WIN="MK_BULK_RELEASE=1 MK_ATT_TMA=1" bash bench/gpu_session22.sh 3
      md=""; for d in ${WIN:?set WIN to the winning defines}; do md="$md --mk-define $d"; done
      timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py $md 2>&1 | tail -4
      MK_SAN_DEFINES="$WIN" MK_SAN_BATCHES="1 8" MK_SAN_TIMEOUT=100 timeout 280 bash bench/sanitize.sh "$out" 2 2>&1 \

@@ -96,16 +96,134 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   }
 }
 
-__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
-  const int b = t.arg0, g = t.arg1, c = t.arg2;
-  const int C = P.chunks;
+// Tokens [lo, hi) of chunk c of request b, C = P.chunks (cs = ceil(L / C), lo = min(L, c*cs), hi = min(L, lo + cs)).
+__device__ __forceinline__ void attn_range(const Smem& S, int C, int b, int c, int& lo, int& hi) {
   const int L = S.seq_len()[b];
-  int lo = 0, hi = 0;
+  lo = 0;
+  hi = 0;
   if (L > 0) {
     const int cs = (L + C - 1) / C;
     lo = min(L, c * cs);
     hi = min(L, lo + cs);
   }
+}
+
+// After a head pass's KV loop: the consumer warps' states (wm, wl [warp][HG], wo [warp][HG][D], exp2 units)
+// merged and stored: o / l into ATTN_O when direct (C == 1), else this chunk's partial (o, m in natural-log
+// units, l). Shared by the loop below and the ring-fed one (attention_tma.cuh). Begins and ends
+// with consumer_sync().
+__device__ __forceinline__ void attn_warps_store(const Params& P, const float* wm, const float* wl, const float* wo,
+                                                 int C, int b, int g, int c, int h0, bool direct) {
+  consumer_sync();
+  for (int idx = threadIdx.x; idx < ATT_HG * D; idx += CONSUMER_THREADS) {
+    const int hh = idx / D, j = idx - hh * D;
+    float M = NEG_INF;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) M = fmaxf(M, wm[w * ATT_HG + hh]);
+    float ls = 0.f, os = 0.f;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) {
+      const float mw = wm[w * ATT_HG + hh];
+      const float a = (mw == NEG_INF) ? 0.f : fast_exp2(mw - M);
+      ls = fmaf(wl[w * ATT_HG + hh], a, ls);
+      os = fmaf(wo[(w * ATT_HG + hh) * D + j], a, os);
+    }
+    const int head = g * G + h0 + hh;
+    if (direct) {
+      buf_ptr(P, BUF_ATTN_O)[(size_t)b * QS + head * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
+    } else {
+      const size_t pi = ((size_t)(b * NKV + g) * C + c) * G + h0 + hh;
+      st_f32(reinterpret_cast<float*>(P.buf[BUF_PART_O]) + pi * D + j, os);
+      if (j == 0) {
+        float* ml = reinterpret_cast<float*>(P.buf[BUF_PART_ML]) + pi * 2;
+        st_f32(ml, M * LN2);  // back to natural-log units of the scaled score (-inf stays -inf)
+        st_f32(ml + 1, ls);
+      }
+    }
+  }
+  consumer_sync();
+}
+
+// A merge-in-partial task (ticket_ctr >= 0) after its partial's stores: the ticket, and the merge of the
+// chunks by the task that takes the last one.
+__device__ __forceinline__ void attn_ticket_merge(const Smem& S, const Params& P, const Task& t, int C, int b, int g) {
+  if (t.ticket_ctr < 0) return;
+  // Every thread's partial stores precede thread 0's ticket (the consumer_sync before this); the ticket
+  // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
+  int* last = reinterpret_cast<int*>(S.scratch());
+  if (threadIdx.x == 0)
+    *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
+  consumer_sync();
+  if (*last) attn_merge(P, b, g);
+}
+
+// One token of a lane group: its K row's 8 dims in kr and V's in vr (this lane's e-th 16 bytes), the scores of
+// the pass's HG heads summed over the group's ATT_LPT lanes, and the online-softmax update of (m, l, o) in exp2
+// units (q pre-scaled by log2(e) / sqrt(D) in qs). An invalid token (past the range) joins the shuffles only.
+// Shared by the global-load loop below and the ring-fed one (attention_tma.cuh).
+__device__ __forceinline__ void attn_token(const uint4& kr, const uint4& vr, bool valid, const float* qs, int e,
+                                           float (&m)[ATT_HG], float (&l)[ATT_HG], float (&o)[ATT_HG][8]) {
+  float kf[8];
+  unpack8(kr, kf);
+  float s[ATT_HG];
+#pragma unroll
+  for (int hh = 0; hh < ATT_HG; ++hh) {
+    const float4 qa = *reinterpret_cast<const float4*>(qs + hh * D + e * 8);
+    const float4 qb = *reinterpret_cast<const float4*>(qs + hh * D + e * 8 + 4);
+    float acc = qa.x * kf[0];
+    acc = fmaf(qa.y, kf[1], acc);
+    acc = fmaf(qa.z, kf[2], acc);
+    acc = fmaf(qa.w, kf[3], acc);
+    acc = fmaf(qb.x, kf[4], acc);
+    acc = fmaf(qb.y, kf[5], acc);
+    acc = fmaf(qb.z, kf[6], acc);
+    acc = fmaf(qb.w, kf[7], acc);
+    s[hh] = acc;
+  }
+#pragma unroll
+  for (int off = 1; off < ATT_LPT; off <<= 1)
+#pragma unroll
+    for (int hh = 0; hh < ATT_HG; ++hh) s[hh] += __shfl_xor_sync(0xffffffffu, s[hh], off);
+  if (valid) {
+    float vf[8];
+    unpack8(vr, vf);
+#pragma unroll
+    for (int hh = 0; hh < ATT_HG; ++hh) {
+      const float mn = fmaxf(m[hh], s[hh]);
+      const float corr = fast_exp2(m[hh] - mn);
+      const float p = fast_exp2(s[hh] - mn);
+      l[hh] = l[hh] * corr + p;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[hh][i] = fmaf(o[hh][i], corr, p * vf[i]);
+      m[hh] = mn;
+    }
+  }
+}
+
+// After the KV loop: merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
+__device__ __forceinline__ void attn_lanes_merge(float (&m)[ATT_HG], float (&l)[ATT_HG], float (&o)[ATT_HG][8]) {
+#pragma unroll
+  for (int off = ATT_LPT; off < 32; off <<= 1) {
+#pragma unroll
+    for (int hh = 0; hh < ATT_HG; ++hh) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[hh], off);
+      const float lo2 = __shfl_xor_sync(0xffffffffu, l[hh], off);
+      float a, bb, M;
+      merge_weights(m[hh], mo, a, bb, M);
+      l[hh] = l[hh] * a + lo2 * bb;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float oo = __shfl_xor_sync(0xffffffffu, o[hh][i], off);
+        o[hh][i] = o[hh][i] * a + oo * bb;
+      }
+      m[hh] = M;
+    }
+  }
+}
+
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
+  const int b = t.arg0, g = t.arg1, c = t.arg2;
+  const int C = P.chunks;
+  int lo, hi;
+  attn_range(S, C, b, c, lo, hi);
   const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
   const int bs = P.block_size;
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
@@ -173,63 +291,10 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         }
       }
 #pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) {
-        float kf[8];
-        unpack8(kr[u], kf);
-        float s[ATT_HG];
-#pragma unroll
-        for (int hh = 0; hh < ATT_HG; ++hh) {
-          const float4 qa = *reinterpret_cast<const float4*>(qs + hh * D + e * 8);
-          const float4 qb = *reinterpret_cast<const float4*>(qs + hh * D + e * 8 + 4);
-          float acc = qa.x * kf[0];
-          acc = fmaf(qa.y, kf[1], acc);
-          acc = fmaf(qa.z, kf[2], acc);
-          acc = fmaf(qa.w, kf[3], acc);
-          acc = fmaf(qb.x, kf[4], acc);
-          acc = fmaf(qb.y, kf[5], acc);
-          acc = fmaf(qb.z, kf[6], acc);
-          acc = fmaf(qb.w, kf[7], acc);
-          s[hh] = acc;
-        }
-#pragma unroll
-        for (int off = 1; off < ATT_LPT; off <<= 1)
-#pragma unroll
-          for (int hh = 0; hh < ATT_HG; ++hh) s[hh] += __shfl_xor_sync(0xffffffffu, s[hh], off);
-        if (valid[u]) {
-          float vf[8];
-          unpack8(vr[u], vf);
-#pragma unroll
-          for (int hh = 0; hh < ATT_HG; ++hh) {
-            const float mn = fmaxf(m[hh], s[hh]);
-            const float corr = fast_exp2(m[hh] - mn);
-            const float p = fast_exp2(s[hh] - mn);
-            l[hh] = l[hh] * corr + p;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o[hh][i] = fmaf(o[hh][i], corr, p * vf[i]);
-            m[hh] = mn;
-          }
-        }
-      }
+      for (int u = 0; u < ATT_AU; ++u) attn_token(kr[u], vr[u], valid[u], qs, e, m, l, o);
     }
     if (ph_on) phase_lap(ph_t, ph_chunks);
-    // Merge the token lane-groups of this warp (lanes that differ in `sub`, same `e`).
-#pragma unroll
-    for (int off = ATT_LPT; off < 32; off <<= 1) {
-#pragma unroll
-      for (int hh = 0; hh < ATT_HG; ++hh) {
-        const float mo = __shfl_xor_sync(0xffffffffu, m[hh], off);
-        const float lo2 = __shfl_xor_sync(0xffffffffu, l[hh], off);
-        float a, bb, M;
-        merge_weights(m[hh], mo, a, bb, M);
-        l[hh] = l[hh] * a + lo2 * bb;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float oo = __shfl_xor_sync(0xffffffffu, o[hh][i], off);
-          o[hh][i] = o[hh][i] * a + oo * bb;
-        }
-        m[hh] = M;
-      }
-    }
+    attn_lanes_merge(m, l, o);
     if (sub == 0) {
 #pragma unroll
       for (int hh = 0; hh < ATT_HG; ++hh) {
@@ -241,44 +306,11 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         }
       }
     }
-    consumer_sync();
-    for (int idx = threadIdx.x; idx < ATT_HG * D; idx += CONSUMER_THREADS) {
-      const int hh = idx / D, j = idx - hh * D;
-      float M = NEG_INF;
-      for (int w = 0; w < CONSUMER_WARPS; ++w) M = fmaxf(M, wm[w * ATT_HG + hh]);
-      float ls = 0.f, os = 0.f;
-      for (int w = 0; w < CONSUMER_WARPS; ++w) {
-        const float mw = wm[w * ATT_HG + hh];
-        const float a = (mw == NEG_INF) ? 0.f : fast_exp2(mw - M);
-        ls = fmaf(wl[w * ATT_HG + hh], a, ls);
-        os = fmaf(wo[(w * ATT_HG + hh) * D + j], a, os);
-      }
-      const int head = g * G + h0 + hh;
-      if (direct) {
-        buf_ptr(P, BUF_ATTN_O)[(size_t)b * QS + head * D + j] = from_f(ls > 0.f ? os / ls : 0.f);
-      } else {
-        const size_t pi = ((size_t)(b * NKV + g) * C + c) * G + h0 + hh;
-        st_f32(reinterpret_cast<float*>(P.buf[BUF_PART_O]) + pi * D + j, os);
-        if (j == 0) {
-          float* ml = reinterpret_cast<float*>(P.buf[BUF_PART_ML]) + pi * 2;
-          st_f32(ml, M * LN2);  // back to natural-log units of the scaled score (-inf stays -inf)
-          st_f32(ml + 1, ls);
-        }
-      }
-    }
-    consumer_sync();
+    attn_warps_store(P, wm, wl, wo, C, b, g, c, h0, direct);
     if (ph_on) phase_lap(ph_t, ph_reduce);
   }
   if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
-  if (t.ticket_ctr >= 0) {
-    // Every thread's partial stores precede thread 0's ticket (the consumer_sync above); the ticket
-    // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
-    int* last = reinterpret_cast<int*>(S.scratch());
-    if (threadIdx.x == 0)
-      *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
-    consumer_sync();
-    if (*last) attn_merge(P, b, g);
-  }
+  attn_ticket_merge(S, P, t, C, b, g);
 }
 
 __device__ __forceinline__ void attn_combine_task(const Smem& S, const Params& P, const Task& t) {

@@ -134,6 +134,11 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 //
 // Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
 // PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
+#if MK_ATT_TMA   // attention_tma.cuh (included after this file)
+__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int ti, int lane,
+                                                unsigned& it);
+#endif
+
 __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, int qbeg, int qend, int lane) {
   const int nt = batch_ntiles(P.batch);
   const int KC = chunk_cols_for(nt), RB = row_bytes_for(nt);
@@ -144,6 +149,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     const Task t = load_task(P, ti);
     const int gate_op = prev_op;
     prev_op = t.opcode;
+#if MK_ATT_TMA   // an attention task's KV tiles stream through the ring like a matvec's weights
+    if (t.opcode == OP_ATTN_PARTIAL) {
+      if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
+      if (!att_tma_produce(S, P, t, ti, lane, it)) goto drain;
+      continue;
+    }
+#endif
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
     if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);

@@ -37,6 +37,7 @@
 #include "matvec.cuh"
 #include "qkv_rope.cuh"
 #include "attention.cuh"
+#include "attention_tma.cuh"
 #include "o_proj.cuh"
 #include "gate_up.cuh"
 #include "down.cuh"
@@ -129,7 +130,11 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_GATE_UP:
       case OP_DOWN:
       case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles, early_nw); break;
+#if MK_ATT_TMA
+      case OP_ATTN_PARTIAL: attn_partial_tma(S, P, t, it, warp, lane); break;
+#else
       case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
+#endif
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
       default: break;

@@ -124,8 +124,12 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._wptr = self._weight_table() if self.executor == "cuda" else None
         self._alloc_workspace()
         self._entries: dict[int, _Entry] = {}
-        self._kv_key: tuple[int, ...] | None = None
+        self._kv_key: tuple | None = None
         self._kvptr: torch.Tensor | None = None
+        self._kvmaps: torch.Tensor | None = None   # MK_ATT_TMA: the caches' tensor maps (kvptr points into it)
+        if self.variant.att_tma:
+            from .tensormap import check_model
+            check_model(spec)
         self._module = None       # the kernel of the decoder's own variant
         self._modules: dict[KernelVariant, object] = {}   # one per ring depth the tunings use
         if self.executor == "cuda":
@@ -328,12 +332,21 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         return _Entry(prog, segs, counters, traces, meta)
 
     def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        key = tuple(c.data_ptr() for c in kv_caches)
+        """The kernel's kvptr table: the layer caches' addresses, and for an MK_ATT_TMA build the addresses of
+        their tensor maps after them (kvptr[LAYERS + l]; tensormap.py), rebuilt when a cache changes."""
+        att_tma = self.variant.att_tma and self.executor == "cuda"
+        key = tuple((c.data_ptr(), c.shape[0]) if att_tma else c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("the kv cache tensors changed during CUDA-graph capture; run one "
                                    "eager step with the final kv caches before capturing")
-            self._kvptr = torch.tensor(list(key), dtype=torch.int64).to(self.device)
+            ptrs = [c.data_ptr() for c in kv_caches]
+            if att_tma:
+                from .tensormap import MAP_BYTES, device_maps
+
+                self._kvmaps = device_maps(kv_caches, self.device)   # kept alive here: kvptr points into it
+                ptrs += [self._kvmaps.data_ptr() + MAP_BYTES * i for i in range(len(kv_caches))]
+            self._kvptr = torch.tensor(ptrs, dtype=torch.int64).to(self.device)
             self._kv_key = key
         assert self._kvptr is not None
         return self._kvptr

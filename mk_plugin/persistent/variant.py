@@ -27,7 +27,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_BULK_RELEASE", "bulk_release", "bulk"),
-                   ("MK_BULK_QKV", "bulk_qkv", "bulk_qkv"))
+                   ("MK_BULK_QKV", "bulk_qkv", "bulk_qkv"), ("MK_ATT_TMA", "att_tma", "att_tma"))
 # MK_BULK_RELEASE (A/B, default 0, session 16): the output stage past the layout's shared memory (bytes); the
 # kernel's BULK_STAGE_BYTES (common.cuh) must match
 BULK_STAGE_BYTES = 768
@@ -50,6 +50,9 @@ class KernelVariant:
     # waits for the SM's in-flight weight copies); 2 = the same with fence.proxy.async.global before the add
     bulk_release: int = 0
     bulk_qkv: bool = False   # MK_BULK_QKV: qkv_rope's outputs (q, the KV slots) the same way at batch <= 4
+    # MK_ATT_TMA: attention's K/V streamed through the weight ring by tensor-map copies (csrc/attention_tma.cuh;
+    # the decoder builds one CUtensorMap per layer cache: tensormap.py). Needs block_size 16 and one head pass.
+    att_tma: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -66,6 +69,8 @@ class KernelVariant:
             raise ValueError(f"bulk_qkv={self.bulk_qkv!r} must be true or false")  # noqa: TRY004 (a bad value)
         if self.bulk_qkv and not self.bulk_release:
             raise ValueError("bulk_qkv needs bulk_release (MK_BULK_QKV=1 with MK_BULK_RELEASE=1 or 2)")
+        if not isinstance(self.att_tma, bool):
+            raise ValueError(f"att_tma={self.att_tma!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:

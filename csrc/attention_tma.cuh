@@ -1,0 +1,179 @@
+// MK_ATT_TMA (A/B switch, default 0, session 16; variant.KernelVariant.att_tma): ATTN_PARTIAL's K/V through the
+// weight ring. The CUDA-core loop (attention.cuh) keeps ~40 KB of K/V loads in flight per SM, and under the
+// step's traffic a load round trip takes ~3-4 us, so attention streams at ~9 GB/s per SM (bench/NOTES.md
+// session 16). Here the producer warp streams an attention task's KV like a matvec's weights: one tensor-map
+// copy (cp.async.bulk.tensor, box 16 tokens x 1 head x D) per (block, K|V), ATT_TMA_BPS blocks per ring slot,
+// issued whenever a slot is free -- before the task's dependency resolves, since the cached tokens are not
+// written during the launch. The newest token of the request (position L - 1, written by this launch's
+// qkv_rope) is the one exception: its tile in the ring may predate qkv's store, so the consumers load its row
+// from global memory after the task's counter wait, as the default loop does.
+// Tensor maps: one per layer (tensormap.py: the layer's cache [blocks, 2, 16, NKV, D] viewed as
+// [rows = blocks * 2 * 16][NKV][D]), 128 bytes each in global memory, their addresses in P.kvptr[LAYERS + l]
+// (the host builds the longer table only for this build). Needs block_size 16 and one head pass (G == ATT_HG).
+// The task's tokens, states, merges and stores are the default loop's (attention.cuh helpers): same results
+// up to the order of the fp32 sums within a lane group.
+#pragma once
+#include "attention.cuh"
+
+namespace mk {
+
+constexpr int ATT_TMA_ROWS = 16;                                  // tokens per block and tile (box rows)
+constexpr int ATT_TILE_BYTES = ATT_TMA_ROWS * D * 2;              // one head's K (or V) of a block
+constexpr int ATT_TMA_BPS = 32768 / (2 * ATT_TILE_BYTES);         // blocks per slot: 8 at D = 64, 4 at D = 128
+static_assert(!MK_ATT_TMA || G == ATT_HG, "MK_ATT_TMA: one head pass (a slot is read once)");
+static_assert(2 * ATT_TMA_BPS * ATT_TILE_BYTES <= SLOT_BYTES && ATT_TMA_BPS >= 1, "MK_ATT_TMA: slot size");
+static_assert(SLOT_BYTES % 128 == 0 && ATT_TILE_BYTES % 128 == 0, "MK_ATT_TMA: 128-byte aligned tiles");
+
+// Tokens [lo, hi) of chunk c of a request of L tokens (attn_range's formula; the producer reads L from global
+// memory: step_inputs' shared copy is written by the consumers after the producer starts).
+__device__ __forceinline__ void att_tma_range(int L, int C, int c, int& lo, int& hi) {
+  lo = 0;
+  hi = 0;
+  if (L > 0) {
+    const int cs = (L + C - 1) / C;
+    lo = min(L, c * cs);
+    hi = min(L, lo + cs);
+  }
+}
+
+// Ring slots of a task over tokens [lo, hi): its blocks, ATT_TMA_BPS per slot (producer and consumers agree).
+__device__ __forceinline__ int att_tma_slots(int lo, int hi) {
+  const int nblk = hi > lo ? (hi - 1) / ATT_TMA_ROWS - lo / ATT_TMA_ROWS + 1 : 0;
+  return (nblk + ATT_TMA_BPS - 1) / ATT_TMA_BPS;
+}
+
+__device__ __forceinline__ void tma_tile_g2s(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
+}
+
+// Producer warp: the KV tiles of attention task t into the ring; false when a ring wait failed (the CTA stops).
+__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int ti, int lane,
+                                                unsigned& it) {
+  const int b = t.arg0, g = t.arg1;
+  int lo, hi;
+  att_tma_range(__ldg(P.seq_lens + b), P.chunks, t.arg2, lo, hi);
+  const int nslots = att_tma_slots(lo, hi);
+  const int blk0 = lo / ATT_TMA_ROWS, nblk = hi > lo ? (hi - 1) / ATT_TMA_ROWS - blk0 + 1 : 0;
+  const int* bt = P.block_table + (size_t)b * P.bt_stride;
+  const void* map = reinterpret_cast<const void*>(P.kvptr[LAYERS + t.layer]);
+  // the map was written by the host (generic proxy) before the launch; each issuing lane orders its reads of it
+  if (nslots > 0 && lane < ATT_TMA_BPS)
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+  for (int si = 0; si < nslots; ++si) {
+    const int n = min(ATT_TMA_BPS, nblk - si * ATT_TMA_BPS);
+    const int slot = it % NUM_STAGES;
+    const int ws = __shfl_sync(0xffffffffu,
+                               ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti, MBAR_TAG_EMPTY + slot,
+                                         it, true, PRODUCER_BUDGET_MULT), 0);
+    if (ws != WAIT_OK) return false;
+    if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(n * 2 * ATT_TILE_BYTES));
+    __syncwarp();
+    if (MK_DIAG & 2) {
+      if (lane == 0) mbar_arrive(S.full_bar(slot));
+    } else if (lane < n) {
+      const int blk = ld_nc_s32(bt + blk0 + si * ATT_TMA_BPS + lane);
+      const unsigned dst = S.ring(slot) + (unsigned)(lane * 2 * ATT_TILE_BYTES);
+      tma_tile_g2s(dst, map, g, blk * 2 * ATT_TMA_ROWS, S.full_bar(slot));
+      tma_tile_g2s(dst + ATT_TILE_BYTES, map, g, (blk * 2 + 1) * ATT_TMA_ROWS, S.full_bar(slot));
+    }
+    ++it;
+  }
+  return true;
+}
+
+// Consumers: attn_partial_task with the KV loop over the task's ring slots (`it`: the consumers' chunk count,
+// advanced by the slots read, as the producer's).
+__device__ __forceinline__ void attn_partial_tma(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
+                                                 int lane) {
+  const int b = t.arg0, g = t.arg1, c = t.arg2;
+  const int C = P.chunks;
+  int lo, hi;
+  attn_range(S, C, b, c, lo, hi);
+  const int newest = S.seq_len()[b] - 1;   // written by this launch's qkv_rope: read from global memory
+  const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
+  const float qscale = rsqrtf((float)D) * LOG2E;
+  float* wm = S.scratch();                               // [warp][HG]
+  float* wl = wm + CONSUMER_WARPS * ATT_HG;              // [warp][HG]
+  float* wo = wl + CONSUMER_WARPS * ATT_HG;              // [warp][HG][D]
+  float* qs = wo + CONSUMER_WARPS * ATT_HG * D;          // [HG][D] scaled q
+  const bool direct = t.out_buf == BUF_ATTN_O && t.ticket_ctr < 0;   // C == 1
+  const elem_t* qbuf = buf_ptr(P, BUF_Q) + (size_t)b * QS;
+  const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
+  unsigned long long ph_t = ph_on ? global_ns() : 0ull, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
+  const unsigned long long ph_entry = ph_t;
+
+  for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {   // one head pass: h0 = 0
+    float qf[8];
+    unpack8(ld_cg_v4(qbuf + g * G * D + idx * 8), qf);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
+  }
+  consumer_sync();
+  if (ph_on) phase_lap(ph_t, ph_stage);
+  float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
+#pragma unroll
+  for (int hh = 0; hh < ATT_HG; ++hh) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[hh][i] = 0.f;
+    m[hh] = NEG_INF;
+    l[hh] = 0.f;
+  }
+  const int nslots = att_tma_slots(lo, hi);
+  const int blk0 = lo / ATT_TMA_ROWS;
+  for (int si = 0; si < nslots; ++si) {
+    const int slot = it % NUM_STAGES;
+    // Not OK (this CTA is stopping): compute on whatever the slot holds (the step is discarded) and do not free it.
+    const int ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+    const int sb = blk0 + si * ATT_TMA_BPS;                              // the slot's first block
+    const int s_lo = max(lo, sb * ATT_TMA_ROWS), s_hi = min(hi, (sb + ATT_TMA_BPS) * ATT_TMA_ROWS);
+    const unsigned char* ring = S.base + RING_OFF + slot * SLOT_BYTES;
+    for (int base = s_lo + warp * ATT_TPW; base < s_hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
+      uint4 kr[ATT_AU], vr[ATT_AU];
+      bool valid[ATT_AU];
+#pragma unroll
+      for (int u = 0; u < ATT_AU; ++u) {
+        const int tok = base + u * CONSUMER_WARPS * ATT_TPW + sub;
+        valid[u] = tok < s_hi;
+        kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid[u] && tok == newest) {
+          const int bi = tok / P.block_size;
+          const long long blk = ld_nc_s32(P.block_table + (size_t)b * P.bt_stride + bi);
+          const elem_t* kp = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]) +
+                             ((blk * 2) * P.block_size + (tok - bi * P.block_size)) * KVS + g * D + e * 8;
+          kr[u] = ld_cg_v4(kp);
+          vr[u] = ld_cg_v4(kp + (size_t)P.block_size * KVS);
+        } else if (valid[u]) {
+          const unsigned char* kp = ring + (tok / ATT_TMA_ROWS - sb) * 2 * ATT_TILE_BYTES +
+                                    (tok % ATT_TMA_ROWS) * D * 2 + e * 16;
+          kr[u] = *reinterpret_cast<const uint4*>(kp);
+          vr[u] = *reinterpret_cast<const uint4*>(kp + ATT_TILE_BYTES);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < ATT_AU; ++u) attn_token(kr[u], vr[u], valid[u], qs, e, m, l, o);
+    }
+    if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
+    ++it;
+  }
+  if (ph_on) phase_lap(ph_t, ph_chunks);
+  attn_lanes_merge(m, l, o);
+  if (sub == 0) {   // as attn_partial_task's (a helper for these lines changed the default build's code)
+#pragma unroll
+    for (int hh = 0; hh < ATT_HG; ++hh) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wo[(warp * ATT_HG + hh) * D + e * 8 + i] = o[hh][i];
+      if (e == 0) {
+        wm[warp * ATT_HG + hh] = m[hh];
+        wl[warp * ATT_HG + hh] = l[hh];
+      }
+    }
+  }
+  attn_warps_store(P, wm, wl, wo, C, b, g, c, 0, direct);
+  if (ph_on) phase_lap(ph_t, ph_reduce);
+  if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
+  attn_ticket_merge(S, P, t, C, b, g);
+}
+
+}  // namespace mk

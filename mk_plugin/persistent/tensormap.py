@@ -1,0 +1,112 @@
+"""CUtensorMap descriptors of the KV caches for the ring-fed attention (MK_ATT_TMA, csrc/attention_tma.cuh).
+
+One map per layer's cache [num_blocks, 2, block_size, NKV, D] (vLLM's FLASH_ATTN layout), viewed as the
+3-D tensor [rows = num_blocks * 2 * block_size][NKV][D] (innermost first for the driver: D, NKV, rows), with
+a box of one head's 16 tokens: (D, 1, 16). So the copy at coordinates (0, g, (block * 2 + kv) * 16) brings
+K (kv = 0) or V (kv = 1) of head g for the 16 tokens of one block: 2 KB at D = 64, 4 KB at D = 128.
+
+The maps are encoded on the host by the driver (cuTensorMapEncodeTiled, through ctypes: neither torch nor
+CuPy wraps it), 128 bytes each, and copied to the GPU once per set of caches (MegakernelDecoder._kv_table).
+kv_tile_map_args() is the arithmetic, checked on any machine; encode_tile_map() needs libcuda.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..spec import LlamaSpec
+
+TILE_ROWS = 16                 # tokens per box: csrc/attention_tma.cuh ATT_TMA_ROWS (a block of block_size 16)
+MAP_BYTES = 128                # sizeof(CUtensorMap)
+# CUtensorMapDataType / Interleave / Swizzle / L2promotion / FloatOOBfill (cuda.h)
+_DTYPE_UINT16 = 1              # 2-byte elements: bf16 and fp16 alike (the copy moves bytes)
+_INTERLEAVE_NONE = 0
+_SWIZZLE_NONE = 0
+_L2_PROMOTION_128B = 2
+_OOB_FILL_NONE = 0
+
+
+@dataclass(frozen=True)
+class TileMapArgs:
+    """cuTensorMapEncodeTiled's shape arguments, innermost dimension first."""
+    dims: tuple[int, int, int]          # elements: D, NKV, rows
+    strides: tuple[int, int]            # bytes of dims 1 and 2 (dim 0 is contiguous)
+    box: tuple[int, int, int]           # D, 1, TILE_ROWS
+    elem_strides: tuple[int, int, int] = (1, 1, 1)
+
+
+def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size: int) -> TileMapArgs:
+    """The map arguments of one layer's cache tensor (shape/stride in elements, as torch gives them).
+    Raises ValueError naming what is unsupported: another layout, block size or element size, a
+    non-contiguous cache."""
+    if len(shape) != 5 or shape[1] != 2:
+        raise ValueError(f"kv cache shape {tuple(shape)}: expected [num_blocks, 2, block_size, num_kv_heads, head_dim]")
+    nb, _, bs, nkv, d = shape
+    if bs != TILE_ROWS:
+        raise ValueError(f"kv cache block_size {bs}: MK_ATT_TMA copies {TILE_ROWS}-token blocks (block_size 16)")
+    if elem_size != 2:
+        raise ValueError(f"kv cache element size {elem_size} bytes: MK_ATT_TMA supports 2-byte (bf16/fp16) caches")
+    want = (2 * bs * nkv * d, bs * nkv * d, nkv * d, d, 1)
+    if tuple(stride) != want:
+        raise ValueError(f"kv cache strides {tuple(stride)}: MK_ATT_TMA needs a contiguous cache {want}")
+    if (d * elem_size) % 16 or d > 256:
+        raise ValueError(f"head_dim {d}: a box row must be a multiple of 16 bytes and at most 256 elements")
+    return TileMapArgs(dims=(d, nkv, nb * 2 * bs), strides=(d * elem_size, nkv * d * elem_size),
+                       box=(d, 1, TILE_ROWS))
+
+
+def _libcuda() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"MK_ATT_TMA needs the CUDA driver (libcuda.so.1) to encode tensor maps: {e}") from e
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def encode_tile_map(address: int, args: TileMapArgs) -> bytes:
+    """The 128-byte CUtensorMap of a tensor at device `address` (16-byte aligned) with `args`."""
+    if address % 16:
+        raise ValueError(f"tensor address {address:#x} is not 16-byte aligned")
+    lib = _libcuda()
+    buf = (ctypes.c_ubyte * (MAP_BYTES + 64))()          # the driver wants the map 64-byte aligned
+    base = ctypes.addressof(buf)
+    aligned = (base + 63) // 64 * 64
+    dims = (ctypes.c_uint64 * 3)(*args.dims)
+    strides = (ctypes.c_uint64 * 2)(*args.strides)
+    box = (ctypes.c_uint32 * 3)(*args.box)
+    es = (ctypes.c_uint32 * 3)(*args.elem_strides)
+    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(aligned), _DTYPE_UINT16, 3, ctypes.c_void_p(address), dims,
+                                    strides, box, es, _INTERLEAVE_NONE, _SWIZZLE_NONE, _L2_PROMOTION_128B,
+                                    _OOB_FILL_NONE)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {args} at {address:#x}")
+    return bytes((ctypes.c_ubyte * MAP_BYTES).from_address(aligned))
+
+
+def check_model(spec: LlamaSpec) -> None:
+    """MK_ATT_TMA's kernel reads each ring slot once: one head pass of the kv group (csrc/attention.cuh ATT_HG:
+    4 heads, or 3 / 2 / 1 when G is not a multiple of 4), i.e. G = num_q_heads / num_kv_heads of 1, 2, 3 or 4."""
+    g = spec.num_q_heads // spec.num_kv_heads
+    if g not in (1, 2, 3, 4):
+        raise ValueError(f"MK_ATT_TMA supports 1-4 query heads per kv head; {spec.name} has {g} "
+                         f"({spec.num_q_heads} / {spec.num_kv_heads})")
+
+
+def device_maps(kv_caches: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The caches' tensor maps, MAP_BYTES each in layer order, as one uint8 tensor on `device` (torch's
+    allocations are 512-byte aligned, so every map is 128-byte aligned)."""
+    import torch
+
+    maps = b"".join(encode_tile_map(c.data_ptr(), kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size()))
+                    for c in kv_caches)
+    return torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(device)

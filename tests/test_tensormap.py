@@ -1,0 +1,70 @@
+"""mk_plugin.persistent.tensormap (MK_ATT_TMA's tensor maps of the KV caches): the map arithmetic on any
+machine, the driver encode on the GPU."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mk_plugin.persistent import tensormap as tm
+from mk_plugin.persistent.variant import KernelVariant
+from mk_plugin.spec import LlamaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "bench" / "models"
+
+
+def _cache(nb: int, bs: int, nkv: int, d: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(nb, 2, bs, nkv, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("nkv,d", [(8, 64), (8, 128), (3, 96)])
+def test_map_args_view_the_cache_as_rows_of_heads(nkv, d):
+    c = _cache(37, 16, nkv, d)
+    a = tm.kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size())
+    assert a.dims == (d, nkv, 37 * 2 * 16)
+    assert a.strides == (2 * d, 2 * nkv * d)   # bytes of one head's row, of one token's row
+    assert a.box == (d, 1, 16) and a.elem_strides == (1, 1, 1)
+    # the box is the kernel's tile: 16 rows of one head (csrc/attention_tma.cuh ATT_TILE_BYTES = 16 * D * 2)
+    src = (ROOT / "csrc" / "attention_tma.cuh").read_text()
+    assert re.search(rf"ATT_TMA_ROWS = {tm.TILE_ROWS};", src) and "ATT_TILE_BYTES = ATT_TMA_ROWS * D * 2;" in src
+
+
+def test_unsupported_caches_are_clear_errors():
+    c = _cache(4, 32, 8, 64)
+    with pytest.raises(ValueError, match="block_size 32: MK_ATT_TMA copies 16-token blocks"):
+        tm.kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size())
+    f = _cache(4, 16, 8, 64, torch.float32)
+    with pytest.raises(ValueError, match="element size 4 bytes"):
+        tm.kv_tile_map_args(tuple(f.shape), f.stride(), f.element_size())
+    nc = torch.zeros(4, 2, 16, 16, 64, dtype=torch.bfloat16)[:, :, :, :8]   # every other head: not contiguous
+    with pytest.raises(ValueError, match="needs a contiguous cache"):
+        tm.kv_tile_map_args(tuple(nc.shape), nc.stride(), nc.element_size())
+    with pytest.raises(ValueError, match="expected \\[num_blocks, 2, block_size"):
+        tm.kv_tile_map_args((4, 16, 8, 64), (8192, 512, 64, 1), 2)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        tm.encode_tile_map(0x1008, tm.TileMapArgs((64, 8, 32), (128, 1024), (64, 1, 16)))
+
+
+def test_models_with_more_than_four_heads_per_kv_head_are_refused():
+    spec = LlamaSpec.from_json_file(MODELS / "llama-3.2-1b")
+    tm.check_model(spec)   # G = 4
+    with pytest.raises(ValueError, match="1-4 query heads per kv head; .* has 8"):
+        tm.check_model(spec.__class__(**{**spec.__dict__, "num_kv_heads": 4}))
+
+
+def test_the_switch_is_a_kernel_variant():
+    v = KernelVariant.parse(["MK_ATT_TMA=1"])
+    assert v.att_tma and v.defines() == ("-DMK_ATT_TMA=1",) and v.label() == "att_tma"
+    with pytest.raises(ValueError, match="MK_ATT_TMA=2: bad value"):
+        KernelVariant.parse(["MK_ATT_TMA=2"])
+
+
+@pytest.mark.gpu
+def test_the_driver_encodes_a_map_of_a_gpu_cache():
+    c = _cache(64, 16, 8, 64).cuda()
+    m = tm.device_maps([c, c[:32]], c.device)
+    assert m.shape == (2 * tm.MAP_BYTES,) and m.dtype == torch.uint8 and m.data_ptr() % 128 == 0
+    assert bool(m[: tm.MAP_BYTES].ne(0).any()) and not torch.equal(m[: tm.MAP_BYTES], m[tm.MAP_BYTES:])
