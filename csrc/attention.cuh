@@ -155,6 +155,27 @@ __device__ __forceinline__ void attn_ticket_merge(const Smem& S, const Params& P
   if (*last) attn_merge(P, b, g);
 }
 
+// The pass's q heads h0.. of kv group g, scaled by log2(e) / sqrt(D), into qs [HG][D] (the caller syncs).
+__device__ __forceinline__ void attn_stage_q(float* qs, const elem_t* qbuf, int g, int h0, float qscale) {
+  for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
+    float qf[8];
+    unpack8(ld_cg_v4(qbuf + (g * G + h0) * D + idx * 8), qf);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
+  }
+}
+
+// An empty online-softmax state (exp2 units).
+__device__ __forceinline__ void attn_state_init(float (&m)[ATT_HG], float (&l)[ATT_HG], float (&o)[ATT_HG][8]) {
+#pragma unroll
+  for (int hh = 0; hh < ATT_HG; ++hh) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[hh][i] = 0.f;
+    m[hh] = NEG_INF;
+    l[hh] = 0.f;
+  }
+}
+
 // One token of a lane group: its K row's 8 dims in kr and V's in vr (this lane's e-th 16 bytes), the scores of
 // the pass's HG heads summed over the group's ATT_LPT lanes, and the online-softmax update of (m, l, o) in exp2
 // units (q pre-scaled by log2(e) / sqrt(D) in qs). An invalid token (past the range) joins the shuffles only.
@@ -253,12 +274,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
   const unsigned long long ph_entry = ph_t;
 
   for (int h0 = 0; h0 < G; h0 += ATT_HG) {
-    for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {
-      float qf[8];
-      unpack8(ld_cg_v4(qbuf + (g * G + h0) * D + idx * 8), qf);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
-    }
+    attn_stage_q(qs, qbuf, g, h0, qscale);
     if (h0 == 0 && bt_staged) {
       if (bt_mine) bts[threadIdx.x] = bt_first;
       for (int i = threadIdx.x + CONSUMER_THREADS; i < nblk; i += CONSUMER_THREADS) bts[i] = ld_nc_s32(bt + blk0 + i);
@@ -266,13 +282,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
     consumer_sync();
     if (ph_on) phase_lap(ph_t, ph_stage);
     float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
-#pragma unroll
-    for (int hh = 0; hh < ATT_HG; ++hh) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[hh][i] = 0.f;
-      m[hh] = NEG_INF;
-      l[hh] = 0.f;
-    }
+    attn_state_init(m, l, o);
     for (int base = lo + warp * ATT_TPW; base < hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
       uint4 kr[ATT_AU], vr[ATT_AU];
       bool valid[ATT_AU];

@@ -104,22 +104,11 @@ __device__ __forceinline__ void attn_partial_tma(const Smem& S, const Params& P,
   unsigned long long ph_t = ph_on ? global_ns() : 0ull, ph_stage = 0, ph_chunks = 0, ph_reduce = 0;
   const unsigned long long ph_entry = ph_t;
 
-  for (int idx = threadIdx.x; idx < ATT_HG * D / 8; idx += CONSUMER_THREADS) {   // one head pass: h0 = 0
-    float qf[8];
-    unpack8(ld_cg_v4(qbuf + g * G * D + idx * 8), qf);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qs[idx * 8 + i] = qf[i] * qscale;
-  }
+  attn_stage_q(qs, qbuf, g, 0, qscale);   // one head pass: h0 = 0
   consumer_sync();
   if (ph_on) phase_lap(ph_t, ph_stage);
   float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
-#pragma unroll
-  for (int hh = 0; hh < ATT_HG; ++hh) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[hh][i] = 0.f;
-    m[hh] = NEG_INF;
-    l[hh] = 0.f;
-  }
+  attn_state_init(m, l, o);
   const int nslots = att_tma_slots(lo, hi);
   const int blk0 = lo / ATT_TMA_ROWS;
   for (int si = 0; si < nslots; ++si) {
