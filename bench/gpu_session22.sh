@@ -53,6 +53,10 @@ case $n in
        | grep -E "^llama|Error|error" | head -4
      timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 3 \
        --build default --build MK_ATT_TMA=1
+     # with the KV in the ring a task's token count costs little: fewer chunks at batch 1 (fewer partials to
+     # merge on the chain; C = 16 today, 32 tokens per task). Predicted chunks=8 -3..-8 us over MK_ATT_TMA alone
+     timeout 120 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 --rounds 3 \
+       --build MK_ATT_TMA=1 --build MK_ATT_TMA=1,chunks=8 --build MK_ATT_TMA=1,chunks=4
      timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
        --batch 1 16 --rounds 2 --build default --build MK_ATT_TMA=1
      timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 \
