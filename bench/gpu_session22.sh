@@ -73,6 +73,12 @@ case $n in
   4) vllm_env   # issue 11's vLLM target: 8B TBT with MK_MODE=megakernel <= 0.85x stock at batch 1 and 8
      timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 --modes megakernel \
        --rounds 2 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  5) vllm_env   # issue 13: the Triton mode's 2,000-request soak, engines first (kept in /root/soak_work) ...
+     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
+       --engines-only 2>&1 | grep -v "^(EngineCore" | tail -8 ;;
+  6) vllm_env   # ... then the same soak again: its engines reused, the fp32 verdict (stock control included)
+     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
+       2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   *) echo "no call $n here: see bench/gpu_session21.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s22_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
