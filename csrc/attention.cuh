@@ -96,9 +96,9 @@ __device__ __forceinline__ void attn_merge(const Params& P, int b, int g) {
   }
 }
 
-// Tokens [lo, hi) of chunk c of request b, C = P.chunks (cs = ceil(L / C), lo = min(L, c*cs), hi = min(L, lo + cs)).
-__device__ __forceinline__ void attn_range(const Smem& S, int C, int b, int c, int& lo, int& hi) {
-  const int L = S.seq_len()[b];
+// Tokens [lo, hi) of chunk c of a request of L tokens, C chunks (cs = ceil(L / C), lo = min(L, c*cs),
+// hi = min(L, lo + cs)).
+__device__ __forceinline__ void attn_range_of(int L, int C, int c, int& lo, int& hi) {
   lo = 0;
   hi = 0;
   if (L > 0) {
@@ -106,6 +106,11 @@ __device__ __forceinline__ void attn_range(const Smem& S, int C, int b, int c, i
     lo = min(L, c * cs);
     hi = min(L, lo + cs);
   }
+}
+
+// The same for request b of this step (C = P.chunks), its length from step_inputs' shared copy.
+__device__ __forceinline__ void attn_range(const Smem& S, int C, int b, int c, int& lo, int& hi) {
+  attn_range_of(S.seq_len()[b], C, c, lo, hi);
 }
 
 // After a head pass's KV loop: the consumer warps' states (wm, wl [warp][HG], wo [warp][HG][D], exp2 units)
@@ -174,6 +179,15 @@ __device__ __forceinline__ void attn_state_init(float (&m)[ATT_HG], float (&l)[A
     m[hh] = NEG_INF;
     l[hh] = 0.f;
   }
+}
+
+// This lane's 16 bytes of the K and V rows of token `off` of cache block `blk`, kv head g (L2 loads: the newest
+// token is written during the launch).
+__device__ __forceinline__ void attn_kv_row(const elem_t* cache, long long blk, int off, int bs, int g, int e, uint4& kr,
+                                            uint4& vr) {
+  const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + g * D + e * 8;
+  kr = ld_cg_v4(kp);
+  vr = ld_cg_v4(kp + (size_t)bs * KVS);
 }
 
 // One token of a lane group: its K row's 8 dims in kr and V's in vr (this lane's e-th 16 bytes), the scores of
@@ -294,10 +308,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
         if (valid[u]) {
           const int bi = tok / bs;
           const long long blk = bt_staged ? bts[bi - blk0] : ld_nc_s32(bt + bi);
-          const int off = tok - bi * bs;
-          const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + g * D + e * 8;
-          kr[u] = ld_cg_v4(kp);
-          vr[u] = ld_cg_v4(kp + (size_t)bs * KVS);
+          attn_kv_row(cache, blk, tok - bi * bs, bs, g, e, kr[u], vr[u]);
         }
       }
 #pragma unroll

@@ -24,22 +24,13 @@ static_assert(!MK_ATT_TMA || G == ATT_HG, "MK_ATT_TMA: one head pass (a slot is 
 static_assert(2 * ATT_TMA_BPS * ATT_TILE_BYTES <= SLOT_BYTES && ATT_TMA_BPS >= 1, "MK_ATT_TMA: slot size");
 static_assert(SLOT_BYTES % 128 == 0 && ATT_TILE_BYTES % 128 == 0, "MK_ATT_TMA: 128-byte aligned tiles");
 
-// Tokens [lo, hi) of chunk c of a request of L tokens (attn_range's formula; the producer reads L from global
-// memory: step_inputs' shared copy is written by the consumers after the producer starts).
-__device__ __forceinline__ void att_tma_range(int L, int C, int c, int& lo, int& hi) {
-  lo = 0;
-  hi = 0;
-  if (L > 0) {
-    const int cs = (L + C - 1) / C;
-    lo = min(L, c * cs);
-    hi = min(L, lo + cs);
-  }
+// Blocks of a task over tokens [lo, hi), and its ring slots: ATT_TMA_BPS blocks each (producer and consumers
+// agree).
+__device__ __forceinline__ int att_tma_blocks(int lo, int hi) {
+  return hi > lo ? (hi - 1) / ATT_TMA_ROWS - lo / ATT_TMA_ROWS + 1 : 0;
 }
-
-// Ring slots of a task over tokens [lo, hi): its blocks, ATT_TMA_BPS per slot (producer and consumers agree).
 __device__ __forceinline__ int att_tma_slots(int lo, int hi) {
-  const int nblk = hi > lo ? (hi - 1) / ATT_TMA_ROWS - lo / ATT_TMA_ROWS + 1 : 0;
-  return (nblk + ATT_TMA_BPS - 1) / ATT_TMA_BPS;
+  return (att_tma_blocks(lo, hi) + ATT_TMA_BPS - 1) / ATT_TMA_BPS;
 }
 
 __device__ __forceinline__ void tma_tile_g2s(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
@@ -53,9 +44,10 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
                                                 unsigned& it) {
   const int b = t.arg0, g = t.arg1;
   int lo, hi;
-  att_tma_range(__ldg(P.seq_lens + b), P.chunks, t.arg2, lo, hi);
+  // L from global memory: step_inputs' shared copy is written by the consumers after the producer starts
+  attn_range_of(__ldg(P.seq_lens + b), P.chunks, t.arg2, lo, hi);
   const int nslots = att_tma_slots(lo, hi);
-  const int blk0 = lo / ATT_TMA_ROWS, nblk = hi > lo ? (hi - 1) / ATT_TMA_ROWS - blk0 + 1 : 0;
+  const int blk0 = lo / ATT_TMA_ROWS, nblk = att_tma_blocks(lo, hi);
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
   const void* map = reinterpret_cast<const void*>(P.kvptr[LAYERS + t.layer]);
   // the map was written by the host (generic proxy) before the launch; each issuing lane orders its reads of it
@@ -129,10 +121,8 @@ __device__ __forceinline__ void attn_partial_tma(const Smem& S, const Params& P,
         if (valid[u] && tok == newest) {
           const int bi = tok / P.block_size;
           const long long blk = ld_nc_s32(P.block_table + (size_t)b * P.bt_stride + bi);
-          const elem_t* kp = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]) +
-                             ((blk * 2) * P.block_size + (tok - bi * P.block_size)) * KVS + g * D + e * 8;
-          kr[u] = ld_cg_v4(kp);
-          vr[u] = ld_cg_v4(kp + (size_t)P.block_size * KVS);
+          attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), blk, tok - bi * P.block_size, P.block_size,
+                      g, e, kr[u], vr[u]);
         } else if (valid[u]) {
           const unsigned char* kp = ring + (tok / ATT_TMA_ROWS - sb) * 2 * ATT_TILE_BYTES +
                                     (tok % ATT_TMA_ROWS) * D * 2 + e * 16;

@@ -17,8 +17,7 @@
 
 namespace mk {
 
-constexpr int BULK_STAGE_BYTES = 768;          // variant.BULK_STAGE_BYTES
-constexpr int BULK_STAGE_OFF = SMEM_BYTES;     // the variant's launch adds BULK_STAGE_BYTES
+constexpr int BULK_STAGE_OFF = SMEM_BYTES;     // BULK_STAGE_BYTES (tasks.h): the variant's launch adds them
 static_assert(!MK_BULK_RELEASE || SMEM_BYTES + BULK_STAGE_BYTES <= 232448, "bulk stage over the sm_90 limit");
 static_assert(MK_BULK_RELEASE >= 0 && MK_BULK_RELEASE <= 2, "MK_BULK_RELEASE: 0, 1, 2");
 static_assert(!MK_BULK_QKV || MK_BULK_RELEASE, "MK_BULK_QKV needs MK_BULK_RELEASE");
@@ -100,9 +99,7 @@ __device__ __forceinline__ void bulk_release(const Smem& S, const Params& P, con
     const int cols = t.arg1 * UNIT;
     elem_t* out = buf_ptr(P, t.out_buf) + t.arg0 * UNIT;
     for (int b = 0; b < P.batch; ++b)
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                   ::"l"(out + (size_t)b * ld), "r"(src + (unsigned)(b * cols * (int)sizeof(elem_t))),
-                   "r"((unsigned)(cols * (int)sizeof(elem_t))) : "memory");
+      bulk_copy(out + (size_t)b * ld, src + (unsigned)(b * cols * (int)sizeof(elem_t)), cols * (int)sizeof(elem_t));
   }
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

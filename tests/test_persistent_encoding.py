@@ -177,7 +177,7 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert b.label() == "release_gate=0,bulk=2"
     assert b.layout.smem_bytes == enc.LAYOUT.smem_bytes + BULK_STAGE_BYTES <= enc.SMEM_LIMIT
     assert KernelVariant().layout == enc.LAYOUT and KernelVariant(num_stages=5).layout.smem_bytes == enc.LAYOUT.smem_bytes
-    assert f"constexpr int BULK_STAGE_BYTES = {BULK_STAGE_BYTES};" in (ROOT / "csrc" / "bulk_release.cuh").read_text()
+    assert f"constexpr int BULK_STAGE_BYTES = {BULK_STAGE_BYTES};" in (ROOT / "csrc" / "tasks.h").read_text()
     for bad in (3, -1, True):
         with pytest.raises(ValueError, match="bulk_release=.*: 0 \\(off\\), 1 or 2"):
             KernelVariant(bulk_release=bad)

@@ -28,8 +28,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_BULK_RELEASE", "bulk_release", "bulk"),
                    ("MK_BULK_QKV", "bulk_qkv", "bulk_qkv"), ("MK_ATT_TMA", "att_tma", "att_tma"))
-# MK_BULK_RELEASE (A/B, default 0, session 16): the output stage past the layout's shared memory (bytes); the
-# kernel's BULK_STAGE_BYTES (common.cuh) must match
+# MK_BULK_RELEASE (A/B, default 0, session 16): the output stage past the layout's shared memory (bytes);
+# header.py renders it into csrc/tasks.h for csrc/bulk_release.cuh
 BULK_STAGE_BYTES = 768
 
 
