@@ -48,8 +48,9 @@ class KernelVariant:
     # MK_BULK_RELEASE: 1 = gate_up / o_proj / down (uncut) tasks whose output fits BULK_STAGE_BYTES store it by
     # a bulk copy from shared memory and release with a relaxed add after the copy completes (no MEMBAR: it
     # waits for the SM's in-flight weight copies); 2 = the same with fence.proxy.async.global before the add
+    # Both race (session 17, bench/race_stress.py: 1B batch 1 4 / 2 of 2000 replays differ): bench only.
     bulk_release: int = 0
-    bulk_qkv: bool = False   # MK_BULK_QKV: qkv_rope's outputs (q, the KV slots) the same way at batch <= 4
+    bulk_qkv: bool = False   # MK_BULK_QKV: qkv_rope's outputs the same way at batch <= 4 (races more, slower)
     # MK_ATT_TMA: attention's K/V streamed through the weight ring by tensor-map copies (csrc/attention_tma.cuh;
     # the decoder builds one CUtensorMap per layer cache: tensormap.py). Needs block_size 16 and one head pass.
     att_tma: bool = False
