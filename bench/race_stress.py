@@ -10,7 +10,7 @@ written is a NaN, and a stale read of an earlier layer's value a different numbe
 output. The KV slots the step appends are rewritten with the same values each replay.
 
     python bench/race_stress.py [--model bench/models/llama-3.2-1b] [--batch 1 3 8] [--replays 2000]
-                                [--define MK_BULK_RELEASE=1 ...] [--out FILE.md]
+                                [--define MK_ATT_TMA=128 ...] [--out FILE.md]
 
 Per batch: replays, mismatching replays (output or logits differ from the first replay in any bit), NaN
 replays, and the first mismatch's index and max abs difference. Exit status 1 when any replay mismatched,

@@ -1,5 +1,7 @@
-// MK_ATT_TMA (A/B switch, default 0, session 16; variant.KernelVariant.att_tma): ATTN_PARTIAL's K/V through the
-// weight ring. The CUDA-core loop (attention.cuh) keeps ~40 KB of K/V loads in flight per SM, and under the
+// MK_ATT_TMA = N (A/B switch, default 0 = off, session 16; variant.KernelVariant.att_tma): ATTN_PARTIAL's K/V
+// through the weight ring for every task of at least N tokens (1: all of them; session 18's threshold, since the
+// ring path gained only on long tasks: the shorter ones keep the default loop, chosen per task at run time from
+// the request's length, so one build serves every context). The CUDA-core loop (attention.cuh) keeps ~40 KB of K/V loads in flight per SM, and under the
 // step's traffic a load round trip takes ~3-4 us, so attention streams at ~9 GB/s per SM (bench/NOTES.md
 // session 16). Here the producer warp streams an attention task's KV like a matvec's weights: one tensor-map
 // copy (cp.async.bulk.tensor, box 16 tokens x 1 head x D) per (block, K|V), ATT_TMA_BPS blocks per ring slot,
@@ -37,6 +39,14 @@ __device__ __forceinline__ void tma_tile_g2s(unsigned dst, const void* map, int 
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
+}
+
+// Whether attention task (request length L, chunk c of C) goes through the ring: producer and consumers decide
+// from the same length (the consumers' shared copy of seq_lens is verbatim), so they agree on its slots.
+__device__ __forceinline__ bool att_tma_task(int L, int C, int c) {
+  int lo, hi;
+  attn_range_of(L, C, c, lo, hi);
+  return hi - lo >= MK_ATT_TMA;
 }
 
 // Producer warp: the KV tiles of attention task t into the ring; false when a ring wait failed (the CTA stops).

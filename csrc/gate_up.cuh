@@ -2,7 +2,6 @@
 // u = rms_norm(RESID) @ Wup[cols]^T. A unit is two M-tiles (gate rows, up rows); the warp owning
 // the gate tile also receives the up tile's sums (vu).
 #pragma once
-#include "bulk_release.cuh"
 #include "matvec.cuh"
 
 namespace mk {
@@ -11,9 +10,6 @@ __device__ __forceinline__ void gate_up_epilogue(const Smem& S, const Params& P,
                                                  int lane, const float (&v)[4], const float (&vu)[4]) {
   elem_t* act = buf_ptr(P, t.out_buf);
   const int u = p0 + (m >> 1);
-#if MK_BULK_RELEASE   // bulk_release.cuh; preprocessed out so that the default build's code is unchanged
-  const bool bulk = bulk_task(t, P.batch);
-#endif
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int b = nt * 8 + (lane & 3) * 2 + (e & 1);
@@ -21,18 +17,9 @@ __device__ __forceinline__ void gate_up_epilogue(const Smem& S, const Params& P,
     if (b < P.batch) {
       const float gt = stock_rnd(v[e]);   // STOCK: vLLM's gate_up GEMM stores g and u first
       const elem_t a = from_f(gt / (1.f + __expf(-gt)) * stock_rnd(vu[e]));
-#if MK_BULK_RELEASE
-      if (bulk) {
-        bulk_put(S, t, b, col, a);
-        continue;
-      }
-#endif
       act[(size_t)b * I + col] = a;
     }
   }
-#if MK_BULK_RELEASE
-  if (bulk) bulk_put_done();
-#endif
 }
 
 }  // namespace mk

@@ -135,6 +135,7 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 // Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
 // PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
+__device__ __forceinline__ bool att_tma_task(int L, int C, int c);
 __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int ti, int lane,
                                                 unsigned& it);
 #endif
@@ -151,6 +152,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     prev_op = t.opcode;
 #if MK_ATT_TMA   // an attention task's KV tiles stream through the ring like a matvec's weights
     if (t.opcode == OP_ATTN_PARTIAL) {
+      if (!att_tma_task(__ldg(P.seq_lens + t.arg0), P.chunks, t.arg2)) continue;   // a short task: default loop
       if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
       if (!att_tma_produce(S, P, t, ti, lane, it)) goto drain;
       continue;

@@ -131,7 +131,12 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       case OP_DOWN:
       case OP_LM_HEAD: matvec_dispatch(S, P, t, it, warp, lane, wait_cycles, early_nw); break;
 #if MK_ATT_TMA
-      case OP_ATTN_PARTIAL: attn_partial_tma(S, P, t, it, warp, lane); break;
+      case OP_ATTN_PARTIAL:   // a task under MK_ATT_TMA tokens takes the default loop (its producer skips it)
+        if (att_tma_task(S.seq_len()[t.arg0], P.chunks, t.arg2))
+          attn_partial_tma(S, P, t, it, warp, lane);
+        else
+          attn_partial_task(S, P, t, warp, lane);
+        break;
 #else
       case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
 #endif
@@ -142,12 +147,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     consumer_sync();  // all of this task's stores precede the release below
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
-#if MK_BULK_RELEASE   // bulk_release.cuh: the output goes out from the stage, the release has no MEMBAR
-    if (threadIdx.x == 0 && bulk_task(t, P.batch))
-      bulk_release(S, P, t, t.signal_ctr >= 0 ? P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE : nullptr,
-                   (unsigned)t.signal_add);
-    else
-#endif
     if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence

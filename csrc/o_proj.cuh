@@ -1,7 +1,6 @@
 // o_proj task: RESID[:, rows] = h[:, rows] + ATTN_O @ Wo[rows]^T (h = the layer's residual source:
 // the caller's input for layer 0, RESID after). down.cuh reuses this epilogue (ACT @ Wd^T + RESID).
 #pragma once
-#include "bulk_release.cuh"
 #include "matvec.cuh"
 
 namespace mk {
@@ -34,9 +33,6 @@ __device__ __forceinline__ void residual_prefetch(const Params& P, const Task& t
 __device__ __forceinline__ void residual_epilogue(const Smem& S, const Params& P, const Task& t, int p0, int m, int nt,
                                                   int lane, const float (&v)[4], const unsigned (&rres)[4]) {
   elem_t* out = buf_ptr(P, t.out_buf);
-#if MK_BULK_RELEASE   // bulk_release.cuh; preprocessed out so that the default build's code is unchanged
-  const bool bulk = bulk_task(t, P.batch);
-#endif
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     int b, row;
@@ -44,18 +40,9 @@ __device__ __forceinline__ void residual_epilogue(const Smem& S, const Params& P
     // STOCK: vLLM's GEMM stores its output before the residual add
     if (b < P.batch) {
       const elem_t r = from_f(bits_to_f((unsigned short)rres[e]) + stock_rnd(v[e]));
-#if MK_BULK_RELEASE
-      if (bulk) {
-        bulk_put(S, t, b, row, r);
-        continue;
-      }
-#endif
       out[(size_t)b * H + row] = r;
     }
   }
-#if MK_BULK_RELEASE
-  if (bulk) bulk_put_done();
-#endif
 }
 
 // K-split o_proj/down (tuning.ksplit): a part's fp32 sums go to PART_K[part][b][row] (MAX_BATCH rows per

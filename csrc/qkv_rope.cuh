@@ -3,7 +3,6 @@
 // A unit's 16 rows are 8 dims of the head's first half (MMA rows 0-7) and the same 8 dims of its
 // second half (rows 8-15), so each thread holds both members of its RoPE pairs (v[e], v[e+2]).
 #pragma once
-#include "bulk_release.cuh"
 #include "matvec.cuh"
 
 namespace mk {
@@ -48,9 +47,6 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P
   int g, hl, s;
   qkv_unit(p0 + m, g, hl, s);
   const int j = s * 8 + (lane >> 2);   // rotary index of this thread's first-half dim
-#if MK_BULK_QKV   // bulk_release.cuh; preprocessed out so that the default build's code is unchanged
-  const bool bulk = bulk_task(t, P.batch);
-#endif
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int b = nt * 8 + (lane & 3) * 2 + e;
@@ -62,13 +58,6 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P
       y1 = x1 * c - x2 * sn;
       y2 = x2 * c + x1 * sn;
     }
-#if MK_BULK_QKV
-    if (bulk) {   // both halves staged whatever the slot: thread 0 skips a padded slot's copies
-      bulk_put_qkv(S, t, b, p0 + m, 0, lane, from_f(y1));
-      bulk_put_qkv(S, t, b, p0 + m, 1, lane, from_f(y2));
-      continue;
-    }
-#endif
     if (hl < G) {
       elem_t* q = buf_ptr(P, BUF_Q) + (size_t)b * QS + (g * G + hl) * D;
       q[j] = from_f(y1);
@@ -85,9 +74,6 @@ __device__ __forceinline__ void qkv_rope_epilogue(const Smem& S, const Params& P
       }
     }
   }
-#if MK_BULK_QKV
-  if (bulk) bulk_put_done();
-#endif
 }
 
 }  // namespace mk

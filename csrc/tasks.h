@@ -176,12 +176,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_RELEASE_GATE
 #define MK_RELEASE_GATE 32
 #endif
-#ifndef MK_BULK_RELEASE
-#define MK_BULK_RELEASE 0
-#endif
-#ifndef MK_BULK_QKV
-#define MK_BULK_QKV 0
-#endif
 #ifndef MK_ATT_TMA
 #define MK_ATT_TMA 0
 #endif
@@ -193,8 +187,6 @@ constexpr int UNION_BYTES = 32768 + (6 - NUM_STAGES) * SLOT_BYTES;
 constexpr int ACC_TILES = 8;
 constexpr int MISC_BYTES = 768;
 constexpr int SMEM_BYTES = 231680;
-// MK_BULK_RELEASE's output stage, past the layout (a build with the switch launches with this much more)
-constexpr int BULK_STAGE_BYTES = 768;
 static_assert(NUM_THREADS == 32 * (CONSUMER_WARPS + PRODUCER_WARPS), "threads");
 static_assert(SMEM_BYTES == NUM_STAGES * SLOT_BYTES + UNION_BYTES + MISC_BYTES, "smem");
 static_assert(SMEM_BYTES <= 232448, "dynamic shared memory over the sm_90 limit");

@@ -84,8 +84,8 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
         mk_ab.parse_build("ksplit.down=9")
     with pytest.raises(ValueError, match="ksplit item 'down': give OP=N"):   # an item without its parts
         mk_ab.parse_build("ksplit.down")
-    c, ct = mk_ab.parse_build("MK_BULK_RELEASE=1,chunks=4")   # a program item: tuning.attn_chunks
-    assert c.bulk_release == 1 and ct.attn_chunks == 4 and ct.ksplit == () and mk_ab.build_label(c, ct).endswith("tuning chunks4")
+    c, ct = mk_ab.parse_build("MK_ATT_TMA=128,chunks=4")   # a program item: tuning.attn_chunks
+    assert c.att_tma == 128 and ct.attn_chunks == 4 and ct.ksplit == () and mk_ab.build_label(c, ct).endswith("tuning chunks4")
     with pytest.raises(ValueError, match="give one chunks=N"):
         mk_ab.parse_build("chunks=x")
     with pytest.raises(ValueError, match="attn_chunks=99"):

@@ -57,9 +57,14 @@ def test_models_with_more_than_four_heads_per_kv_head_are_refused():
 
 def test_the_switch_is_a_kernel_variant():
     v = KernelVariant.parse(["MK_ATT_TMA=1"])
-    assert v.att_tma and v.defines() == ("-DMK_ATT_TMA=1",) and v.label() == "att_tma"
-    with pytest.raises(ValueError, match="MK_ATT_TMA=2: bad value"):
-        KernelVariant.parse(["MK_ATT_TMA=2"])
+    assert v.att_tma == 1 and v.defines() == ("-DMK_ATT_TMA=1",) and v.label() == "att_tma=1"
+    assert KernelVariant.parse(["MK_ATT_TMA=128"]).label() == "att_tma=128"   # a threshold in tokens per task
+    with pytest.raises(ValueError, match="MK_ATT_TMA=x: bad value"):
+        KernelVariant.parse(["MK_ATT_TMA=x"])
+    with pytest.raises(ValueError, match=r"att_tma=-1: the ring path's minimum tokens per attention task, 0 \(off\)"):
+        KernelVariant(att_tma=-1)
+    with pytest.raises(ValueError, match="att_tma=True"):
+        KernelVariant(att_tma=True)
 
 
 @pytest.mark.gpu

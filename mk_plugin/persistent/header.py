@@ -42,7 +42,7 @@ from .encoding import (
     Opcode,
     Rounding,
 )
-from .variant import BULK_STAGE_BYTES, VARIANT_DEFINES, KernelVariant
+from .variant import VARIANT_DEFINES, KernelVariant
 
 
 def _variant_defaults() -> list[str]:
@@ -140,8 +140,6 @@ def generate_header() -> str:
         f"constexpr int ACC_TILES = {lay.acc_tiles};",
         f"constexpr int MISC_BYTES = {lay.misc_bytes};",
         f"constexpr int SMEM_BYTES = {lay.smem_bytes};",
-        "// MK_BULK_RELEASE's output stage, past the layout (a build with the switch launches with this much more)",
-        f"constexpr int BULK_STAGE_BYTES = {BULK_STAGE_BYTES};",
         "static_assert(NUM_THREADS == 32 * (CONSUMER_WARPS + PRODUCER_WARPS), \"threads\");",
         "static_assert(SMEM_BYTES == NUM_STAGES * SLOT_BYTES + UNION_BYTES + MISC_BYTES, \"smem\");",
         f"static_assert(SMEM_BYTES <= {SMEM_LIMIT}, \"dynamic shared memory over the sm_90 limit\");",

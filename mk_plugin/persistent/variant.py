@@ -10,7 +10,8 @@ the batched merge won; the column groups at batch 1 and the gate word's volatile
 session 10: five attention load steps in flight won over four and six, the packed half-size ring slots at
 batch 9..16 lost; session 11: full-width ring chunks at batch 9..16, taken in two halves, won over
 half-width chunks; session 12: the chain L2 prefetch, split MMA chains for one-M-tile passes and more
-norm-statistics rows per round all lost).
+norm-statistics rows per round all lost; session 18 removed the bulk-copy hand-offs MK_BULK_RELEASE and
+MK_BULK_QKV: they raced, bench/NOTES.md session 17).
 """
 from __future__ import annotations
 
@@ -26,11 +27,8 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_BULK_RELEASE", "bulk_release", "bulk"),
-                   ("MK_BULK_QKV", "bulk_qkv", "bulk_qkv"), ("MK_ATT_TMA", "att_tma", "att_tma"))
-# MK_BULK_RELEASE (A/B, default 0, session 16): the output stage past the layout's shared memory (bytes);
-# header.py renders it into csrc/tasks.h for csrc/bulk_release.cuh
-BULK_STAGE_BYTES = 768
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"))
+ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any context the kernel runs)
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,10 @@ class KernelVariant:
     diag: int = 0
     phases: bool = False   # MK_TRACE_PHASES: per-phase ns of matvec tasks in the trace (bench only)
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
-    # MK_BULK_RELEASE: 1 = gate_up / o_proj / down (uncut) tasks whose output fits BULK_STAGE_BYTES store it by
-    # a bulk copy from shared memory and release with a relaxed add after the copy completes (no MEMBAR: it
-    # waits for the SM's in-flight weight copies); 2 = the same with fence.proxy.async.global before the add
-    # Both race (session 17, bench/race_stress.py: 1B batch 1 4 / 2 of 2000 replays differ): bench only.
-    bulk_release: int = 0
-    bulk_qkv: bool = False   # MK_BULK_QKV: qkv_rope's outputs the same way at batch <= 4 (races more, slower)
-    # MK_ATT_TMA: attention's K/V streamed through the weight ring by tensor-map copies (csrc/attention_tma.cuh;
-    # the decoder builds one CUtensorMap per layer cache: tensormap.py). Needs block_size 16 and one head pass.
-    att_tma: bool = False
+    # MK_ATT_TMA = N: the K/V of every attention task of >= N tokens streamed through the weight ring by
+    # tensor-map copies (csrc/attention_tma.cuh; 0 off, 1 every task; the decoder builds one CUtensorMap per
+    # layer cache: tensormap.py). Needs block_size 16 and one head pass.
+    att_tma: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -64,14 +57,10 @@ class KernelVariant:
                 or not 0 <= self.release_gate < (1 << len(Opcode)):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{(1 << len(Opcode)) - 1}")
-        if isinstance(self.bulk_release, bool) or self.bulk_release not in (0, 1, 2):
-            raise ValueError(f"bulk_release={self.bulk_release!r}: 0 (off), 1 or 2")
-        if not isinstance(self.bulk_qkv, bool):
-            raise ValueError(f"bulk_qkv={self.bulk_qkv!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if self.bulk_qkv and not self.bulk_release:
-            raise ValueError("bulk_qkv needs bulk_release (MK_BULK_QKV=1 with MK_BULK_RELEASE=1 or 2)")
-        if not isinstance(self.att_tma, bool):
-            raise ValueError(f"att_tma={self.att_tma!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
+                or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
+            raise ValueError(f"att_tma={self.att_tma!r}: the ring path's minimum tokens per attention task, "
+                             f"0 (off) .. {ATT_TMA_MAX_TOKENS}")
         if not isinstance(self.phases, bool):
             raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
@@ -88,9 +77,7 @@ class KernelVariant:
 
     @property
     def layout(self) -> KernelLayout:
-        lay = LAYOUT.with_stages(self.num_stages)
-        # the bulk release's output stage sits past the layout (common.cuh BULK_STAGE_OFF = SMEM_BYTES)
-        return replace(lay, misc_bytes=lay.misc_bytes + BULK_STAGE_BYTES) if self.bulk_release else lay
+        return LAYOUT.with_stages(self.num_stages)
 
     def with_stages(self, num_stages: int) -> KernelVariant:
         """The same build with another ring depth (0: the layout's default)."""

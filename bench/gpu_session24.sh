@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 18's GPU calls after call 1 of gpu_session23.sh (bench/NOTES.md session 18). Run from the project root on
+# the GPU host with .commit carried; output under $2 (default $OUT).
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  1) # issue 11: MK_ATT_TMA=N, the ring path for attention tasks of >= N tokens only (per task at run time).
+     # Correctness first, at thresholds that mix both paths in one launch: the GPU tests at 300 (batch 8's
+     # 258..320-token chunks on both sides), the race detector at 19 (batch 1 ctx 300: 15 tasks of 19 tokens
+     # through the ring, the last one of 15 by the default loop; batch 3 and 16 all through the ring)
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
+       -k "vs_vm or whole_step or graph or driver_encodes" --mk-define MK_ATT_TMA=300 2>&1 \
+       | grep -E "^E .*(assert not|: \{)|passed|failed|FAILED" | cut -c1-400 | head -12
+     timeout 100 python3 bench/race_stress.py --batch 1 3 16 --replays 500 --define MK_ATT_TMA=19 2>&1 \
+       | grep -E "^llama|Error|error" | head -4
+     # the A/B. Predicted for MK_ATT_TMA=128 (tasks of 32 tokens at batch 1 ctx 512 keep the default loop):
+     # 1B ctx 512 b1 = default (MK_ATT_TMA=1: +10), b4/b8/b16 = MK_ATT_TMA=1 (-5 / +1 / -6, noise);
+     # ctx 4096 = MK_ATT_TMA=1 (1B b1 -12, b16 -202; 8B b1 -72, b16 -624)
+     B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
+     timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
+     timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 $B
+     timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 $B ;;
+  2) # issue 11: the step of the MK_ATT_TMA=128 build against the Triton path (rows in mk_step.csv), then the
+     # sanitizer at thresholds that mix both paths (2 layers; sanitize.py's batch 1 is 517 tokens in 16 chunks of 33
+     # and a last one of 22: threshold 30; batch 8's requests are 0..944 tokens in 2 chunks: threshold 300)
+     for c in 512 4096; do
+       T=150 step --define MK_ATT_TMA=128 --ctx $c --model bench/models/llama-3.2-1b --batch 1 4 8 16
+       T=200 step --define MK_ATT_TMA=128 --ctx $c --model bench/models/llama-3.1-8b --batch 1 8 16
+     done
+     for tb in 30:1 300:8; do
+       MK_SAN_DEFINES="MK_ATT_TMA=${tb%:*}" MK_SAN_BATCHES="${tb#*:}" MK_SAN_TIMEOUT=100 timeout 320 \
+         bash bench/sanitize.sh "$out/san_${tb%:*}" 2 2>&1 | grep -E "SUMMARY|exit code"
+     done ;;
+  *) echo "no call $n here" ;;
+esac
+} 2>&1 | tee "$out/gpu_s24_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
