@@ -10,7 +10,7 @@ case $n in
      # Correctness first, at thresholds that mix both paths in one launch: the GPU tests at 300 (batch 8's
      # 258..320-token chunks on both sides), the race detector at 19 (batch 1 ctx 300: 15 tasks of 19 tokens
      # through the ring, the last one of 15 by the default loop; batch 3 and 16 all through the ring)
-     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
        -k "vs_vm or whole_step or graph or driver_encodes" --mk-define MK_ATT_TMA=300 2>&1 \
        | grep -E "^E .*(assert not|: \{)|passed|failed|FAILED" | cut -c1-400 | head -12
      timeout 100 python3 bench/race_stress.py --batch 1 3 16 --replays 500 --define MK_ATT_TMA=19 2>&1 \
@@ -20,6 +20,9 @@ case $n in
      # ctx 4096 = MK_ATT_TMA=1 (1B b1 -12, b16 -202; 8B b1 -72, b16 -624)
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
+     ;;
+  3) # the rest of call 1's A/B (same builds, same predictions)
+     B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
        --batch 1 16 --rounds 2 $B
      timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B
