@@ -49,13 +49,13 @@ __device__ __forceinline__ bool att_tma_task(int L, int C, int c) {
   return hi - lo >= MK_ATT_TMA;
 }
 
-// Producer warp: the KV tiles of attention task t into the ring; false when a ring wait failed (the CTA stops).
-__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int ti, int lane,
+// Producer warp: the KV tiles of attention task t (request length L) into the ring; false when a ring wait failed
+// (the CTA stops).
+__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int L, int ti, int lane,
                                                 unsigned& it) {
   const int b = t.arg0, g = t.arg1;
   int lo, hi;
-  // L from global memory: step_inputs' shared copy is written by the consumers after the producer starts
-  attn_range_of(__ldg(P.seq_lens + b), P.chunks, t.arg2, lo, hi);
+  attn_range_of(L, P.chunks, t.arg2, lo, hi);
   const int nslots = att_tma_slots(lo, hi);
   const int blk0 = lo / ATT_TMA_ROWS, nblk = att_tma_blocks(lo, hi);
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
@@ -85,10 +85,11 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
   return true;
 }
 
-// Consumers: attn_partial_task with the KV loop over the task's ring slots (`it`: the consumers' chunk count,
-// advanced by the slots read, as the producer's).
-__device__ __forceinline__ void attn_partial_tma(const Smem& S, const Params& P, const Task& t, unsigned& it, int warp,
-                                                 int lane) {
+// Consumers: attn_partial_task with the KV loop over the task's ring slots (`it`: the consumers' chunk count;
+// returned advanced by the slots read, as the producer's). Not inlined, as matvec_task: inlined beside the default
+// loop it cost the consumer loop's other tasks registers (session 18: +15..+30 us at 1B ctx 512 batch 1..8).
+__device__ __noinline__ unsigned attn_partial_tma(const Smem S, const Params& P, const Task t, unsigned it, int warp,
+                                                  int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
   int lo, hi;
@@ -163,6 +164,7 @@ __device__ __forceinline__ void attn_partial_tma(const Smem& S, const Params& P,
   if (ph_on) phase_lap(ph_t, ph_reduce);
   if (ph_on) trace_phase_times(S, P, ph_stage, ph_chunks, ph_reduce, ph_entry);
   attn_ticket_merge(S, P, t, C, b, g);
+  return it;
 }
 
 }  // namespace mk

@@ -136,7 +136,7 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 // PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c);
-__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int ti, int lane,
+__device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int L, int ti, int lane,
                                                 unsigned& it);
 #endif
 
@@ -146,15 +146,22 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   unsigned it = 0;
   int ti = qbeg;
   int prev_op = -1;  // opcode of the queue's previous task (MK_RELEASE_GATE)
+#if MK_ATT_TMA
+  // request lane's length, loaded once: a load per attention task delayed the next weights (session 18: +15 us
+  // at 1B batch 1). From global memory: step_inputs' shared copy is written by the consumers after we start.
+  static_assert(MAX_BATCH <= 32, "one lane per request");
+  const int lane_len = lane < P.batch ? __ldg(P.seq_lens + lane) : 0;
+#endif
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
     const int gate_op = prev_op;
     prev_op = t.opcode;
 #if MK_ATT_TMA   // an attention task's KV tiles stream through the ring like a matvec's weights
     if (t.opcode == OP_ATTN_PARTIAL) {
-      if (!att_tma_task(__ldg(P.seq_lens + t.arg0), P.chunks, t.arg2)) continue;   // a short task: default loop
+      const int L = __shfl_sync(0xffffffffu, lane_len, t.arg0);
+      if (!att_tma_task(L, P.chunks, t.arg2)) continue;   // a short task: the consumers' default loop
       if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
-      if (!att_tma_produce(S, P, t, ti, lane, it)) goto drain;
+      if (!att_tma_produce(S, P, t, L, ti, lane, it)) goto drain;
       continue;
     }
 #endif

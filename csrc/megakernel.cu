@@ -133,7 +133,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 #if MK_ATT_TMA
       case OP_ATTN_PARTIAL:   // a task under MK_ATT_TMA tokens takes the default loop (its producer skips it)
         if (att_tma_task(S.seq_len()[t.arg0], P.chunks, t.arg2))
-          attn_partial_tma(S, P, t, it, warp, lane);
+          it = attn_partial_tma(S, P, t, it, warp, lane);
         else
           attn_partial_task(S, P, t, warp, lane);
         break;
