@@ -21,6 +21,13 @@ case $n in
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
      ;;
+  4) # call 1 again after 9f450e8 (attn_partial_tma not inlined, the producer's lengths loaded once): call 1 measured
+     # MK_ATT_TMA=128 at 1B ctx 512 b1/b4/b8/b16 +15/+30/+11/-10 over the default, 8B b1/b8 +31/-45. Predicted now:
+     # b1 within +-3 of default (its 32-token tasks take the default loop and the producer no longer loads per
+     # task), b4/b8 -5..+5, b16 -10; 8B b1 within +-5, b8 -45
+     bash bench/gpu_session24.sh 1 "$out" | grep -v "^date"
+     timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 \
+       --build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128 ;;
   3) # the rest of call 1's A/B (same builds, same predictions)
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
