@@ -28,6 +28,17 @@ case $n in
      bash bench/gpu_session24.sh 1 "$out" | grep -v "^date"
      timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 \
        --build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128 ;;
+  7) # after call 4 (9f450e8: noinline ring path +30..+35 at 1B b4/b8 over the inlined one; the producer's lengths
+     # loaded once brought 128's b1 to +4): the inlined ring path with the lengths loaded once, thresholds 128 and
+     # 1024 (ctx 512 then never on the ring). Predicted: 128 b1 +0..+5, b4/b8 +5..+35 (the inlined build's), 1024 at
+     # ctx 512 +0..+10 everywhere, ctx 4096 b16 -190 (1B) / -650 (8B) for both, 8B ctx 4096 b1 -70 for 128 only
+     B="--build default --build MK_ATT_TMA=128 --build MK_ATT_TMA=1024"
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
+     timeout 100 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 $B
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 \
+       --batch 1 16 --rounds 2 $B ;;
   3) # the rest of call 1's A/B (same builds, same predictions)
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \

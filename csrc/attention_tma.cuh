@@ -86,10 +86,10 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
 }
 
 // Consumers: attn_partial_task with the KV loop over the task's ring slots (`it`: the consumers' chunk count;
-// returned advanced by the slots read, as the producer's). Not inlined, as matvec_task: inlined beside the default
-// loop it cost the consumer loop's other tasks registers (session 18: +15..+30 us at 1B ctx 512 batch 1..8).
-__device__ __noinline__ unsigned attn_partial_tma(const Smem S, const Params& P, const Task t, unsigned it, int warp,
-                                                  int lane) {
+// returned advanced by the slots read, as the producer's). Inlined: __noinline__ (as matvec_task) measured
+// +30..+35 us at 1B ctx 512 batch 4/8 on the ring path (session 18, bench/NOTES.md).
+__device__ __forceinline__ unsigned attn_partial_tma(const Smem& S, const Params& P, const Task& t, unsigned it,
+                                                     int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
   int lo, hi;
