@@ -28,6 +28,13 @@ case $n in
      bash bench/gpu_session24.sh 1 "$out" | grep -v "^date"
      timeout 170 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 \
        --build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128 ;;
+  6) # issue 11: the default build's step against the Triton path, both in one job (rows in mk_step.csv); 8B also
+     # with MK_ATT_TMA=128 (call 7: a win at 8B only)
+     for c in 512 4096; do
+       T=100 step --ctx $c --model bench/models/llama-3.2-1b --batch 1 4 8 16
+       T=120 step --ctx $c --model bench/models/llama-3.1-8b --batch 1 8 16
+       T=100 step --ctx $c --model bench/models/llama-3.1-8b --batch 8 16 --no-triton --define MK_ATT_TMA=128
+     done ;;
   7) # after call 4 (9f450e8: noinline ring path +30..+35 at 1B b4/b8 over the inlined one; the producer's lengths
      # loaded once brought 128's b1 to +4): the inlined ring path with the lengths loaded once, thresholds 128 and
      # 1024 (ctx 512 then never on the ring). Predicted: 128 b1 +0..+5, b4/b8 +5..+35 (the inlined build's), 1024 at
