@@ -22,7 +22,9 @@ namespace mk {
 constexpr int ATT_TMA_ROWS = 16;                                  // tokens per block and tile (box rows)
 constexpr int ATT_TILE_BYTES = ATT_TMA_ROWS * D * 2;              // one head's K (or V) of a block
 constexpr int ATT_TMA_BPS = 32768 / (2 * ATT_TILE_BYTES);         // blocks per slot: 8 at D = 64, 4 at D = 128
-static_assert(!MK_ATT_TMA || G == ATT_HG, "MK_ATT_TMA: one head pass (a slot is read once)");
+// The ring path reads each slot once, i.e. in one head pass (G == ATT_HG: 1-4 query heads per kv head): another
+// model compiles it out, as the host turns it off for that model (tensormap.check_model, the same condition).
+constexpr int ATT_TMA_MIN_TOKENS = G == ATT_HG ? MK_ATT_TMA : 0;
 static_assert(2 * ATT_TMA_BPS * ATT_TILE_BYTES <= SLOT_BYTES && ATT_TMA_BPS >= 1, "MK_ATT_TMA: slot size");
 static_assert(SLOT_BYTES % 128 == 0 && ATT_TILE_BYTES % 128 == 0, "MK_ATT_TMA: 128-byte aligned tiles");
 
@@ -46,7 +48,7 @@ __device__ __forceinline__ void tma_tile_g2s(unsigned dst, const void* map, int 
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c) {
   int lo, hi;
   attn_range_of(L, C, c, lo, hi);
-  return hi - lo >= MK_ATT_TMA;
+  return ATT_TMA_MIN_TOKENS > 0 && hi - lo >= ATT_TMA_MIN_TOKENS;
 }
 
 // Producer warp: the KV tiles of attention task t (request length L) into the ring; false when a ring wait failed

@@ -393,3 +393,26 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
         out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
         assert torch.equal(out2, out) and torch.equal(logits2, logits)
         assert all(torch.equal(a, b) for a, b in zip(caches2, caches))
+
+
+def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
+    """The default build streams attention's K/V by 16-token tensor-map boxes (MK_ATT_TMA); block_size 32 caches
+    run the kernel without that path, after one warning, with the same results."""
+    import logging
+
+    spec, w = models("llama-3.2-1b", 2)
+    batch = gpu_batch(spec, [300, 0, 1000], seed=5, block_size=32)
+    cs = ref.rope_cos_sin_cache(spec, 1100).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
+    assert dec.variant.att_tma > 0
+    with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
+        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+        _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
+    assert dec.variant.att_tma == 0
+    assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
+    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
+    dt = spec.torch_dtype
+    assert_matches(out, hn, dt, "step")
+    assert_matches(logits, rlogits, dt, "step")
+    for a, r in zip(caches, rcaches):
+        assert_matches(a, r, dt, "step")

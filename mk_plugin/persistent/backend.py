@@ -127,11 +127,14 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._kv_key: tuple | None = None
         self._kvptr: torch.Tensor | None = None
         self._kvmaps: torch.Tensor | None = None   # MK_ATT_TMA: the caches' tensor maps (kvptr points into it)
-        if self.variant.att_tma:
-            from .tensormap import check_model
-            check_model(spec)
         self._module = None       # the kernel of the decoder's own variant
         self._modules: dict[KernelVariant, object] = {}   # one per ring depth the tunings use
+        if self.variant.att_tma:
+            from .tensormap import check_model
+            try:
+                check_model(spec)
+            except ValueError as e:
+                self._att_tma_off(str(e))
         if self.executor == "cuda":
             self._module = self._module_for(self.variant)
 
@@ -331,6 +334,15 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                       if isinstance(s, Segment) else None for s in prog.steps]
         return _Entry(prog, segs, counters, traces, meta)
 
+    def _att_tma_off(self, why: str) -> None:
+        """The ring-fed attention (MK_ATT_TMA) cannot serve this model or these caches: the kernel without it
+        (same programs, same results up to the order of fp32 sums), with one warning."""
+        logger.warning("megakernel: attention without the ring-fed K/V path (MK_ATT_TMA): %s", why)
+        self.variant = replace(self.variant, att_tma=0)
+        self._modules = {}
+        if self._module is not None:   # CUDA: compiled now, in the eager step that brought the caches
+            self._module = self._module_for(self.variant)
+
     def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """The kernel's kvptr table: the layer caches' addresses, and for an MK_ATT_TMA build the addresses of
         their tensor maps after them (kvptr[LAYERS + l]; tensormap.py), rebuilt when a cache changes."""
@@ -342,7 +354,15 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                                    "eager step with the final kv caches before capturing")
             ptrs = [c.data_ptr() for c in kv_caches]
             if att_tma:
-                from .tensormap import MAP_BYTES, device_maps
+                from .tensormap import MAP_BYTES, device_maps, kv_tile_map_args
+                try:
+                    for c in kv_caches:
+                        kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size())
+                except ValueError as e:
+                    att_tma = False
+                    self._att_tma_off(str(e))
+                    key = tuple(c.data_ptr() for c in kv_caches)
+            if att_tma:
 
                 self._kvmaps = device_maps(kv_caches, self.device)   # kept alive here: kvptr points into it
                 ptrs += [self._kvmaps.data_ptr() + MAP_BYTES * i for i in range(len(kv_caches))]

@@ -28,6 +28,8 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"))
+# MK_ATT_TMA's default (session 18, measured): the ring path for attention tasks of >= 128 tokens
+ATT_TMA_DEFAULT = 128
 ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any context the kernel runs)
 
 
@@ -45,8 +47,9 @@ class KernelVariant:
     release_gate: int = RELEASE_GATE_DEFAULT  # MK_RELEASE_GATE: opcode mask; the next task's weights wait for the release
     # MK_ATT_TMA = N: the K/V of every attention task of >= N tokens streamed through the weight ring by
     # tensor-map copies (csrc/attention_tma.cuh; 0 off, 1 every task; the decoder builds one CUtensorMap per
-    # layer cache: tensormap.py). Needs block_size 16 and one head pass.
-    att_tma: int = 0
+    # layer cache: tensormap.py). Needs block_size 16 and 1-4 query heads per kv head: the decoder turns it
+    # off (0) with one warning for a model or caches without them.
+    att_tma: int = ATT_TMA_DEFAULT
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
