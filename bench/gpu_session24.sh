@@ -46,6 +46,19 @@ case $n in
      timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B
      timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group "8b ctx4096" --ctx 4096 \
        --batch 1 16 --rounds 2 $B ;;
+  8) # MK_ATT_TMA per batch from the tuning table (8B b8/b16, 1B b16: att_tma 128), the inlined ring path with the
+     # lengths loaded once (105337f's code). Correctness: the megakernel's GPU tests (tuned programs with att_tma,
+     # block_size 32 caches turning it off), the race detector at 19 (both paths in one launch), the sanitizer
+     # at 30 (batch 1) / 300 (batch 8), both mixing the paths; then the packaged table's 8B steps.
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
+       2>&1 | grep -E "^E .*(assert not|: \{)|passed|failed|FAILED" | cut -c1-400 | head -12
+     timeout 80 python3 bench/race_stress.py --batch 1 3 16 --replays 500 --define MK_ATT_TMA=19 2>&1 \
+       | grep -E "^llama|Error|error" | head -4
+     for tb in 30:1 300:8; do
+       MK_SAN_DEFINES="MK_ATT_TMA=${tb%:*}" MK_SAN_BATCHES="${tb#*:}" MK_SAN_TIMEOUT=60 timeout 200 \
+         bash bench/sanitize.sh "$out/san_${tb%:*}" 2 2>&1 | grep -E "SUMMARY|exit code"
+     done
+     for c in 512 4096; do T=90 step --ctx $c --model bench/models/llama-3.1-8b --batch 8 16 --no-triton; done ;;
   3) # the rest of call 1's A/B (same builds, same predictions)
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \

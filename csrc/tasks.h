@@ -177,7 +177,7 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #define MK_RELEASE_GATE 32
 #endif
 #ifndef MK_ATT_TMA
-#define MK_ATT_TMA 128
+#define MK_ATT_TMA 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -313,7 +313,8 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
     """Tunings (bench/autotune.py also checks each candidate it times): extreme splits and chunk
     counts, and the 5- and 4-stage ring variants, whose larger scratch stages activations the default
     kernel reads from L2 (batch 8: qkv_rope/o_proj/gate_up with 5 stages; batch 16, two batch
-    n-tiles: with 4 stages, a staged path no default program takes). The output, logits and KV
+    n-tiles: with 4 stages, a staged path no default program takes), and the ring-fed attention for
+    tasks of >= 128 / 100 tokens (the contexts put tasks on both paths). The output, logits and KV
     appends equal the default kernel's within the step tolerance."""
     from mk_plugin.persistent.tuning import ScheduleTuning
     spec, w = models("llama-3.2-1b", 4)
@@ -327,7 +328,8 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
               ScheduleTuning((("down", 4.0), ("gate_up", 0.25), ("lm_head", 2.0), ("o_proj", 8.0),
                               ("qkv_rope", 0.125)), attn_chunks=32, num_stages=4),
               ScheduleTuning(num_stages=5), ScheduleTuning(attn_chunks=5, merge_in_partial=True),
-              ScheduleTuning(ksplit=(("down", 4), ("o_proj", 2)))):
+              ScheduleTuning(ksplit=(("down", 4), ("o_proj", 2))),
+              ScheduleTuning(att_tma=128), ScheduleTuning(attn_chunks=3, num_stages=5, att_tma=100)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: t})
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t
@@ -396,19 +398,23 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
 
 
 def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
-    """The default build streams attention's K/V by 16-token tensor-map boxes (MK_ATT_TMA); block_size 32 caches
-    run the kernel without that path, after one warning, with the same results."""
+    """The ring-fed attention (MK_ATT_TMA, from a variant or a tuning) streams K/V by 16-token tensor-map boxes;
+    block_size 32 caches run the kernel without that path, after one warning, with the same results."""
     import logging
 
     spec, w = models("llama-3.2-1b", 2)
     batch = gpu_batch(spec, [300, 0, 1000], seed=5, block_size=32)
     cs = ref.rope_cos_sin_cache(spec, 1100).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True)
-    assert dec.variant.att_tma > 0
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    from mk_plugin.persistent.variant import KernelVariant
+
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(att_tma=128),
+                            tuning={3: ScheduleTuning(att_tma=64)})
+    assert dec.variant_for(3).att_tma == 64
     with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
         out, logits, caches = _run_mk(dec, spec, w, batch, cs)
         _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
-    assert dec.variant.att_tma == 0
+    assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
     hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
     dt = spec.torch_dtype

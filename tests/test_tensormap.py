@@ -58,9 +58,9 @@ def test_models_with_more_than_four_heads_per_kv_head_are_refused():
 def test_the_switch_is_a_kernel_variant():
     v = KernelVariant.parse(["MK_ATT_TMA=1"])
     assert v.att_tma == 1 and v.defines() == ("-DMK_ATT_TMA=1",) and v.label() == "att_tma=1"
-    # a threshold in tokens per task; the default build's is 128 (session 18), 0 turns the path off
-    assert KernelVariant.parse(["MK_ATT_TMA=128"]) == KernelVariant() and KernelVariant().att_tma == 128
-    assert KernelVariant.parse(["MK_ATT_TMA=0"]).label() == "att_tma=0"
+    # a threshold in tokens per task; the default build has it off (0)
+    assert KernelVariant.parse(["MK_ATT_TMA=128"]).label() == "att_tma=128" and KernelVariant().att_tma == 0
+    assert KernelVariant.parse(["MK_ATT_TMA=0"]) == KernelVariant()
     with pytest.raises(ValueError, match="MK_ATT_TMA=x: bad value"):
         KernelVariant.parse(["MK_ATT_TMA=x"])
     with pytest.raises(ValueError, match=r"att_tma=-1: the ring path's minimum tokens per attention task, 0 \(off\)"):
@@ -78,18 +78,22 @@ def test_the_driver_encodes_a_map_of_a_gpu_cache():
 
 
 def test_a_model_with_eight_heads_per_kv_head_runs_without_the_ring_path(caplog):
-    """The default build's ring-fed attention needs 1-4 query heads per kv head: a decoder of another model turns
+    """The ring-fed attention (a variant's or a tuning's) needs 1-4 query heads per kv head: a decoder of another model turns
     it off at construction with one warning (the kernel compiles it out for that model: csrc/attention_tma.cuh)."""
     import logging
     from dataclasses import replace
 
     from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.tuning import ScheduleTuning
     from mk_plugin.weights import random_weights
 
     spec = replace(LlamaSpec.tiny(), num_q_heads=8, num_kv_heads=1, head_dim=64, hidden_size=512)
     with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
-        dec = MegakernelDecoder(spec, random_weights(spec), 2, "cpu", num_sms=6)
-    assert dec.variant.att_tma == 0 and dec.variant == KernelVariant(att_tma=0)
+        dec = MegakernelDecoder(spec, random_weights(spec), 2, "cpu", num_sms=6, variant=KernelVariant(att_tma=128),
+                                tuning={2: ScheduleTuning(att_tma=64)})
+    assert dec.variant == KernelVariant() and dec.variant_for(1) == dec.variant_for(2) == KernelVariant()
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "has 8" in caplog.text, caplog.text
-    ok = MegakernelDecoder(LlamaSpec.tiny(), random_weights(LlamaSpec.tiny()), 2, "cpu", num_sms=6)
-    assert ok.variant == KernelVariant()   # G = 2: the default build, path on
+    ok = MegakernelDecoder(LlamaSpec.tiny(), random_weights(LlamaSpec.tiny()), 2, "cpu", num_sms=6,
+                           tuning={2: ScheduleTuning(att_tma=64)})
+    # G = 2: the path stays on where the tuning asks for it (a batch's variant, like its ring depth)
+    assert ok.variant == ok.variant_for(1) == KernelVariant() and ok.variant_for(2) == KernelVariant(att_tma=64)

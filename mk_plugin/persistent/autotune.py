@@ -21,6 +21,7 @@ from ..testing import compare
 from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
 from .tuning import DEFAULT_TUNING, KSPLIT_OPS, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
+from .variant import ATT_TMA_TUNED
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
@@ -73,6 +74,8 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             if n not in seen:
                 seen.add(n)
                 out.append((op, base.with_split(op, f)))
+    if spec.num_q_heads // spec.num_kv_heads in (1, 2, 3, 4):   # the ring-fed attention (tensormap.check_model)
+        out.append(("att_tma", base.with_att_tma(0 if base.att_tma else ATT_TMA_TUNED)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
         for parts in (1, 2, 4):
             if parts != base.ksplit_for(op):
@@ -123,8 +126,9 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     tried = {DEFAULT_TUNING}
     for r in range(rounds):
         moved = False
-        # the ring depth last: it is the one knob that compiles a kernel variant
-        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"], "num_stages"]
+        # the ring depth and the ring-fed attention last: the knobs that compile a kernel variant
+        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"], "num_stages",
+                 "att_tma"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head)

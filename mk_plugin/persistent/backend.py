@@ -129,7 +129,10 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._kvmaps: torch.Tensor | None = None   # MK_ATT_TMA: the caches' tensor maps (kvptr points into it)
         self._module = None       # the kernel of the decoder's own variant
         self._modules: dict[KernelVariant, object] = {}   # one per ring depth the tunings use
-        if self.variant.att_tma:
+        self._att_tma_ok = True    # False once the model or the caches turned the ring-fed attention off
+        self._needs_maps = False   # whether some batch's variant has MK_ATT_TMA (the kvptr table holds maps)
+        self._update_needs_maps()
+        if self.variant.att_tma or any(t.att_tma for t in self.tunings.values()):
             from .tensormap import check_model
             try:
                 check_model(spec)
@@ -167,8 +170,15 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
         depth of the batch's tuning when it sets one."""
-        n = self.tunings[batch].num_stages
-        return self.variant.with_stages(n) if n else self.variant
+        t = self.tunings[batch]
+        v = self.variant.with_stages(t.num_stages) if t.num_stages else self.variant
+        if t.att_tma and self._att_tma_ok:   # the tuning's ring-fed attention, like its ring depth
+            v = replace(v, att_tma=t.att_tma)
+        return v
+
+    def _update_needs_maps(self) -> None:
+        self._needs_maps = self._att_tma_ok and self.executor == "cuda" and any(
+            self.variant_for(b).att_tma for b in range(1, self.max_tokens + 1))
 
     def module(self, batch: int):
         """The kernel that runs the program of `batch` tokens (CUDA executor)."""
@@ -298,6 +308,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             raise ValueError(f"batch of {batch} tokens; this decoder handles 1..{self.max_tokens}")
         self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
         self._entries.pop(batch, None)
+        self._update_needs_maps()
         need = max(b * self.spec.num_kv_heads * self.attn_chunks(b) for b in range(1, self.max_tokens + 1))
         if need * self.spec.gqa_group * self.spec.head_dim > self.part_o.numel():
             self._alloc_parts(need)
@@ -338,7 +349,9 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         """The ring-fed attention (MK_ATT_TMA) cannot serve this model or these caches: the kernel without it
         (same programs, same results up to the order of fp32 sums), with one warning."""
         logger.warning("megakernel: attention without the ring-fed K/V path (MK_ATT_TMA): %s", why)
+        self._att_tma_ok = False
         self.variant = replace(self.variant, att_tma=0)
+        self._update_needs_maps()
         self._modules = {}
         if self._module is not None:   # CUDA: compiled now, in the eager step that brought the caches
             self._module = self._module_for(self.variant)
@@ -346,7 +359,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
     def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """The kernel's kvptr table: the layer caches' addresses, and for an MK_ATT_TMA build the addresses of
         their tensor maps after them (kvptr[LAYERS + l]; tensormap.py), rebuilt when a cache changes."""
-        att_tma = self.variant.att_tma and self.executor == "cuda"
+        att_tma = self._needs_maps
         key = tuple((c.data_ptr(), c.shape[0]) if att_tma else c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -363,7 +376,6 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                     self._att_tma_off(str(e))
                     key = tuple(c.data_ptr() for c in kv_caches)
             if att_tma:
-
                 self._kvmaps = device_maps(kv_caches, self.device)   # kept alive here: kvptr points into it
                 ptrs += [self._kvmaps.data_ptr() + MAP_BYTES * i for i in range(len(kv_caches))]
             self._kvptr = torch.tensor(ptrs, dtype=torch.int64).to(self.device)

@@ -83,12 +83,17 @@ class ScheduleTuning:
       down task reads as many activation bytes as weight bytes; bench/NOTES.md session 13). Each part
       stores fp32 partial sums; the last of a range's parts to finish (a ticket counter) adds them in part
       order to the residual. The op keeps its task count (tasks_for); unlisted ops are not cut.
+    att_tma: the ring-fed attention for this batch size (variant.KernelVariant.att_tma, a compile-time switch
+      like num_stages): attention tasks of >= att_tma tokens stream their K/V through the weight ring;
+      0 = the decoder's variant (off by default). Session 18: 128 wins at 8B batch 8/16 (-45 / -48 us at ctx
+      512, -351 / -669 at ctx 4096) and loses +18..+21 us at 1B batch 1..8 ctx 512.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
     num_stages: int = 0
     merge_in_partial: bool = True
     ksplit: tuple[tuple[str, int], ...] = ()
+    att_tma: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -103,6 +108,9 @@ class ScheduleTuning:
                              "(0 = one wave of partial tasks)")
         if not isinstance(self.merge_in_partial, bool):
             raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")  # noqa: TRY004
+        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) or not 0 <= self.att_tma <= 1 << 20:
+            raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant) or the ring path's minimum "
+                             "tokens per attention task, 1..1048576")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -128,6 +136,9 @@ class ScheduleTuning:
     def with_merge(self, merge_in_partial: bool) -> ScheduleTuning:
         return replace(self, merge_in_partial=merge_in_partial)
 
+    def with_att_tma(self, att_tma: int) -> ScheduleTuning:
+        return replace(self, att_tma=att_tma)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -139,7 +150,7 @@ class ScheduleTuning:
     @property
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
-                and not self.ksplit)
+                and not self.ksplit and self.att_tma == 0)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -150,6 +161,8 @@ class ScheduleTuning:
         if not self.merge_in_partial:
             parts.append("combine_tasks")
         parts += [f"{op}/k{n}" for op, n in self.ksplit]
+        if self.att_tma:
+            parts.append(f"att_tma{self.att_tma}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -159,18 +172,20 @@ class ScheduleTuning:
             d["merge_in_partial"] = False
         if self.ksplit:                 # absent = no op cut over K
             d["ksplit"] = dict(self.ksplit)
+        if self.att_tma:                # absent = the decoder's variant
+            d["att_tma"] = self.att_tma
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit")
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
         ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
-                   d.get("merge_in_partial", True), ksplit)
+                   d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()

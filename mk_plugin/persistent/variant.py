@@ -28,8 +28,9 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"))
-# MK_ATT_TMA's default (session 18, measured): the ring path for attention tasks of >= 128 tokens
-ATT_TMA_DEFAULT = 128
+# MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
+# it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
+ATT_TMA_TUNED = 128
 ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any context the kernel runs)
 
 
@@ -48,8 +49,9 @@ class KernelVariant:
     # MK_ATT_TMA = N: the K/V of every attention task of >= N tokens streamed through the weight ring by
     # tensor-map copies (csrc/attention_tma.cuh; 0 off, 1 every task; the decoder builds one CUtensorMap per
     # layer cache: tensormap.py). Needs block_size 16 and 1-4 query heads per kv head: the decoder turns it
-    # off (0) with one warning for a model or caches without them.
-    att_tma: int = ATT_TMA_DEFAULT
+    # off (0) with one warning for a model or caches without them. Per batch size from the tuning table
+    # (tuning.ScheduleTuning.att_tma), like the ring depth.
+    att_tma: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
