@@ -273,6 +273,8 @@ def test_neighbours_drop_equivalent_values():
     assert [t.ksplit for k, t in cands if k == "ksplit.down"] == [(("down", 2),), (("down", 4),)]
     k4 = [t.ksplit for k, t in neighbours(SPEC, 2, SMS, base.with_ksplit("down", 4), lm_head=False) if k == "ksplit.down"]
     assert k4 == [(), (("down", 2),)]
+    assert [t.att_tma for k, t in cands if k == "att_tma"] == [128]   # the ring-fed attention: on, then off again
+    assert [t.att_tma for k, t in neighbours(SPEC, 2, SMS, base.with_att_tma(128), lm_head=False) if k == "att_tma"] == [0]
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

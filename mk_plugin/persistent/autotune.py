@@ -127,8 +127,9 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     for r in range(rounds):
         moved = False
         # the ring depth and the ring-fed attention last: the knobs that compile a kernel variant
-        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"], "num_stages",
-                 "att_tma"]
+        # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
+        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
+                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "num_stages", "att_tma"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head)
