@@ -419,6 +419,8 @@ def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
     hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
     dt = spec.torch_dtype
     assert_matches(out, hn, dt, "step")
+    assert_matches(out, th, dt, "step")
     assert_matches(logits, rlogits, dt, "step")
-    for a, r in zip(caches, rcaches):
+    for a, r, t in zip(caches, rcaches, tcaches):
         assert_matches(a, r, dt, "step")
+        assert_matches(a, t, dt, "step")
