@@ -58,7 +58,10 @@ case $n in
        MK_SAN_DEFINES="MK_ATT_TMA=${tb%:*}" MK_SAN_BATCHES="${tb#*:}" MK_SAN_TIMEOUT=60 timeout 200 \
          bash bench/sanitize.sh "$out/san_${tb%:*}" 2 2>&1 | grep -E "SUMMARY|exit code"
      done
-     for c in 512 4096; do T=90 step --ctx $c --model bench/models/llama-3.1-8b --batch 8 16 --no-triton; done ;;
+     for c in 512 4096; do
+       T=90 step --ctx $c --model bench/models/llama-3.1-8b --batch 8 16
+       T=60 step --ctx $c --model bench/models/llama-3.2-1b --batch 16
+     done ;;
   3) # the rest of call 1's A/B (same builds, same predictions)
      B="--build default --build MK_ATT_TMA=1 --build MK_ATT_TMA=128"
      timeout 110 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group "1b ctx4096" --ctx 4096 \
