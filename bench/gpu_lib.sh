@@ -2,7 +2,7 @@
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), vllm_env() (unpack the vLLM bundle once per machine, then install the
 # checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto,
-# soak_megakernel).
+# soak_triton, soak_megakernel).
 export PYTHONUNBUFFERED=1
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
@@ -16,6 +16,10 @@ vllm_env() {
 serve_1b_auto() {   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16)
   timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
     --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16
+}
+soak_triton() {   # issue 13: the Triton mode's soak, its engines kept in /root/soak_work (extra args: --engines-only)
+  timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work "$@" 2>&1 \
+    | grep -v "^(EngineCore" | tail -16
 }
 soak_megakernel() {   # issue 13: the fp32-judged soak with preemption
   timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \

@@ -13,11 +13,9 @@ case $n in
      MK_SAN_DEFINES="MK_ATT_TMA=1" MK_SAN_BATCHES="8" MK_SAN_TIMEOUT=300 timeout 320 bash bench/sanitize.sh "$out" 2 \
        2>&1 | grep -E "SUMMARY|exit code" ;;
   5) vllm_env   # issue 13: the Triton mode's 2,000-request soak, engines first (kept in /root/soak_work) ...
-     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
-       --engines-only 2>&1 | grep -v "^(EngineCore" | tail -8 ;;
+     soak_triton --engines-only ;;
   6) vllm_env   # ... then the fp32 verdict over the same engines' outputs (stock control included)
-     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
-       2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+     soak_triton ;;
   *) echo "no call $n here: see bench/gpu_session22.sh" ;;
 esac
 } 2>&1 | tee "$out/gpu_s23_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -21,11 +21,9 @@ case $n in
      timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 8,16 --prompts 512,2048 --modes megakernel \
        --rounds 2 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   3) vllm_env   # issue 13: the Triton mode's 2,000-request soak, engines first (kept in /root/soak_work) ...
-     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
-       --engines-only 2>&1 | grep -v "^(EngineCore" | tail -8 ;;
+     soak_triton --engines-only ;;
   4) vllm_env   # ... then the fp32 verdict over the same engines' outputs (stock control included)
-     timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work \
-       2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+     soak_triton ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s25_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

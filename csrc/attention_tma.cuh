@@ -1,9 +1,9 @@
 // MK_ATT_TMA = N (A/B switch, default 0 = off, session 16; variant.KernelVariant.att_tma): ATTN_PARTIAL's K/V
 // through the weight ring for every task of at least N tokens (1: all of them; session 18's threshold, since the
 // ring path gained only on long tasks: the shorter ones keep the default loop, chosen per task at run time from
-// the request's length, so one build serves every context). The CUDA-core loop (attention.cuh) keeps ~40 KB of K/V loads in flight per SM, and under the
-// step's traffic a load round trip takes ~3-4 us, so attention streams at ~9 GB/s per SM (bench/NOTES.md
-// session 16). Here the producer warp streams an attention task's KV like a matvec's weights: one tensor-map
+// the request's length, so one build serves every context). The CUDA-core loop (attention.cuh) keeps ~40 KB of
+// K/V loads in flight per SM, and under the step's traffic a load round trip takes ~3-4 us, so attention
+// streams at ~9 GB/s per SM (bench/NOTES.md session 16). Here the producer warp streams an attention task's KV like a matvec's weights: one tensor-map
 // copy (cp.async.bulk.tensor, box 16 tokens x 1 head x D) per (block, K|V), ATT_TMA_BPS blocks per ring slot,
 // issued whenever a slot is free -- before the task's dependency resolves, since the cached tokens are not
 // written during the launch. The newest token of the request (position L - 1, written by this launch's

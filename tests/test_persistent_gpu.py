@@ -156,6 +156,18 @@ def _ref_and_triton(spec, w, batch, cs):
     return hn, logits, caches, th, tcaches
 
 
+def _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches) -> None:
+    """A megakernel step's output, logits and KV appends against the fp32 reference and the Triton path."""
+    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
+    dt = spec.torch_dtype
+    assert_matches(out, hn, dt, "step")
+    assert_matches(logits, rlogits, dt, "step")
+    assert_matches(out, th, dt, "step")
+    for a, r, t in zip(caches, rcaches, tcaches):
+        assert_matches(a, r, dt, "step")
+        assert_matches(a, t, dt, "step")
+
+
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 @pytest.mark.parametrize("bsz", [1, 3, 8, 16])
 def test_megakernel_whole_step(models, mk_variant, name, layers, bsz):
@@ -169,14 +181,7 @@ def test_megakernel_whole_step(models, mk_variant, name, layers, bsz):
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant)
     out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
-    dt = spec.torch_dtype
-    assert_matches(out, hn, dt, "step")
-    assert_matches(logits, rlogits, dt, "step")
-    assert_matches(out, th, dt, "step")
-    for a, r, t in zip(caches, rcaches, tcaches):
-        assert_matches(a, r, dt, "step")
-        assert_matches(a, t, dt, "step")
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
 
 
 def test_megakernel_cuda_graph_replay(models, mk_variant):
@@ -416,11 +421,4 @@ def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
         _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
     assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
-    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
-    dt = spec.torch_dtype
-    assert_matches(out, hn, dt, "step")
-    assert_matches(out, th, dt, "step")
-    assert_matches(logits, rlogits, dt, "step")
-    for a, r, t in zip(caches, rcaches, tcaches):
-        assert_matches(a, r, dt, "step")
-        assert_matches(a, t, dt, "step")
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)

@@ -20,6 +20,7 @@ import torch
 from ..testing import compare
 from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
+from .tensormap import check_model
 from .tuning import DEFAULT_TUNING, KSPLIT_OPS, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
 from .variant import ATT_TMA_TUNED
 
@@ -74,7 +75,11 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             if n not in seen:
                 seen.add(n)
                 out.append((op, base.with_split(op, f)))
-    if spec.num_q_heads // spec.num_kv_heads in (1, 2, 3, 4):   # the ring-fed attention (tensormap.check_model)
+    try:   # the ring-fed attention, where the model allows it
+        check_model(spec)
+    except ValueError:
+        pass
+    else:
         out.append(("att_tma", base.with_att_tma(0 if base.att_tma else ATT_TMA_TUNED)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
         for parts in (1, 2, 4):

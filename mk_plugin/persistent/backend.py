@@ -132,7 +132,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._att_tma_ok = True    # False once the model or the caches turned the ring-fed attention off
         self._needs_maps = False   # whether some batch's variant has MK_ATT_TMA (the kvptr table holds maps)
         self._update_needs_maps()
-        if self.variant.att_tma or any(t.att_tma for t in self.tunings.values()):
+        if self._wants_att_tma():
             from .tensormap import check_model
             try:
                 check_model(spec)
@@ -176,9 +176,13 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             v = replace(v, att_tma=t.att_tma)
         return v
 
+    def _wants_att_tma(self) -> bool:
+        """Whether some batch's variant has the ring-fed attention (0 everywhere once it was turned off)."""
+        return any(self.variant_for(b).att_tma for b in range(1, self.max_tokens + 1))
+
     def _update_needs_maps(self) -> None:
-        self._needs_maps = self._att_tma_ok and self.executor == "cuda" and any(
-            self.variant_for(b).att_tma for b in range(1, self.max_tokens + 1))
+        # cached for _kv_table, which runs every eager step
+        self._needs_maps = self.executor == "cuda" and self._wants_att_tma()
 
     def module(self, batch: int):
         """The kernel that runs the program of `batch` tokens (CUDA executor)."""
@@ -367,17 +371,14 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
                                    "eager step with the final kv caches before capturing")
             ptrs = [c.data_ptr() for c in kv_caches]
             if att_tma:
-                from .tensormap import MAP_BYTES, device_maps, kv_tile_map_args
-                try:
-                    for c in kv_caches:
-                        kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size())
+                from .tensormap import MAP_BYTES, device_maps
+                try:   # ValueError: caches the maps cannot describe (tensormap.kv_tile_map_args)
+                    self._kvmaps = device_maps(kv_caches, self.device)   # kept alive here: kvptr points into it
                 except ValueError as e:
-                    att_tma = False
                     self._att_tma_off(str(e))
                     key = tuple(c.data_ptr() for c in kv_caches)
-            if att_tma:
-                self._kvmaps = device_maps(kv_caches, self.device)   # kept alive here: kvptr points into it
-                ptrs += [self._kvmaps.data_ptr() + MAP_BYTES * i for i in range(len(kv_caches))]
+                else:
+                    ptrs += [self._kvmaps.data_ptr() + MAP_BYTES * i for i in range(len(kv_caches))]
             self._kvptr = torch.tensor(ptrs, dtype=torch.int64).to(self.device)
             self._kv_key = key
         assert self._kvptr is not None

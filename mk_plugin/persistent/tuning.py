@@ -34,6 +34,7 @@ from pathlib import Path
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
 from .encoding import STAGE_CHOICES, spec_hash
+from .variant import ATT_TMA_MAX_TOKENS
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -108,9 +109,10 @@ class ScheduleTuning:
                              "(0 = one wave of partial tasks)")
         if not isinstance(self.merge_in_partial, bool):
             raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")  # noqa: TRY004
-        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) or not 0 <= self.att_tma <= 1 << 20:
+        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
+                or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant) or the ring path's minimum "
-                             "tokens per attention task, 1..1048576")
+                             f"tokens per attention task, 1..{ATT_TMA_MAX_TOKENS}")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
