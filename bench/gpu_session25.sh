@@ -11,6 +11,9 @@ case $n in
   1) # issue 11: the packaged table's ring-fed attention (8B b8/b16, 1B b16 att_tma 128) against the Triton path,
      # the steps session 18's call 8 had no device time left for. Predicted from its A/B: 8B b8/b16 ctx 512
      # ~4510 / ~5620 us, ctx 4096 ~6160 / ~8900; 1B b16 ctx 512 ~1250, ctx 4096 ~2010
+     # and the megakernel's GPU tests on the review-mended code (0c63862: _kv_table's one cache check, the shared helper)
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_tensormap.py \
+       2>&1 | tail -4
      for c in 512 4096; do
        T=90 step --ctx $c --model bench/models/llama-3.1-8b --batch 8 16
        T=60 step --ctx $c --model bench/models/llama-3.2-1b --batch 16
