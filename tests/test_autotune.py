@@ -340,3 +340,14 @@ def test_bench_autotune_cpu_plumbing_writes_a_table_the_decoder_uses(tmp_path, m
 
 def test_tuning_key_ignores_fallback_order():
     assert TuningKey.of(1, 2, 3, True, ["o_proj", "down"]) == TuningKey.of(1, 2, 3, True, ("down", "o_proj"))
+
+
+def test_every_packaged_non_default_entry_is_used():
+    """A packaged entry whose recorded gain is under TUNED_MIN_GAIN is dropped by the lookup without a word:
+    session 18's att_tma entries (default_us written as the previous winner's time) left 8B batch 8 / 16 and
+    1B batch 16 on the default tuning, K-split included, until session 19 found it on the H200."""
+    for path in sorted(tn.TUNED_DIR.glob("megakernel_*.json")):
+        table = TuningTable.load(path, path.stem)
+        for key, e in table.entries.items():
+            if not e.tuning.is_default:
+                assert table.winner(key) is e, f"{path.name}: {key} ({e.tuning.label()}) gains only {e.gain:.3f}"
