@@ -122,7 +122,7 @@ __device__ __forceinline__ unsigned attn_partial_tma(const Smem& S, const Params
     const int ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
     const int sb = blk0 + si * ATT_TMA_BPS;                              // the slot's first block
     const int s_lo = max(lo, sb * ATT_TMA_ROWS), s_hi = min(hi, (sb + ATT_TMA_BPS) * ATT_TMA_ROWS);
-    const unsigned char* ring = S.base + RING_OFF + slot * SLOT_BYTES;
+    const unsigned char* ring = S.base + RING_OFF + slot * RING_STRIDE;
     for (int base = s_lo + warp * ATT_TPW; base < s_hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
       uint4 kr[ATT_AU], vr[ATT_AU];
       bool valid[ATT_AU];

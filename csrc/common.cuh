@@ -122,6 +122,10 @@ struct Params {
 
 // Shared memory map (dynamic): ring slots | union scratch | misc (mbarriers, rstd, params).
 constexpr int RING_OFF = 0;
+// Ring slot stride: SLOT_BYTES (16 padded rows), or under MK_W_TMA 32 KB slots (1024-byte aligned for the tensor
+// map's 128-byte swizzle: csrc/weight_tma.cuh) inside the same region.
+constexpr int RING_STRIDE = MK_W_TMA ? 32768 : SLOT_BYTES;
+static_assert(RING_STRIDE <= SLOT_BYTES && RING_STRIDE % 128 == 0, "ring slot stride");
 constexpr int UNION_OFF = NUM_STAGES * SLOT_BYTES;
 constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
 constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
@@ -134,7 +138,7 @@ static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc s
 
 struct Smem {
   unsigned char* base;
-  __device__ __forceinline__ unsigned ring(int slot) const { return smem_addr(base + RING_OFF + slot * SLOT_BYTES); }
+  __device__ __forceinline__ unsigned ring(int slot) const { return smem_addr(base + RING_OFF + slot * RING_STRIDE); }
   __device__ __forceinline__ unsigned full_bar(int slot) const { return smem_addr(base + FULL_BAR_OFF + 8 * slot); }
   __device__ __forceinline__ unsigned empty_bar(int slot) const { return smem_addr(base + EMPTY_BAR_OFF + 8 * slot); }
   __device__ __forceinline__ float* scratch() const { return reinterpret_cast<float*>(base + UNION_OFF); }

@@ -21,6 +21,7 @@
 // queue by both sides) uses slot it % NUM_STAGES with mbarrier parity (it / NUM_STAGES) & 1.
 #pragma once
 #include "common.cuh"
+#include "weight_tma.cuh"
 
 namespace mk {
 
@@ -173,6 +174,12 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     const int uend = t.arg0 + t.arg1;
     int klo = 0, khi = wp.K;   // a K-split task streams its part's columns of the rows
     if (is_ksplit(t)) ksplit_range(wp.K, t.arg2, klo, khi);
+#if MK_W_TMA
+    const void* wmap_full = w_map(P, t.opcode, t.layer, 0);
+    const void* wmap_one = w_map(P, t.opcode, t.layer, 1);
+    if (lane == 0) w_map_acquire(wmap_full);
+    if (lane < W_CHUNK_KG) w_map_acquire(wmap_one);
+#endif
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
       const int mt = min(upp, uend - p0) * wp.mtpu;
       for (int k0 = klo; k0 < khi; k0 += KC) {
@@ -185,6 +192,17 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
                                      ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
                                                MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
           if (ws != WAIT_OK) goto drain;
+#if MK_W_TMA   // one tensor-map copy per chunk (a tail: one per column group); rows past the matrix land as zeros
+          (void)valid;
+          if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), w_chunk_bytes(kc));
+          __syncwarp();
+          if (MK_DIAG & 2) {
+            if (lane == 0) mbar_arrive(S.full_bar(slot));
+          } else {
+            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE, weight_row(t.opcode, p0, m * 16),
+                         k0, kc, S.full_bar(slot), lane);
+          }
+#else
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
           __syncwarp();
           if (MK_DIAG & 2) {
@@ -192,6 +210,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           } else if (lane < valid)
             bulk_g2s(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
                      S.full_bar(slot));
+#endif
           ++it;
         }
       }
@@ -514,13 +533,21 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
               wait_cycles += clock64() - c0;
               if (ws == WAIT_OK) okm |= 1u << m;
             }
+#if MK_W_TMA
+            const unsigned sb = S.ring(slot) + lane_off + h * W_HALF_BYTES;
+#else
             const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
+#endif
 #pragma unroll
             for (int jj = 0; jj < JMAX; ++jj) {
               const int j = warp + jj * CONSUMER_WARPS;
               if (j < nsteps && !(MK_DIAG & 4)) {
                 unsigned a[4];
+#if MK_W_TMA
+                ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
+#else
                 ldmatrix_x4(a, sb + j * 32);
+#endif
 #pragma unroll
                 for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
               }
@@ -557,7 +584,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   static_assert(CONSUMER_WARPS * ACC_TILES * 32 * 16 <= UNION_BYTES, "reduction scratch");
   const int upp = MT / wp.mtpu;
   const int uend = t.arg0 + t.arg1;
+#if MK_W_TMA
+  const unsigned lane_off = w_lane_off(warp, lane);
+#else
   const unsigned lane_off = (lane & 15) * row_bytes_for(NT) + (lane >> 4) * 16;
+#endif
   unsigned char* xs = reinterpret_cast<unsigned char*>(red);   // staging shares the scratch
   // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
   // group's copies go out before the norm statistics' round trip, so the two overlap.
@@ -639,7 +670,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
             const int j = warp + jj * CONSUMER_WARPS;
             if (j < nsteps && !(MK_DIAG & 4)) {
               unsigned a[4];
+#if MK_W_TMA
+              ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
+#else
               ldmatrix_x4(a, sb + j * 32);
+#endif
 #pragma unroll
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }

@@ -168,7 +168,11 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 // Parameters: MK_DECODE_PARAMS, generated from encoding.KERNEL_PARAMS (runtime.py packs by name).
 extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
   using namespace mk;
+#if MK_W_TMA
+  extern __shared__ __align__(1024) unsigned char smem_raw[];   // the weight chunks' 128-byte swizzle unit
+#else
   extern __shared__ __align__(128) unsigned char smem_raw[];
+#endif
   const Smem S{smem_raw};
   int start_stop = 0;
   if (threadIdx.x == 0) {
@@ -215,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (prog[HDR_NUM_QUEUES] != (int)gridDim.x) bad |= HDRCHK_NUM_QUEUES;
     if (P.batch < 1 || P.batch > MAX_BATCH) bad |= HDRCHK_BATCH;
     if (blockDim.x != NUM_THREADS) bad |= HDRCHK_BLOCK;
+    if (MK_W_TMA && (smem_addr(smem_raw) & 1023u)) bad |= HDRCHK_SMEM_ALIGN;
     int stop = 0;
     if (ld_relaxed_gpu_s32(err) != 0) {
       stop = 1;  // an earlier failure is still recorded: refuse to run until the host clears it

@@ -41,7 +41,8 @@ enum LayerPtrSlot : int {
 
 enum ModelPtrSlot : int {
   MP_FINAL_NORM = 0,
-  MP_LM_HEAD = 1
+  MP_LM_HEAD = 1,
+  MP_WEIGHT_MAPS = 2
 };
 
 enum RoundingMode : int {
@@ -78,7 +79,8 @@ enum HeaderCheck : int {
   HDRCHK_SPEC_HASH = 4,
   HDRCHK_NUM_QUEUES = 8,
   HDRCHK_BATCH = 16,
-  HDRCHK_BLOCK = 32
+  HDRCHK_BLOCK = 32,
+  HDRCHK_SMEM_ALIGN = 64
 };
 
 constexpr int ERROR_WORDS = 16;
@@ -178,6 +180,9 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_ATT_TMA
 #define MK_ATT_TMA 0
+#endif
+#ifndef MK_W_TMA
+#define MK_W_TMA 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -44,7 +44,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 # without spills too, at the 1B shape.
 VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",),
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
-            ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",)]
+            ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128")]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -63,7 +63,8 @@ def test_megakernel_compiles_without_spills(tmp_path):
     one_b = LlamaSpec.from_json_file(MODELS / "llama-3.2-1b")
     # MK_ATT_TMA (a tuning's ring-fed attention) on every shape too: a model with G != ATT_HG compiles the path out
     jobs = [(s, ()) for s in _specs()] + [(one_b, v) for v in VARIANTS] + \
-        [(s, ("-DMK_ATT_TMA=128",)) for s in _specs() if s.name != one_b.name]
+        [(s, ("-DMK_ATT_TMA=128",)) for s in _specs() if s.name != one_b.name] + \
+        [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"]   # K % 64 == 0 models only
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):

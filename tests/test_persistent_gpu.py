@@ -422,3 +422,30 @@ def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
     assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
+@pytest.mark.parametrize("bsz,ksplit", [(1, ()), (5, (("down", 3),)), (9, ()), (16, (("o_proj", 3), ("down", 2)))])
+def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit):
+    """MK_W_TMA moves the same weight bytes into another shared-memory layout (one tensor-map copy per chunk,
+    csrc/weight_tma.cuh): every MMA sees the same operands in the same order, so the step equals the default
+    build's bit for bit, K-split tails (one copy per column group; 3 parts cut chunks short) and the LM head
+    included."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    from mk_plugin.persistent.variant import KernelVariant
+
+    spec, w = models(name, 2)
+    seq_lens = [(37 * i + 5) % 700 + 1 for i in range(bsz)]
+    if bsz >= 3:
+        seq_lens[1] = 0
+    batch = gpu_batch(spec, seq_lens, seed=bsz + 11)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    tuning = {bsz: ScheduleTuning(ksplit=ksplit)} if ksplit else "off"
+    runs = []
+    for v in (KernelVariant(), KernelVariant(w_tma=True)):
+        dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning)
+        runs.append(_run_mk(dec, spec, w, batch, cs))
+    (o0, l0, c0), (o1, l1, c1) = runs
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)

@@ -26,7 +26,7 @@ def test_map_args_view_the_cache_as_rows_of_heads(nkv, d):
     a = tm.kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size())
     assert a.dims == (d, nkv, 37 * 2 * 16)
     assert a.strides == (2 * d, 2 * nkv * d)   # bytes of one head's row, of one token's row
-    assert a.box == (d, 1, 16) and a.elem_strides == (1, 1, 1)
+    assert a.box == (d, 1, 16) and a.swizzle == tm._SWIZZLE_NONE
     # the box is the kernel's tile: 16 rows of one head (csrc/attention_tma.cuh ATT_TILE_BYTES = 16 * D * 2)
     src = (ROOT / "csrc" / "attention_tma.cuh").read_text()
     assert re.search(rf"ATT_TMA_ROWS = {tm.TILE_ROWS};", src) and "ATT_TILE_BYTES = ATT_TMA_ROWS * D * 2;" in src

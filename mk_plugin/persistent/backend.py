@@ -132,6 +132,9 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._att_tma_ok = True    # False once the model or the caches turned the ring-fed attention off
         self._needs_maps = False   # whether some batch's variant has MK_ATT_TMA (the kvptr table holds maps)
         self._update_needs_maps()
+        if self.variant.w_tma:   # a clear error before any build: the A/B switch names what the model lacks
+            from .tensormap import check_weights_model
+            check_weights_model(spec)
         if self._wants_att_tma():
             from .tensormap import check_model
             try:
@@ -231,6 +234,11 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         last = [0] * LP_COUNT
         last[ModelPtr.FINAL_NORM] = self.weights.final_norm.data_ptr()
         last[ModelPtr.LM_HEAD] = self.weights.lm_head.data_ptr() if self.lm_head else 0
+        if self.variant.w_tma:   # MK_W_TMA: the weights' tensor maps, kept alive here (the table points into it)
+            from .tensormap import weight_maps
+            self._wmaps = weight_maps(self.spec, self.weights.layers, self.weights.lm_head if self.lm_head else None,
+                                      self.device)
+            last[ModelPtr.WEIGHT_MAPS] = self._wmaps.data_ptr()
         rows += last
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 

@@ -78,6 +78,7 @@ class ModelPtr(enum.IntEnum):
     """Slots of the extra last row (index num_layers) of the weight-pointer table."""
     FINAL_NORM = 0
     LM_HEAD = 1
+    WEIGHT_MAPS = 2     # MK_W_TMA: device address of the weights' tensor maps (tensormap.weight_maps)
 
 
 LP_COUNT = 6
@@ -163,6 +164,7 @@ class HeaderCheck(enum.IntFlag):
     NUM_QUEUES = 8      # != grid size
     BATCH = 16          # not in 1..MAX_BATCH
     BLOCK = 32          # blockDim.x != NUM_THREADS
+    SMEM_ALIGN = 64     # MK_W_TMA: dynamic shared memory not 1024-byte aligned (the 128-byte swizzle's unit)
 
 
 # `counter` of an MBAR_TIMEOUT record = tag + ring slot: which side waited for what.

@@ -1,4 +1,5 @@
-"""CUtensorMap descriptors of the KV caches for the ring-fed attention (MK_ATT_TMA, csrc/attention_tma.cuh).
+"""CUtensorMap descriptors of the KV caches for the ring-fed attention (MK_ATT_TMA, csrc/attention_tma.cuh)
+and of the weight matrices for one-copy ring chunks (MK_W_TMA, csrc/weight_tma.cuh; weight_maps below).
 
 One map per layer's cache [num_blocks, 2, block_size, NKV, D] (vLLM's FLASH_ATTN layout), viewed as the
 3-D tensor [rows = num_blocks * 2 * block_size][NKV][D] (innermost first for the driver: D, NKV, rows), with
@@ -26,6 +27,7 @@ MAP_BYTES = 128                # sizeof(CUtensorMap)
 _DTYPE_UINT16 = 1              # 2-byte elements: bf16 and fp16 alike (the copy moves bytes)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_NONE = 0
+_SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _OOB_FILL_NONE = 0
 
@@ -33,10 +35,14 @@ _OOB_FILL_NONE = 0
 @dataclass(frozen=True)
 class TileMapArgs:
     """cuTensorMapEncodeTiled's shape arguments, innermost dimension first."""
-    dims: tuple[int, int, int]          # elements: D, NKV, rows
-    strides: tuple[int, int]            # bytes of dims 1 and 2 (dim 0 is contiguous)
-    box: tuple[int, int, int]           # D, 1, TILE_ROWS
-    elem_strides: tuple[int, int, int] = (1, 1, 1)
+    dims: tuple[int, ...]               # elements, innermost first (KV: D, NKV, rows)
+    strides: tuple[int, ...]            # bytes of dims 1.. (dim 0 is contiguous)
+    box: tuple[int, ...]                # KV: D, 1, TILE_ROWS
+    swizzle: int = _SWIZZLE_NONE
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.dims) <= 5 or len(self.box) != len(self.dims) or len(self.strides) != len(self.dims) - 1:
+            raise ValueError(f"tensor map rank: dims {self.dims}, box {self.box}, strides {self.strides}")
 
 
 def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size: int) -> TileMapArgs:
@@ -63,7 +69,7 @@ def _libcuda() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        raise RuntimeError(f"MK_ATT_TMA needs the CUDA driver (libcuda.so.1) to encode tensor maps: {e}") from e
+        raise RuntimeError(f"MK_ATT_TMA / MK_W_TMA need the CUDA driver (libcuda.so.1) to encode tensor maps: {e}") from e
     fn = lib.cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
@@ -81,12 +87,13 @@ def encode_tile_map(address: int, args: TileMapArgs) -> bytes:
     buf = (ctypes.c_ubyte * (MAP_BYTES + 64))()          # the driver wants the map 64-byte aligned
     base = ctypes.addressof(buf)
     aligned = (base + 63) // 64 * 64
-    dims = (ctypes.c_uint64 * 3)(*args.dims)
-    strides = (ctypes.c_uint64 * 2)(*args.strides)
-    box = (ctypes.c_uint32 * 3)(*args.box)
-    es = (ctypes.c_uint32 * 3)(*args.elem_strides)
-    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(aligned), _DTYPE_UINT16, 3, ctypes.c_void_p(address), dims,
-                                    strides, box, es, _INTERLEAVE_NONE, _SWIZZLE_NONE, _L2_PROMOTION_128B,
+    rank = len(args.dims)
+    dims = (ctypes.c_uint64 * rank)(*args.dims)
+    strides = (ctypes.c_uint64 * max(rank - 1, 1))(*args.strides)
+    box = (ctypes.c_uint32 * rank)(*args.box)
+    es = (ctypes.c_uint32 * rank)(*([1] * rank))
+    rc = lib.cuTensorMapEncodeTiled(ctypes.c_void_p(aligned), _DTYPE_UINT16, rank, ctypes.c_void_p(address), dims,
+                                    strides, box, es, _INTERLEAVE_NONE, args.swizzle, _L2_PROMOTION_128B,
                                     _OOB_FILL_NONE)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {args} at {address:#x}")
@@ -110,3 +117,68 @@ def device_maps(kv_caches: list[torch.Tensor], device: torch.device) -> torch.Te
     maps = b"".join(encode_tile_map(c.data_ptr(), kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size()))
                     for c in kv_caches)
     return torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(device)
+
+
+# ---- MK_W_TMA: one tensor-map copy per weight ring chunk ---------------------------------------------------
+W_KGROUP = 64          # columns per 128-byte swizzle line: csrc/weight_tma.cuh W_KG_COLS
+W_CHUNK_KGROUPS = 16   # column groups per ring chunk (CHUNK_COLS = 1024 columns): the full box
+W_MAP_OPS = ("qkv", "o", "gate_up", "down")   # per layer, in this order; then the LM head's pair
+W_MAPS_PER_MATRIX = 2  # box of W_CHUNK_KGROUPS column groups (a whole chunk), box of 1 (a chunk's tail)
+
+
+def weight_map_args(rows: int, k: int, box_kgroups: int, half_rows: int | None = None) -> TileMapArgs:
+    """The map of one [rows, k] row-major 2-byte matrix whose ring chunk is 16 rows x box_kgroups * 64 columns,
+    landing in shared memory as [column group][16 rows][64 columns] with the 128-byte swizzle (so the 8 rows of
+    one ldmatrix read sit in 8 different bank groups). The column-group dimension is the outermost (its stride,
+    128 bytes, is the smallest): that order is what puts a group's 16 rows next to each other in the box.
+    Plain matrices: dims (64, rows, k / 64), box (64, 16, n). qkv (half_rows = head_dim / 2): a tile is 8 rows of
+    the first half of a head and the same 8 of its second half (the RoPE pairs, tasks.qkv_unit_rows), so a 4-D
+    view (64, rows - half_rows, 2, k / 64) with the half's stride half_rows * k * 2, box (64, 8, 2, n)."""
+    if k % W_KGROUP:
+        raise ValueError(f"MK_W_TMA: K = {k} is not a multiple of {W_KGROUP} (a 128-byte swizzle line)")
+    if not 1 <= box_kgroups <= W_CHUNK_KGROUPS:
+        raise ValueError(f"box_kgroups={box_kgroups}: 1..{W_CHUNK_KGROUPS}")
+    row, kg = k * 2, k // W_KGROUP
+    if half_rows is None:
+        return TileMapArgs(dims=(W_KGROUP, rows, kg), strides=(row, 128), box=(W_KGROUP, 16, box_kgroups),
+                           swizzle=_SWIZZLE_128B)
+    if half_rows % 8 or rows <= half_rows:
+        raise ValueError(f"MK_W_TMA: qkv half rows {half_rows} must be a multiple of 8 below {rows}")
+    return TileMapArgs(dims=(W_KGROUP, rows - half_rows, 2, kg), strides=(row, half_rows * row, 128),
+                       box=(W_KGROUP, 8, 2, box_kgroups), swizzle=_SWIZZLE_128B)
+
+
+def check_weights_model(spec: LlamaSpec) -> None:
+    """MK_W_TMA's column groups: every matrix's K (hidden, q size, intermediate) a multiple of 64."""
+    for name, k in (("hidden_size", spec.hidden_size), ("q size", spec.q_size),
+                    ("intermediate_size", spec.intermediate_size)):
+        if k % W_KGROUP:
+            raise ValueError(f"MK_W_TMA needs every matrix's K to be a multiple of {W_KGROUP}; {spec.name}'s "
+                             f"{name} is {k}")
+
+
+def weight_maps(spec: LlamaSpec, layers: list, lm_head: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The weights' tensor maps as one uint8 tensor on `device`: for each layer and W_MAP_OPS matrix the pair
+    (whole chunk, one column group), then the LM head's pair (zeros without one). csrc/weight_tma.cuh w_map()
+    indexes it the same way."""
+    import torch
+
+    check_weights_model(spec)
+    maps = []
+
+    def pair(t: torch.Tensor, half_rows: int | None = None) -> None:
+        if t.stride() != (t.shape[1], 1) or t.element_size() != 2:
+            raise ValueError(f"MK_W_TMA: weight {tuple(t.shape)} must be a contiguous 2-byte matrix")
+        for n in (W_CHUNK_KGROUPS, 1):
+            maps.append(encode_tile_map(t.data_ptr(), weight_map_args(t.shape[0], t.shape[1], n, half_rows)))
+
+    for lw in layers:
+        pair(lw.qkv, spec.head_dim // 2)
+        pair(lw.o)
+        pair(lw.gate_up)
+        pair(lw.down)
+    if lm_head is not None:
+        pair(lm_head)
+    else:
+        maps += [bytes(MAP_BYTES)] * W_MAPS_PER_MATRIX
+    return torch.frombuffer(bytearray(b"".join(maps)), dtype=torch.uint8).to(device)

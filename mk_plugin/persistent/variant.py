@@ -27,7 +27,8 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
-                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"))
+                   ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
+                   ("MK_W_TMA", "w_tma", "w_tma"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -52,6 +53,10 @@ class KernelVariant:
     # off (0) with one warning for a model or caches without them. Per batch size from the tuning table
     # (tuning.ScheduleTuning.att_tma), like the ring depth.
     att_tma: int = 0
+    # MK_W_TMA (A/B switch, session 19): every ring chunk of qkv_rope / o_proj / gate_up / down / lm_head weights
+    # is one tensor-map copy of 32 KB (16 rows x 1024 columns, 128-byte swizzled) instead of 16 bulk copies of one
+    # 2 KB row each (tensormap.weight_maps; csrc/weight_tma.cuh). Needs K a multiple of 64 for every matrix.
+    w_tma: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -66,8 +71,9 @@ class KernelVariant:
                 or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: the ring path's minimum tokens per attention task, "
                              f"0 (off) .. {ATT_TMA_MAX_TOKENS}")
-        if not isinstance(self.phases, bool):
-            raise ValueError(f"phases={self.phases!r} must be true or false")  # noqa: TRY004 (a bad value)
+        for name in ("phases", "w_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..7 (1 no waits, 2 no weight copies, 4 no MMAs)")
 
