@@ -19,6 +19,12 @@ case $n in
      B="--build default --build MK_W_TMA=1"
      timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
      timeout 250 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B ;;
+  4) # call 2's failures fixed (K-split parts now start on 64-column groups; the tiny model skipped under the switch):
+     # the bitwise test again, then call 3's A/B
+     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "weight_tma" 2>&1 | tail -3
+     B="--build default --build MK_W_TMA=1"
+     timeout 200 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 4 8 16 --rounds 2 $B
+     timeout 230 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s26_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -32,15 +32,17 @@ struct WeightPlan {
   int ldx;          // row stride of the activations x (the matrix's full K)
 };
 
-// Columns [lo, hi) of a K-split o_proj/down task (arg2 = parts << KSPLIT_SHIFT | part): 16-column steps
-// shared out evenly. Mirrors encoding.ksplit_range.
+// Columns [lo, hi) of a K-split o_proj/down task (arg2 = parts << KSPLIT_SHIFT | part): 64-column steps
+// shared out evenly (16 where K is not a multiple of 64; MK_W_TMA copies 64-column groups). Mirrors
+// encoding.ksplit_range.
 __device__ __forceinline__ int ksplit_part(int arg2) { return arg2 & ((1 << KSPLIT_SHIFT) - 1); }
 __device__ __forceinline__ int ksplit_parts(int arg2) { return arg2 >> KSPLIT_SHIFT; }
 
 __device__ __forceinline__ void ksplit_range(int K, int arg2, int& lo, int& hi) {
-  const int part = ksplit_part(arg2), parts = ksplit_parts(arg2), steps = K >> 4;
-  lo = 16 * (steps * part / parts);
-  hi = 16 * (steps * (part + 1) / parts);
+  const int part = ksplit_part(arg2), parts = ksplit_parts(arg2);
+  const int g = (K & 63) ? 16 : 64, steps = K / g;
+  lo = g * (steps * part / parts);
+  hi = g * (steps * (part + 1) / parts);
 }
 
 __device__ __forceinline__ bool is_ksplit(const Task& t) {

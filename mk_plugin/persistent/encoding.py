@@ -230,10 +230,12 @@ def ksplit_parts(arg2: int) -> tuple[int, int]:
 
 
 def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
-    """Columns [lo, hi) of K that part `part` of `parts` sums: 16-column steps shared out evenly (the
-    kernel's ksplit_range, csrc/matvec.cuh)."""
-    steps = K // 16
-    return 16 * (steps * part // parts), 16 * (steps * (part + 1) // parts)
+    """Columns [lo, hi) of K that part `part` of `parts` sums: steps of 64 columns shared out evenly (16 where K
+    is not a multiple of 64), the kernel's ksplit_range (csrc/matvec.cuh). 64: MK_W_TMA copies a part's weights in
+    64-column groups (one 128-byte swizzle line per row), so a part must start on one (session 19)."""
+    g = 64 if K % 64 == 0 else 16
+    steps = K // g
+    return g * (steps * part // parts), g * (steps * (part + 1) // parts)
 
 
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
