@@ -37,12 +37,6 @@ __device__ __forceinline__ int att_tma_slots(int lo, int hi) {
   return (att_tma_blocks(lo, hi) + ATT_TMA_BPS - 1) / ATT_TMA_BPS;
 }
 
-__device__ __forceinline__ void tma_tile_g2s(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-      ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
-}
-
 // Whether attention task (request length L, chunk c of C) goes through the ring: producer and consumers decide
 // from the same length (the consumers' shared copy of seq_lens is verbatim), so they agree on its slots.
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c) {
@@ -64,7 +58,7 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
   const void* map = reinterpret_cast<const void*>(P.kvptr[LAYERS + t.layer]);
   // the map was written by the host (generic proxy) before the launch; each issuing lane orders its reads of it
   if (nslots > 0 && lane < ATT_TMA_BPS)
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+    tensormap_acquire(map);
   for (int si = 0; si < nslots; ++si) {
     const int n = min(ATT_TMA_BPS, nblk - si * ATT_TMA_BPS);
     const int slot = it % NUM_STAGES;
@@ -79,8 +73,8 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
     } else if (lane < n) {
       const int blk = ld_nc_s32(bt + blk0 + si * ATT_TMA_BPS + lane);
       const unsigned dst = S.ring(slot) + (unsigned)(lane * 2 * ATT_TILE_BYTES);
-      tma_tile_g2s(dst, map, g, blk * 2 * ATT_TMA_ROWS, S.full_bar(slot));
-      tma_tile_g2s(dst + ATT_TILE_BYTES, map, g, (blk * 2 + 1) * ATT_TMA_ROWS, S.full_bar(slot));
+      tma_3d_g2s(dst, map, g, blk * 2 * ATT_TMA_ROWS, S.full_bar(slot));
+      tma_3d_g2s(dst + ATT_TILE_BYTES, map, g, (blk * 2 + 1) * ATT_TMA_ROWS, S.full_bar(slot));
     }
     ++it;
   }

@@ -16,6 +16,25 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
       ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
 }
 
+// Tensor-map copies (cp.async.bulk.tensor, 3-D / 4-D box at coordinates {0, c1, c2[, c3]}) completing on the
+// mbarrier at `mbar`, and the acquire that orders a thread's use of a map the host wrote before the launch
+// (generic proxy). Used by MK_ATT_TMA (attention_tma.cuh) and MK_W_TMA (weight_tma.cuh).
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+}
+
+__device__ __forceinline__ void tma_3d_g2s(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
+}
+
+__device__ __forceinline__ void tma_4d_g2s(unsigned dst, const void* map, int c1, int c2, int c3, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(mbar) : "memory");
+}
+
 // 16-byte asynchronous copy global -> shared through L2 (cp.async.cg: generic proxy, so ordinary
 // acquire/barrier ordering covers data written during the launch), completed by cp_async_wait_all.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {

@@ -179,8 +179,8 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
 #if MK_W_TMA
     const void* wmap_full = w_map(P, t.opcode, t.layer, 0);
     const void* wmap_one = w_map(P, t.opcode, t.layer, 1);
-    if (lane == 0) w_map_acquire(wmap_full);
-    if (lane < W_CHUNK_KG) w_map_acquire(wmap_one);
+    if (lane == 0) tensormap_acquire(wmap_full);
+    if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
 #endif
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
       const int mt = min(upp, uend - p0) * wp.mtpu;

@@ -33,21 +33,10 @@ __device__ __forceinline__ const void* w_map(const Params& P, int op, int layer,
   return maps + (size_t)(2 * idx + kind) * 128;
 }
 
-// The map was written by the host (generic proxy) before the launch: order this thread's use of it.
-__device__ __forceinline__ void w_map_acquire(const void* map) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
-}
-
-__device__ __forceinline__ void tma_w3(unsigned dst, const void* map, int row, int kg, unsigned mbar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
-      ::"r"(dst), "l"(map), "r"(0), "r"(row), "r"(kg), "r"(mbar) : "memory");
-}
-
-__device__ __forceinline__ void tma_w4(unsigned dst, const void* map, int row, int kg, unsigned mbar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];" ::"r"(dst), "l"(map), "r"(0), "r"(row), "r"(0), "r"(kg), "r"(mbar) : "memory");
+// One box at (row, column group kg): the qkv maps are 4-D (row, half 0..1, group), the others 3-D (row, group).
+__device__ __forceinline__ void tma_w(unsigned dst, const void* map, bool qkv, int row, int kg, unsigned mbar) {
+  if (qkv) tma_4d_g2s(dst, map, row, 0, kg, mbar);
+  else tma_3d_g2s(dst, map, row, kg, mbar);
 }
 
 // Producer warp, one chunk: M-tile rows from row0 (weight_row of its first row), columns [k0, k0 + kc). Returns
@@ -60,13 +49,9 @@ __device__ __forceinline__ void w_chunk_copy(unsigned dst, const void* map_full,
                                              int k0, int kc, unsigned mbar, int lane) {
   const int kg0 = k0 / W_KG_COLS;
   if (kc == CHUNK_COLS) {
-    if (lane == 0) {
-      if (qkv) tma_w4(dst, map_full, row0, kg0, mbar);
-      else tma_w3(dst, map_full, row0, kg0, mbar);
-    }
+    if (lane == 0) tma_w(dst, map_full, qkv, row0, kg0, mbar);
   } else if (lane < (kc + W_KG_COLS - 1) / W_KG_COLS) {
-    if (qkv) tma_w4(dst + lane * W_KG_BYTES, map_one, row0, kg0 + lane, mbar);
-    else tma_w3(dst + lane * W_KG_BYTES, map_one, row0, kg0 + lane, mbar);
+    tma_w(dst + lane * W_KG_BYTES, map_one, qkv, row0, kg0 + lane, mbar);
   }
 }
 

@@ -132,9 +132,6 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self._att_tma_ok = True    # False once the model or the caches turned the ring-fed attention off
         self._needs_maps = False   # whether some batch's variant has MK_ATT_TMA (the kvptr table holds maps)
         self._update_needs_maps()
-        if self.variant.w_tma:   # a clear error before any build: the A/B switch names what the model lacks
-            from .tensormap import check_weights_model
-            check_weights_model(spec)
         if self._wants_att_tma():
             from .tensormap import check_model
             try:
@@ -218,6 +215,9 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         chk("final_norm", w.final_norm, (h,))
         if self.lm_head:
             chk("lm_head", w.lm_head, (s.vocab_size, h))
+        if self.variant.w_tma:   # MK_W_TMA's column groups: the error names what the model lacks, on any executor
+            from .tensormap import check_weights_model
+            check_weights_model(s)
 
     def _weight_table(self) -> torch.Tensor:
         """[(L + 1) * LP_COUNT] int64 device addresses (encoding.LayerPtr / ModelPtr slots)."""

@@ -160,10 +160,10 @@ def check_weights_model(spec: LlamaSpec) -> None:
 def weight_maps(spec: LlamaSpec, layers: list, lm_head: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The weights' tensor maps as one uint8 tensor on `device`: for each layer and W_MAP_OPS matrix the pair
     (whole chunk, one column group), then the LM head's pair (zeros without one). csrc/weight_tma.cuh w_map()
-    indexes it the same way."""
+    indexes it the same way. (The decoder checks the model first: check_weights_model; weight_map_args refuses a
+    matrix whose K is not a multiple of 64.)"""
     import torch
 
-    check_weights_model(spec)
     maps = []
 
     def pair(t: torch.Tensor, half_rows: int | None = None) -> None:
