@@ -6,10 +6,11 @@
 // hand-off latency of other release forms under the same load, before any of them enters csrc/.
 // Independent of the megakernel's headers on purpose.
 //
-// Grid: one CTA per SM, all co-resident. Warp 0 = producer: when `stream` is set, it streams
-// `chunks` chunks of 32 KB (16 copies of 2 KB: the megakernel's per-row pattern at KC = 1024) from
-// the CTA's own region of `src` into a 6-slot ring; warp 1 frees each slot as soon as it is full (no
-// compute: HBM-bound, like gate_up's phase). Warp 2 of CTAs 0 and 1 plays ping-pong: CTA 0 writes a
+// Grid: one CTA per SM, all co-resident. Warp 0 = producer: when `stream` is set (1: every CTA; 2: all but the
+// two ping-pong CTAs), it streams `chunks` chunks of 32 KB (16 copies of 2 KB: the megakernel's per-row pattern
+// at KC = 1024) from the CTA's own region of `src` into a 6-slot ring, with at most `inflight` chunks issued and
+// not landed (6: no cap; before chunk i it waits for chunk i - inflight to land, the megakernel's MK_INFLIGHT);
+// warp 1 frees each slot as soon as it is full (no compute: HBM-bound, like gate_up's phase). Warp 2 of CTAs 0 and 1 plays ping-pong: CTA 0 writes a
 // 256-byte payload (64 words, every lane two), releases flag 0 and waits for flag 1; CTA 1 waits for
 // flag 0, checks the payload, writes its own and releases flag 1; `iters` rounds. The payload words
 // carry the round number, so a release form that does not order the payload before the flag shows up
@@ -27,7 +28,9 @@
 //
 // out[0] = CTA 0's ns for all rounds, out[1] = payload mismatches (both sides), out[2] = CTA 0's end
 // time, out[3] = the earliest producer end time (atomicMin; the host sets it to ~0 first: streaming
-// must outlast the ping-pong), out[4] = 1 when a wait timed out (a probe bug or a broken form).
+// must outlast the ping-pong), out[4] = 1 when a wait timed out (a probe bug or a broken form), out[5] / out[6] =
+// the earliest producer start / the latest producer end (the streaming rate: chunks x 32 KB per streaming CTA
+// over that span).
 
 #define RP_THREADS 96
 #define RP_NS 6
@@ -107,7 +110,7 @@ __device__ __forceinline__ unsigned rp_take(const unsigned* payload, const unsig
 
 extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     release_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int iters,
-                  int chunks, unsigned* flags, unsigned* payloads, unsigned long long* out) {
+                  int chunks, int inflight, unsigned* flags, unsigned* payloads, unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
   const unsigned full0 = ring + RP_NS * RP_SLOT, empty0 = full0 + 8 * RP_NS;
@@ -122,12 +125,15 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
-  const int n = stream ? chunks : 0;
+  const int n = (stream == 1 || (stream == 2 && blockIdx.x >= 2)) ? chunks : 0;
   if (warp == 0) {  // producer
     long long off = 0;
+    if (lane == 0 && n > 0) atomicMin(out + 5, probe_ns());
     for (int it = 0; it < n; ++it) {
       const int slot = it % RP_NS;
       const unsigned parity = (unsigned)(it / RP_NS) & 1u;
+      if (inflight < RP_NS && it >= inflight)   // chunk it - inflight has landed (its slot is not re-armed yet)
+        probe_wait(full0 + 8 * ((it - inflight) % RP_NS), (unsigned)((it - inflight) / RP_NS) & 1u, out);
       probe_wait(empty0 + 8 * slot, parity ^ 1u, out);
       if (lane == 0) probe_arrive_expect_tx(full0 + 8 * slot, RP_SLOT);
       __syncwarp();
@@ -137,7 +143,11 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
       if (off + RP_SLOT > region_bytes) off = 0;
     }
     for (int it = n > RP_NS ? n - RP_NS : 0; it < n; ++it) probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
-    if (lane == 0 && n > 0) atomicMin(out + 3, probe_ns());
+    if (lane == 0 && n > 0) {
+      const unsigned long long t_end = probe_ns();
+      atomicMin(out + 3, t_end);
+      atomicMax(out + 6, t_end);
+    }
   } else if (warp == 1) {  // frees each slot once full
     for (int it = 0; it < n; ++it) {
       probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);

@@ -12,7 +12,11 @@ chunks from HBM (stream 1) or idle (stream 0):
 mode 0 generic stores + red.release.gpu (the megakernel's release); 1 payload by a bulk store from shared
 memory + wait_group 0 + red.relaxed.gpu (no MEMBAR); 2 the bulk store + red.release.gpu; 3 generic stores
 + fence.acq_rel.cta + red.relaxed.gpu: not a valid release, the no-fence floor; 4 mode 1 with
-fence.proxy.async.global before the add (csrc/bulk_release.cuh's MK_BULK_RELEASE=2). `mismatches` counts payload
+fence.proxy.async.global before the add (csrc/bulk_release.cuh's MK_BULK_RELEASE=2). --inflight N caps the
+streaming SMs' chunks in flight (issued, not landed) at N x 32 KB, the megakernel's MK_INFLIGHT: the table then
+says what the cap costs the streaming rate and what it buys every hand-off (session 20's question: is the
+hand-off's 5.8-us floor under streaming the queue of 6 x 32 KB per SM?); --stream 2 keeps the two ping-pong SMs
+out of the streaming (a per-SM queue or the whole memory system's). `mismatches` counts payload
 words that the reader saw stale after the flag (a form that does not order them). Reading it: if mode 0
 under streaming is far above mode 0 idle and mode 1 under streaming is near its idle figure, the bulk
 store's completion does not wait for the SM's weight copies and a release built on it can drop the gate.
@@ -31,14 +35,20 @@ import common  # bench/common.py: git_commit, today, append_csv, RESULTS
 SOURCE = Path(__file__).resolve().with_suffix(".cu")
 KERNEL = "release_probe"
 THREADS = 96
-RING_BYTES = 6 * 32768
+RP_SLOT = 32768   # bytes per chunk (release_probe.cu's RP_SLOT)
+RP_NS = 6         # ring slots (RP_NS): an in-flight cap of 6 is no cap
+RING_BYTES = RP_NS * RP_SLOT
 SMEM_BYTES = RING_BYTES + 16 * 6 + 256      # the ring, 6 full + 6 empty mbarriers, the payload stage
 REGION_BYTES = 8 << 20                      # streamed per CTA, cycled (132 x 8 MB >> the 50 MB L2)
 MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed", 2: "bulk store + red.release",
          3: "st + fence.cta + red.relaxed (invalid)", 4: "bulk store + wait + proxy fence + red.relaxed"}
-CSV = common.RESULTS / "release_probe.csv"
-CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "iters", "ns_per_handoff", "mismatches")
-TABLE_HEADER = ("mode", "form", "stream", "ns per hand-off (median)", "min", "max", "mismatches")
+STREAMS = {0: "off", 1: "all SMs", 2: "all but the two"}
+# rows of this version (the in-flight cap, the streaming rate); release_probe.csv keeps session 16's rows
+CSV = common.RESULTS / "release_probe_v2.csv"
+CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "inflight", "iters", "ns_per_handoff", "stream_gbps",
+              "mismatches")
+TABLE_HEADER = ("mode", "form", "stream", "in flight/SM", "ns per hand-off (median)", "min", "max", "stream GB/s",
+                "mismatches")
 
 
 def build_source() -> str:
@@ -58,15 +68,36 @@ def handoff_ns(total_ns: int, iters: int) -> float:
     return total_ns / (2 * iters)
 
 
-def table_row(mode: int, stream: int, ns: list[float], mismatches: int) -> list[str]:
-    ns = sorted(ns)
-    return [str(mode), MODES[mode], "on" if stream else "off", f"{common.median(ns):.0f}", f"{ns[0]:.0f}",
-            f"{ns[-1]:.0f}", str(mismatches)]
+def stream_gbps(streaming_ctas: int, chunks: int, span_ns: int) -> float:
+    """GB/s of the streaming CTAs: chunks x 32 KB each over the span from the first start to the last end."""
+    if span_ns <= 0:
+        return float("nan")
+    return streaming_ctas * chunks * RP_SLOT / span_ns
 
 
-def run(iters: int, reps: int) -> tuple[str, list[list]]:
+def check_args(inflight: list[int], streams: list[int], modes: list[int], iters: int, reps: int) -> None:
     if iters < 1 or reps < 1:
         raise SystemExit(f"--iters {iters} --reps {reps}: want >= 1 each")
+    bad = [n for n in inflight if not 1 <= n <= RP_NS]
+    if bad:
+        raise SystemExit(f"--inflight {bad}: chunks in flight per SM, 1..{RP_NS} ({RP_NS}: no cap)")
+    bad = [x for x in streams if x not in STREAMS]
+    if bad:
+        raise SystemExit(f"--stream {bad}: choose from {', '.join(f'{k} ({v})' for k, v in STREAMS.items())}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes {bad}: choose from {', '.join(map(str, MODES))}")
+
+
+def table_row(mode: int, stream: int, inflight: int, ns: list[float], gbps: float, mismatches: int) -> list[str]:
+    ns = sorted(ns)
+    return [str(mode), MODES[mode], STREAMS[stream], f"{inflight * RP_SLOT // 1024} KB" if stream else "-",
+            f"{common.median(ns):.0f}", f"{ns[0]:.0f}", f"{ns[-1]:.0f}", f"{gbps:.0f}" if stream else "-",
+            str(mismatches)]
+
+
+def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: list[int]) -> tuple[str, list[list]]:
+    check_args(inflight, streams, modes, iters, reps)
     cp, props = common.probe_device("release_probe")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     grid = int(props["multiProcessorCount"])
@@ -79,43 +110,63 @@ def run(iters: int, reps: int) -> tuple[str, list[list]]:
     out = cp.zeros(8, dtype=cp.uint64)
     rows_md, rows_csv = [], []
     commit, date = common.git_commit(), common.today()
-    for stream in (0, 1):
-        for mode in MODES:
-            chunks, ns, bad = 4 * iters, [], 0
-            while len(ns) < reps:
-                flags.fill(0)
-                payloads.fill(0)
-                out.fill(0)
-                out[3] = cp.uint64(2**64 - 1)
-                fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
-                                         cp.int32(iters), cp.int32(chunks), flags, payloads, out),
-                   shared_mem=SMEM_BYTES)
-                o = [int(v) for v in out.get()]
-                if o[4]:
-                    raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
-                if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
-                    chunks *= 2
-                    if chunks > 1 << 22:
-                        raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
-                    continue
-                ns.append(handoff_ns(o[0], iters))
-                bad += o[1]
-            rows_md.append(table_row(mode, stream, ns, bad))
-            rows_csv.append([date, name, commit, mode, stream, iters, f"{common.median(ns):.1f}", bad])
+    for stream in streams:
+        for cap in (inflight if stream else [RP_NS]):
+            for mode in modes:
+                chunks, ns, rates, bad = 4 * iters, [], [], 0
+                while len(ns) < reps:
+                    flags.fill(0)
+                    payloads.fill(0)
+                    out.fill(0)
+                    out[3] = cp.uint64(2**64 - 1)
+                    out[5] = cp.uint64(2**64 - 1)
+                    fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
+                                             cp.int32(iters), cp.int32(chunks), cp.int32(cap), flags, payloads, out),
+                       shared_mem=SMEM_BYTES)
+                    o = [int(v) for v in out.get()]
+                    if o[4]:
+                        raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
+                    if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
+                        chunks *= 2
+                        if chunks > 1 << 22:
+                            raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
+                        continue
+                    ns.append(handoff_ns(o[0], iters))
+                    ctas = grid if stream == 1 else grid - 2
+                    rates.append(stream_gbps(ctas, chunks, o[6] - o[5]) if stream else float("nan"))
+                    bad += o[1]
+                gbps = common.median(rates)
+                rows_md.append(table_row(mode, stream, cap, ns, gbps, bad))
+                rows_csv.append([date, name, commit, mode, stream, cap if stream else 0, iters,
+                                 f"{common.median(ns):.1f}", f"{gbps:.0f}" if stream else "", bad])
     title = (f"### release_probe: {name}, {grid} SMs, {iters} ping-pong rounds, median of {reps} launches, "
              f"commit {commit}, {date}")
-    notes = ("stream on: every SM's producer streams 32 KB chunks (16 x 2 KB cp.async.bulk) into a 6-slot ring "
-             "freed at once (HBM-bound); ns per hand-off = CTA 0's time for the rounds / (2 x rounds).")
+    notes = ("stream: every SM's producer (or every SM but the two ping-pong ones) streams 32 KB chunks (16 x 2 KB "
+             "cp.async.bulk) into a 6-slot ring freed at once (HBM-bound), with at most `in flight/SM` issued and "
+             "not landed; stream GB/s = the streaming CTAs' bytes over the first start to the last end; "
+             "ns per hand-off = CTA 0's time for the rounds / (2 x rounds).")
     return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"{text!r}: want comma-separated integers") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=1000, help="ping-pong rounds per launch (default 1000)")
     p.add_argument("--reps", type=int, default=5, help="launches per (mode, stream) (median; default 5)")
+    p.add_argument("--inflight", default="6", help="chunks of 32 KB in flight per streaming SM, comma-separated "
+                   "(1..6; 6 = no cap, the default)")
+    p.add_argument("--stream", default="0,1", help="0 idle, 1 every SM streams, 2 all but the ping-pong SMs "
+                   "(comma-separated; default 0,1)")
+    p.add_argument("--modes", default=",".join(map(str, MODES)), help="release forms (default all)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     a = p.parse_args(argv)
-    md, rows = run(a.iters, a.reps)
+    md, rows = run(a.iters, a.reps, _ints(a.inflight), _ints(a.stream), _ints(a.modes))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)

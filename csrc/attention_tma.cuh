@@ -62,10 +62,7 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
   for (int si = 0; si < nslots; ++si) {
     const int n = min(ATT_TMA_BPS, nblk - si * ATT_TMA_BPS);
     const int slot = it % NUM_STAGES;
-    const int ws = __shfl_sync(0xffffffffu,
-                               ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti, MBAR_TAG_EMPTY + slot,
-                                         it, true, PRODUCER_BUDGET_MULT), 0);
-    if (ws != WAIT_OK) return false;
+    if (producer_slot_wait(S, P, it, ti) != WAIT_OK) return false;
     if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(n * 2 * ATT_TILE_BYTES));
     __syncwarp();
     if (MK_DIAG & 2) {

@@ -137,6 +137,31 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 //
 // Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
 // PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
+// Before the producer issues chunk `it` into its slot: the slot's consumers have freed it (empty barrier), and
+// under MK_INFLIGHT = N (A/B switch, default 0 = off, session 20) chunk it - N has landed, so at most N chunks are
+// in flight (issued, not landed) per SM; the ring keeps its depth for landed chunks that wait in shared memory.
+// Why: with every SM streaming, 6 x 32 KB in flight per SM is 25 MB over 132 SMs, ~6 us of queue at the 4.26 TB/s
+// copy rate (Little's law), and every L2 round trip of the dependency chain (counter polls, releases, activation
+// loads) waits in that queue: the release probe's fence-free hand-off floor was 5.8 us under streaming against
+// 1.0 idle (bench/NOTES.md session 16), and 6 x 32 KB is ~6x what the copy rate needs in flight.
+// Lane 0's outcome decides for the warp (lane 0 arms the barrier after it).
+__device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P, unsigned it, int ti) {
+#if MK_INFLIGHT
+  static_assert(MK_INFLIGHT > 0 && MK_INFLIGHT < NUM_STAGES, "MK_INFLIGHT: 1 .. NUM_STAGES - 1 chunks");
+  if (it >= (unsigned)MK_INFLIGHT) {
+    // chunk c's slot is not re-armed before chunk c + NUM_STAGES > it is issued: its phase cannot be lapped
+    const unsigned c = it - MK_INFLIGHT;
+    const int cs = c % NUM_STAGES;
+    const int ws = __shfl_sync(0xffffffffu, ring_wait(S, P, S.full_bar(cs), (c / NUM_STAGES) & 1, ti,
+                                                      MBAR_TAG_INFLIGHT + cs, c, true, PRODUCER_BUDGET_MULT), 0);
+    if (ws != WAIT_OK) return ws;
+  }
+#endif
+  const int slot = it % NUM_STAGES;
+  return __shfl_sync(0xffffffffu, ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
+                                            MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
+}
+
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c);
 __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int L, int ti, int lane,
@@ -189,11 +214,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
-          // Lane 0's outcome decides for the warp (lane 0 arms the barrier below).
-          const int ws = __shfl_sync(0xffffffffu,
-                                     ring_wait(S, P, S.empty_bar(slot), ((it / NUM_STAGES) & 1) ^ 1, ti,
-                                               MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
-          if (ws != WAIT_OK) goto drain;
+          if (producer_slot_wait(S, P, it, ti) != WAIT_OK) goto drain;
 #if MK_W_TMA   // one tensor-map copy per chunk (a tail: one per column group); rows past the matrix land as zeros
           (void)valid;
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), w_chunk_bytes(kc));

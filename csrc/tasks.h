@@ -100,6 +100,7 @@ constexpr int E_BUDGET_MS = 12;
 constexpr int MBAR_TAG_EMPTY = 1000;
 constexpr int MBAR_TAG_FULL = 2000;
 constexpr int MBAR_TAG_DRAIN = 3000;
+constexpr int MBAR_TAG_INFLIGHT = 4000;
 constexpr int PRODUCER_BUDGET_MULT = 2;
 static_assert(E_BUDGET_MS < ERROR_WORDS, "error record size");
 
@@ -183,6 +184,9 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_W_TMA
 #define MK_W_TMA 0
+#endif
+#ifndef MK_INFLIGHT
+#define MK_INFLIGHT 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

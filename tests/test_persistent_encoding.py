@@ -129,6 +129,12 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
             KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
+    # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
+    assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
+    assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"
+    for bad in ({"inflight": 6}, {"inflight": 4, "num_stages": 4}, {"inflight": -1}, {"inflight": True}):
+        with pytest.raises(ValueError, match="inflight=.*: 0 \\(off\\) or the weight chunks in flight"):
+            KernelVariant(**bad)
     assert "ROUNDING_STOCK = 1" in (ROOT / "csrc" / "tasks.h").read_text()
 
 

@@ -51,12 +51,35 @@ def test_handoff_is_half_a_round():
 
 
 def test_table_row():
-    row = rp.table_row(1, 1, [900.0, 1100.0, 1000.0], 0)
+    row = rp.table_row(1, 1, 2, [900.0, 1100.0, 1000.0], 3901.4, 0)
     assert len(row) == len(rp.TABLE_HEADER)
-    assert row == ["1", rp.MODES[1], "on", "1000", "900", "1100", "0"]
+    assert row == ["1", rp.MODES[1], "all SMs", "64 KB", "1000", "900", "1100", "3901", "0"]
+    idle = rp.table_row(0, 0, 6, [1200.0], float("nan"), 0)
+    assert idle[2:4] == ["off", "-"] and idle[7] == "-"
+
+
+def test_stream_rate():
+    # 130 streaming CTAs x 1000 chunks of 32 KB over 1 ms = 4.26 GB/ms
+    assert rp.stream_gbps(130, 1000, 1_000_000) == pytest.approx(130 * 1000 * 32768 / 1e6)
+    assert rp.stream_gbps(130, 1000, 0) != rp.stream_gbps(130, 1000, 0)   # nan: no span measured
+
+
+def test_arguments_are_checked():
+    with pytest.raises(SystemExit, match="--inflight \\[0, 7\\]"):
+        rp.check_args([0, 7, 2], [1], [0], 10, 1)
+    with pytest.raises(SystemExit, match="--stream \\[3\\]"):
+        rp.check_args([2], [3], [0], 10, 1)
+    with pytest.raises(SystemExit, match="--modes \\[9\\]"):
+        rp.check_args([2], [1], [9], 10, 1)
+    rp.check_args([1, 6], [0, 1, 2], [0, 3], 10, 1)
+
+
+def test_kernel_caps_what_is_in_flight():
+    src = rp.build_source()
+    assert "int chunks, int inflight," in src and "it >= inflight" in src
 
 
 def test_no_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(SystemExit, match="CuPy and a CUDA GPU"):
-        rp.run(10, 1)
+        rp.run(10, 1, [6], [0], [0])

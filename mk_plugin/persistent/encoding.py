@@ -171,6 +171,7 @@ class HeaderCheck(enum.IntFlag):
 MBAR_TAG_EMPTY = 1000   # producer waiting for the consumers to free a slot
 MBAR_TAG_FULL = 2000    # consumer waiting for a weight chunk to land
 MBAR_TAG_DRAIN = 3000   # producer waiting, before it exits, for its in-flight copies to land
+MBAR_TAG_INFLIGHT = 4000   # producer waiting for an earlier chunk to land (MK_INFLIGHT's cap)
 # The producer runs ahead of the consumers, so its slot waits start earlier than the counter wait
 # that is really stuck: it uses this multiple of the budget, and the counter wait is reported.
 PRODUCER_BUDGET_MULT = 2

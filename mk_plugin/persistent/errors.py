@@ -14,6 +14,7 @@ from .encoding import (
     MBAR_TAG_DRAIN,
     MBAR_TAG_EMPTY,
     MBAR_TAG_FULL,
+    MBAR_TAG_INFLIGHT,
     ErrorCode,
     HeaderCheck,
     Opcode,
@@ -78,7 +79,8 @@ class MegakernelHang(MegakernelError):
             tag, slot = divmod(r["counter"], 1000)
             side = {MBAR_TAG_EMPTY // 1000: "producer waiting for a free ring slot",
                     MBAR_TAG_FULL // 1000: "consumer waiting for a weight chunk",
-                    MBAR_TAG_DRAIN // 1000: "producer draining its in-flight copies"}.get(tag, f"tag {r['counter']}")
+                    MBAR_TAG_DRAIN // 1000: "producer draining its in-flight copies",
+                    MBAR_TAG_INFLIGHT // 1000: "producer waiting for an earlier chunk to land (MK_INFLIGHT)"}.get(tag, f"tag {r['counter']}")
             what = (f"mbarrier wait ({side}): slot {slot}, phase parity {r['expected']}, weight chunk "
                     f"{r['seen']}, after {r['elapsed_us'] / 1000:.1f} ms")
         elif code == ErrorCode.BAD_PROGRAM:

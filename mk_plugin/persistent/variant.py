@@ -28,7 +28,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -57,6 +57,10 @@ class KernelVariant:
     # is one tensor-map copy of 32 KB (16 rows x 1024 columns, 128-byte swizzled) instead of 16 bulk copies of one
     # 2 KB row each (tensormap.weight_maps; csrc/weight_tma.cuh). Needs K a multiple of 64 for every matrix.
     w_tma: bool = False
+    # MK_INFLIGHT = N (A/B switch, session 20; 0 = off): the producer keeps at most N weight chunks in flight (issued,
+    # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/matvec.cuh:
+    # producer_slot_wait). 1 .. num_stages - 1.
+    inflight: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -71,6 +75,10 @@ class KernelVariant:
                 or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: the ring path's minimum tokens per attention task, "
                              f"0 (off) .. {ATT_TMA_MAX_TOKENS}")
+        if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) \
+                or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
+            raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
+                             f"1 .. {self.num_stages - 1} (num_stages - 1)")
         for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
