@@ -4,6 +4,7 @@
 # checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto,
 # soak_triton, soak_megakernel).
 export PYTHONUNBUFFERED=1
+: "${n:?gpu_lib.sh: set n (the call number) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
 step() { timeout "${T:-${STEP_T:-200}}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
