@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session 21's GPU calls (bench/NOTES.md session 20, "Next"). Run from the project root on the GPU host with
+# .commit carried: `bash bench/gpu_session28.sh N $OUT` (out must be set: records written elsewhere do not come
+# back). Calls 1 and 2 need no vLLM; 11, 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the
+# third part and unpack.sh; 4 and 5 reuse the unpacked tree while the machine stays warm.
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env(), soak_triton()
+{
+case $n in
+  1) # issue 11: the release gate was measured (session 8) when 6 x 32 KB were in flight per SM and gate_up's
+     # release waited 3.3 us for them; with MK_INFLIGHT = 2 a release waits for <= 64 KB (the probe: 16.1 -> 2.8
+     # us under streaming), so the gate's cost (down's weights held until gate_up's release: no prefetch in
+     # gate_up's tail) may now buy nothing. Predicted (NOTES session 20): INFLIGHT=2,GATE=0 against INFLIGHT=2
+     # 1B b1 -10..-30 us, 8B b1/b8 -30..-100; GATE=0 alone slower than default (session 8's result). And at 8B the
+     # two ~1% switches together (MK_W_TMA -67 at b1, MK_INFLIGHT=2 -46): additive if independent.
+     B="--build default --build MK_RELEASE_GATE=0 --build MK_INFLIGHT=2 --build MK_INFLIGHT=2,MK_RELEASE_GATE=0"
+     B="$B --build MK_INFLIGHT=3,MK_RELEASE_GATE=0"
+     timeout 250 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
+     timeout 300 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B \
+       --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
+  2) # issue 11's per-layer budget at 8B (none traced so far): the phase trace of 8B and 1B batch 1, default build;
+     # then both paths at the table's tunings in one job (issue 11's rows at one commit)
+     for m in llama-3.1-8b llama-3.2-1b; do
+       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+         --records-dir "$out" --model bench/models/$m --batch 1 2>&1 | tail -9
+     done
+     T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+     T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
+  11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  3) vllm_env   # issue 13: the Triton mode's soak again (session 20's record was lost), engines first ...
+     soak_triton --engines-only ;;
+  4) vllm_env   # ... then the fp32 verdict over the same engines' outputs (stock control included)
+     soak_triton ;;
+  5) vllm_env   # issue 12: MK_MODE=auto against stock, 8B batch 1/4/8/16 at prompt 512, 2 alternated rounds
+     timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 --modes auto \
+       --rounds 2 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  *) echo "no call $n here" ;;
+esac
+} 2>&1 | tee "$out/gpu_s28_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
