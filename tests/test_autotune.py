@@ -85,6 +85,24 @@ def test_tuning_json_label_and_helpers():
     assert k.ksplit == (("down", 4), ("o_proj", 2)) and k.label() == "down/k4,o_proj/k2" and not k.is_default
     assert ScheduleTuning.from_json(json.loads(json.dumps(k.to_json()))) == k and "ksplit" not in t.to_json()
     assert k.ksplit_for("down") == 4 and k.ksplit_for("gate_up") == 1 and k.with_ksplit("down", 1).ksplit_for("down") == 1
+    c = ScheduleTuning().with_inflight(2)   # the producer's in-flight cap (MK_INFLIGHT), a compiled variant
+    assert c.label() == "inflight2" and not c.is_default and c.to_json()["inflight"] == 2
+    assert ScheduleTuning.from_json(json.loads(json.dumps(c.to_json()))) == c and "inflight" not in t.to_json()
+    for bad in (4, -1, True):   # 4 would not fit a 4-stage ring: every tuning's cap must fit every ring depth
+        with pytest.raises(ValueError, match=r"inflight=.*1\.\.3"):
+            ScheduleTuning(inflight=bad)
+
+
+def test_a_tunings_inflight_cap_is_its_batch_variant():
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.variant import KernelVariant
+    from mk_plugin.weights import random_weights
+
+    spec = LlamaSpec.tiny()
+    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6,
+                            tuning={2: ScheduleTuning(inflight=2, num_stages=4)})
+    assert dec.variant_for(1) == KernelVariant() and dec.variant_for(2) == KernelVariant(num_stages=4, inflight=2)
+    assert dec.variant_for(2).defines() == ("-DMK_NUM_STAGES=4", "-DMK_INFLIGHT=2")
 
 
 def test_ksplit_program_cuts_ranges_over_k():
@@ -275,6 +293,8 @@ def test_neighbours_drop_equivalent_values():
     assert k4 == [(), (("down", 2),)]
     assert [t.att_tma for k, t in cands if k == "att_tma"] == [128]   # the ring-fed attention: on, then off again
     assert [t.att_tma for k, t in neighbours(SPEC, 2, SMS, base.with_att_tma(128), lm_head=False) if k == "att_tma"] == [0]
+    assert [t.inflight for k, t in cands if k == "inflight"] == [2]   # the in-flight cap: on, then off again
+    assert [t.inflight for k, t in neighbours(SPEC, 2, SMS, base.with_inflight(2), lm_head=False) if k == "inflight"] == [0]
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

@@ -169,11 +169,13 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
 
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
-        depth of the batch's tuning when it sets one."""
+        depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
         t = self.tunings[batch]
         v = self.variant.with_stages(t.num_stages) if t.num_stages else self.variant
         if t.att_tma and self._att_tma_ok:   # the tuning's ring-fed attention, like its ring depth
             v = replace(v, att_tma=t.att_tma)
+        if t.inflight:   # the tuning's cap on weight chunks in flight
+            v = replace(v, inflight=t.inflight)
         return v
 
     def _wants_att_tma(self) -> bool:

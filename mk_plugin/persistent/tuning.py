@@ -34,7 +34,7 @@ from pathlib import Path
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
 from .encoding import STAGE_CHOICES, spec_hash
-from .variant import ATT_TMA_MAX_TOKENS
+from .variant import ATT_TMA_MAX_TOKENS, INFLIGHT_MAX
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -88,6 +88,9 @@ class ScheduleTuning:
       like num_stages): attention tasks of >= att_tma tokens stream their K/V through the weight ring;
       0 = the decoder's variant (off by default). Session 18: 128 wins at 8B batch 8/16 (-45 / -48 us at ctx
       512, -351 / -669 at ctx 4096) and loses +18..+21 us at 1B batch 1..8 ctx 512.
+    inflight: the producer's cap on weight chunks in flight per SM for this batch size (variant.KernelVariant.
+      inflight, a compile-time switch like num_stages), 1..INFLIGHT_MAX; 0 = the decoder's variant (no cap).
+      Session 20: 2 chunks -46 / -6 / -55 us at 8B batch 1 / 8 / 16, +2..+19 at 1B (bench/NOTES.md).
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -95,6 +98,7 @@ class ScheduleTuning:
     merge_in_partial: bool = True
     ksplit: tuple[tuple[str, int], ...] = ()
     att_tma: int = 0
+    inflight: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -113,6 +117,10 @@ class ScheduleTuning:
                 or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant) or the ring path's minimum "
                              f"tokens per attention task, 1..{ATT_TMA_MAX_TOKENS}")
+        if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) \
+                or not 0 <= self.inflight <= INFLIGHT_MAX:
+            raise ValueError(f"inflight={self.inflight!r}: 0 (the decoder's variant) or the weight chunks in flight "
+                             f"per SM, 1..{INFLIGHT_MAX} (below every ring depth)")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -141,6 +149,9 @@ class ScheduleTuning:
     def with_att_tma(self, att_tma: int) -> ScheduleTuning:
         return replace(self, att_tma=att_tma)
 
+    def with_inflight(self, inflight: int) -> ScheduleTuning:
+        return replace(self, inflight=inflight)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -152,7 +163,7 @@ class ScheduleTuning:
     @property
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
-                and not self.ksplit and self.att_tma == 0)
+                and not self.ksplit and self.att_tma == 0 and self.inflight == 0)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -165,6 +176,8 @@ class ScheduleTuning:
         parts += [f"{op}/k{n}" for op, n in self.ksplit]
         if self.att_tma:
             parts.append(f"att_tma{self.att_tma}")
+        if self.inflight:
+            parts.append(f"inflight{self.inflight}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -176,18 +189,20 @@ class ScheduleTuning:
             d["ksplit"] = dict(self.ksplit)
         if self.att_tma:                # absent = the decoder's variant
             d["att_tma"] = self.att_tma
+        if self.inflight:               # absent = the decoder's variant
+            d["inflight"] = self.inflight
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma")
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
         ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
-                   d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)))
+                   d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()

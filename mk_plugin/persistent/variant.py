@@ -33,6 +33,10 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
 ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any context the kernel runs)
+# MK_INFLIGHT's largest cap a tuning may set: below every ring depth (STAGE_CHOICES), so any tuning's ring takes it
+INFLIGHT_MAX = min(STAGE_CHOICES) - 1
+# the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
+INFLIGHT_TUNED = 2
 
 
 @dataclass(frozen=True)
