@@ -8,7 +8,9 @@ n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), soak_triton()
 {
 case $n in
-  1) # issue 11: the release gate was measured (session 8) when 6 x 32 KB were in flight per SM and gate_up's
+  1) # the tuning knobs of session 20 (ScheduleTuning.w_tma / .inflight; weight maps built on demand) first: bitwise
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "tunings_weight_maps" 2>&1 | tail -3
+     # issue 11: the release gate was measured (session 8) when 6 x 32 KB were in flight per SM and gate_up's
      # release waited 3.3 us for them; with MK_INFLIGHT = 2 a release waits for <= 64 KB (the probe: 16.1 -> 2.8
      # us under streaming), so the gate's cost (down's weights held until gate_up's release: no prefetch in
      # gate_up's tail) may now buy nothing. Predicted (NOTES session 20): INFLIGHT=2,GATE=0 against INFLIGHT=2

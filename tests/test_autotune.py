@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,11 @@ def test_tuning_json_label_and_helpers():
     for bad in (4, -1, True):   # 4 would not fit a 4-stage ring: every tuning's cap must fit every ring depth
         with pytest.raises(ValueError, match=r"inflight=.*1\.\.3"):
             ScheduleTuning(inflight=bad)
+    m = ScheduleTuning().with_w_tma(True)   # one tensor-map copy per weight chunk (MK_W_TMA)
+    assert m.label() == "w_tma" and not m.is_default and ScheduleTuning.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert "w_tma" not in t.to_json()
+    with pytest.raises(ValueError, match="w_tma=1 must be true or false"):
+        ScheduleTuning(w_tma=1)
 
 
 def test_a_tunings_inflight_cap_is_its_batch_variant():
@@ -103,6 +109,23 @@ def test_a_tunings_inflight_cap_is_its_batch_variant():
                             tuning={2: ScheduleTuning(inflight=2, num_stages=4)})
     assert dec.variant_for(1) == KernelVariant() and dec.variant_for(2) == KernelVariant(num_stages=4, inflight=2)
     assert dec.variant_for(2).defines() == ("-DMK_NUM_STAGES=4", "-DMK_INFLIGHT=2")
+
+
+def test_a_tunings_weight_maps_are_checked_against_the_model():
+    """A tuning with w_tma compiles MK_W_TMA into its batch's variant; the decoder checks at construction that the
+    model's K sizes allow it (a clear error, as for the decoder's own variant), and builds no maps on CPU."""
+    from dataclasses import replace
+
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.variant import KernelVariant
+    from mk_plugin.weights import random_weights
+
+    ok = replace(LlamaSpec.tiny(), hidden_size=128, intermediate_size=256)
+    dec = MegakernelDecoder(ok, random_weights(ok), 2, "cpu", num_sms=6, tuning={2: ScheduleTuning(w_tma=True)})
+    assert dec.variant_for(1) == KernelVariant() and dec.variant_for(2) == KernelVariant(w_tma=True)
+    assert dec._wmaps is None   # the CPU executor has no weight table
+    with pytest.raises(ValueError, match="MK_W_TMA needs every matrix's K to be a multiple of 64"):
+        MegakernelDecoder(SPEC, random_weights(SPEC), 2, "cpu", num_sms=6, tuning={2: ScheduleTuning(w_tma=True)})
 
 
 def test_ksplit_program_cuts_ranges_over_k():
@@ -295,6 +318,11 @@ def test_neighbours_drop_equivalent_values():
     assert [t.att_tma for k, t in neighbours(SPEC, 2, SMS, base.with_att_tma(128), lm_head=False) if k == "att_tma"] == [0]
     assert [t.inflight for k, t in cands if k == "inflight"] == [2]   # the in-flight cap: on, then off again
     assert [t.inflight for k, t in neighbours(SPEC, 2, SMS, base.with_inflight(2), lm_head=False) if k == "inflight"] == [0]
+    # SPEC's hidden size 192 is a multiple of 64 but its intermediate 400 is not: no weight-map copies
+    assert all(k != "w_tma" for k, _ in cands)
+    k64 = replace(LlamaSpec.tiny(), hidden_size=128, intermediate_size=256)   # every K a multiple of 64
+    assert [t.w_tma for k, t in neighbours(k64, 2, SMS, base, lm_head=False) if k == "w_tma"] == [True]
+    assert [t.w_tma for k, t in neighbours(k64, 2, SMS, base.with_w_tma(True), lm_head=False) if k == "w_tma"] == [False]
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

@@ -455,3 +455,24 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
     assert all(torch.equal(a, b) for a, b in zip(c0, c1))
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+
+
+def test_a_tunings_weight_maps_and_cap_are_bitwise_the_default(models):
+    """ScheduleTuning.w_tma / .inflight compile MK_W_TMA / MK_INFLIGHT into one batch's kernel: the weight maps are
+    built when a tuning first asks for them (at construction, or by retune() on a decoder that had none), and the
+    step equals the default build's bit for bit (same operands, same MMA order; the cap only delays copies)."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+
+    spec, w = models("llama-3.1-8b", 2)
+    batch = gpu_batch(spec, [300, 17, 1], seed=5)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    base = MegakernelDecoder(spec, w, 4, DEV, lm_head=True, tuning="off")
+    ref_run = _run_mk(base, spec, w, batch, cs)
+    tuned = MegakernelDecoder(spec, w, 4, DEV, lm_head=True, tuning={3: ScheduleTuning(w_tma=True, inflight=2)})
+    assert tuned._wmaps is not None and tuned.variant_for(3).defines() == ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2")
+    base.retune(3, ScheduleTuning(w_tma=True))   # the maps arrive with the first tuning that copies by them
+    assert base._wmaps is not None
+    for dec in (tuned, base):
+        o, lg, c = _run_mk(dec, spec, w, batch, cs)
+        assert torch.equal(o, ref_run[0]) and torch.equal(lg, ref_run[1])
+        assert all(torch.equal(a, b) for a, b in zip(c, ref_run[2]))

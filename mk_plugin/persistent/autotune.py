@@ -20,7 +20,7 @@ import torch
 from ..testing import compare
 from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
-from .tensormap import check_model
+from .tensormap import check_model, check_weights_model
 from .tuning import DEFAULT_TUNING, KSPLIT_OPS, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
 from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED
 
@@ -82,6 +82,12 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     else:
         out.append(("att_tma", base.with_att_tma(0 if base.att_tma else ATT_TMA_TUNED)))
     out.append(("inflight", base.with_inflight(0 if base.inflight else INFLIGHT_TUNED)))
+    try:   # one tensor-map copy per weight chunk, where every K allows it
+        check_weights_model(spec)
+    except ValueError:
+        pass
+    else:
+        out.append(("w_tma", base.with_w_tma(not base.w_tma)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
         for parts in (1, 2, 4):
             if parts != base.ksplit_for(op):
@@ -132,10 +138,10 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     tried = {DEFAULT_TUNING}
     for r in range(rounds):
         moved = False
-        # the ring depth, the ring-fed attention and the in-flight cap last: the knobs that compile a kernel variant
+        # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
-                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "num_stages", "att_tma", "inflight"]
+                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "num_stages", "att_tma", "inflight", "w_tma"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head)

@@ -121,6 +121,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self.hangs: list[MegakernelHang] = []    # every hang check_errors()/check=True has seen
         self._resolve_tunings(tuning)
         self._check_weights()
+        self._wmaps: torch.Tensor | None = None   # MK_W_TMA's weight tensor maps, once a variant uses them
         self._wptr = self._weight_table() if self.executor == "cuda" else None
         self._alloc_workspace()
         self._entries: dict[int, _Entry] = {}
@@ -176,7 +177,13 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             v = replace(v, att_tma=t.att_tma)
         if t.inflight:   # the tuning's cap on weight chunks in flight
             v = replace(v, inflight=t.inflight)
+        if t.w_tma:      # the tuning's one tensor-map copy per weight chunk (the maps: _ensure_weight_maps)
+            v = replace(v, w_tma=True)
         return v
+
+    def _wants_w_tma(self) -> bool:
+        """Whether the decoder's variant or some batch's tuning copies weight chunks by tensor maps."""
+        return self.variant.w_tma or any(t.w_tma for t in self.tunings.values())
 
     def _wants_att_tma(self) -> bool:
         """Whether some batch's variant has the ring-fed attention (0 everywhere once it was turned off)."""
@@ -217,7 +224,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         chk("final_norm", w.final_norm, (h,))
         if self.lm_head:
             chk("lm_head", w.lm_head, (s.vocab_size, h))
-        if self.variant.w_tma:   # MK_W_TMA's column groups: the error names what the model lacks, on any executor
+        if self._wants_w_tma():   # MK_W_TMA's column groups: the error names what the model lacks, on any executor
             from .tensormap import check_weights_model
             check_weights_model(s)
 
@@ -236,13 +243,22 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         last = [0] * LP_COUNT
         last[ModelPtr.FINAL_NORM] = self.weights.final_norm.data_ptr()
         last[ModelPtr.LM_HEAD] = self.weights.lm_head.data_ptr() if self.lm_head else 0
-        if self.variant.w_tma:   # MK_W_TMA: the weights' tensor maps, kept alive here (the table points into it)
-            from .tensormap import weight_maps
-            self._wmaps = weight_maps(self.spec, self.weights.layers, self.weights.lm_head if self.lm_head else None,
-                                      self.device)
-            last[ModelPtr.WEIGHT_MAPS] = self._wmaps.data_ptr()
         rows += last
-        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+        table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        if self._wants_w_tma():
+            self._ensure_weight_maps(table)
+        return table
+
+    def _ensure_weight_maps(self, table: torch.Tensor) -> None:
+        """MK_W_TMA's weight tensor maps, built once and kept alive here, their address in `table`'s WEIGHT_MAPS
+        slot (written in place: programs captured before read the slot only if their variant copies by maps)."""
+        if self._wmaps is not None:
+            return
+        from .tensormap import check_weights_model, weight_maps
+        check_weights_model(self.spec)
+        self._wmaps = weight_maps(self.spec, self.weights.layers, self.weights.lm_head if self.lm_head else None,
+                                  self.device)
+        table[self.spec.num_layers * LP_COUNT + ModelPtr.WEIGHT_MAPS] = self._wmaps.data_ptr()
 
     def _alloc_workspace(self) -> None:
         s, dt, dev, m = self.spec, self.spec.torch_dtype, self.device, self.max_tokens
@@ -320,6 +336,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             raise RuntimeError("retune() rebuilds a program: not during CUDA-graph capture")
         if not 1 <= batch <= self.max_tokens:
             raise ValueError(f"batch of {batch} tokens; this decoder handles 1..{self.max_tokens}")
+        if tuning.w_tma and self._wptr is not None:   # the maps before the program that copies by them
+            self._ensure_weight_maps(self._wptr)
         self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
         self._entries.pop(batch, None)
         self._update_needs_maps()

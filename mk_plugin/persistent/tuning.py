@@ -91,6 +91,8 @@ class ScheduleTuning:
     inflight: the producer's cap on weight chunks in flight per SM for this batch size (variant.KernelVariant.
       inflight, a compile-time switch like num_stages), 1..INFLIGHT_MAX; 0 = the decoder's variant (no cap).
       Session 20: 2 chunks -46 / -6 / -55 us at 8B batch 1 / 8 / 16, +2..+19 at 1B (bench/NOTES.md).
+    w_tma: one tensor-map copy per weight ring chunk for this batch size (variant.KernelVariant.w_tma); False = the
+      decoder's variant. Session 19: -67 / -65 us at 8B batch 1 / 8, +409 at 8B batch 16, +2..+37 at 1B.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -99,6 +101,7 @@ class ScheduleTuning:
     ksplit: tuple[tuple[str, int], ...] = ()
     att_tma: int = 0
     inflight: int = 0
+    w_tma: bool = False
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -111,8 +114,9 @@ class ScheduleTuning:
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        if not isinstance(self.merge_in_partial, bool):
-            raise ValueError(f"merge_in_partial={self.merge_in_partial!r} must be true or false")  # noqa: TRY004
+        for name in ("merge_in_partial", "w_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
                 or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant) or the ring path's minimum "
@@ -152,6 +156,9 @@ class ScheduleTuning:
     def with_inflight(self, inflight: int) -> ScheduleTuning:
         return replace(self, inflight=inflight)
 
+    def with_w_tma(self, w_tma: bool) -> ScheduleTuning:
+        return replace(self, w_tma=w_tma)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -163,7 +170,8 @@ class ScheduleTuning:
     @property
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
-                and not self.ksplit and self.att_tma == 0 and self.inflight == 0)
+                and not self.ksplit and self.att_tma == 0 and self.inflight == 0
+                and not self.w_tma)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -178,6 +186,8 @@ class ScheduleTuning:
             parts.append(f"att_tma{self.att_tma}")
         if self.inflight:
             parts.append(f"inflight{self.inflight}")
+        if self.w_tma:
+            parts.append("w_tma")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -191,18 +201,21 @@ class ScheduleTuning:
             d["att_tma"] = self.att_tma
         if self.inflight:               # absent = the decoder's variant
             d["inflight"] = self.inflight
+        if self.w_tma:                  # absent = the decoder's variant
+            d["w_tma"] = True
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight")
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
         split = tuple(sorted((str(k), float(v)) for k, v in dict(d.get("split", {})).items()))
         ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
-                   d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)))
+                   d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
+                   d.get("w_tma", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()
