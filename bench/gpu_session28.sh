@@ -27,6 +27,11 @@ case $n in
        timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
          --records-dir "$out" --model bench/models/$m --batch 1 2>&1 | tail -9
      done
+     # MK_W_TMA's unexplained +409 us at 8B batch 16 (session 19): the phase traces with and without it
+     for d in "" "--define MK_W_TMA=1"; do
+       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d \
+         --records-dir "$out" --model bench/models/llama-3.1-8b --batch 16 2>&1 | tail -9
+     done
      T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
