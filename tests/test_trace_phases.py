@@ -80,3 +80,36 @@ def test_attention_phases_fill_the_same_columns():
     row = tp.phase_table([r])[0]
     assert (row.op, row.stage_us, row.chunks_us, row.reduce_us, row.release_us) == ("attn_partial", 0.8, 2.0, 0.7, 0.4)
     assert row.entry_us == 0.0 and row.other_us == pytest.approx(0.5)
+
+
+def _lrec(tid: int, layer: int, opcode: Opcode, ready: int, end: int, wbytes: int = 0, chunks: int = 0) -> dict:
+    r = rec(tid, opcode, ready, end, 0, chunks, 0)
+    r.update(layer=layer, op=f"L{layer}.{opcode.name.lower()}", weight_bytes=wbytes)
+    return r
+
+
+def test_layer_budget_windows_gaps_and_bytes():
+    """Two layers of two SMs: each op's window is its first ready to its last end, the gap its last end to the next
+    op's first ready (down: the next layer's qkv), the weight bytes summed over the op's tasks of a layer."""
+    rs, tid = [], 0
+    for lay in (0, 1):
+        t0 = lay * 30_000
+        plan = [(Opcode.QKV_ROPE, 0, 4000, 4_500_000), (Opcode.ATTN_PARTIAL, 4500, 7000, 0),
+                (Opcode.O_PROJ, 7400, 10_000, 2_250_000), (Opcode.GATE_UP, 10_500, 20_000, 22_500_000),
+                (Opcode.DOWN, 20_300, 29_000, 9_000_000)]
+        for op, a, b, wb in plan:
+            for sm in (0, 1):   # SM 1 finishes each op 1 us later
+                rs.append(_lrec(tid, lay, op, t0 + a, t0 + b + 1000 * sm, wb // 2, chunks=500))
+                tid += 1
+    rows, per_layer = tp.layer_budget(rs)
+    by = {r.op: r for r in rows}
+    assert list(by) == list(tp.CHAIN)
+    q, g, d = by["qkv_rope"], by["gate_up"], by["down"]
+    assert (q.window_us, q.gap_us, q.weight_mb) == (5.0, -0.5, 4.5)   # attention starts before qkv's slowest task ends
+    assert g.window_us == 10.5 and g.gap_us == pytest.approx(-0.7) and g.bytes_us == pytest.approx(22.5 / 4.5)
+    assert d.gap_us == pytest.approx(0.0) and per_layer == 30.0   # layer 0's down ends at 30.0 us, layer 1 starts then
+    assert q.busy_us == 4.5 and q.chunks_us == 0.5
+    md = tp.budget_markdown(rows, per_layer)
+    assert "| qkv_rope | 4.5 | 1.00 | 4.50 | 0.50 | 5.00 | -0.50 |" in md and "median layer" in md
+    with pytest.raises(ValueError, match="without 'layer'"):
+        tp.layer_budget([rec(0, Opcode.O_PROJ, 0, 10, 0, 0, 0)])

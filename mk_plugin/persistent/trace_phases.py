@@ -126,17 +126,102 @@ def release_by_lag(records: Sequence[dict]) -> dict[str, dict[str, tuple[int, fl
     return {t: {b: (len(v), statistics.median(v)) for b, v in sorted(bs.items())} for t, bs in cells.items()}
 
 
+# ---- the budget of one layer (issue 11): bytes, task time and hand-off gaps along the chain ---------------
+CHAIN = ("qkv_rope", "attn", "o_proj", "gate_up", "down")   # one layer's ops in dependency order
+READ_GBPS = 4500.0   # the H200's streaming read rate (bench/results/release_probe_2026-12-03_6b93050_inflight.md)
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    op: str             # a CHAIN entry ("attn": the partial and combine tasks)
+    weight_mb: float    # the op's weight bytes per layer (trace.annotate's weight_bytes)
+    bytes_us: float     # weight_mb at READ_GBPS
+    busy_us: float      # median task ready -> end
+    chunks_us: float | None   # median chunk phase (MK_TRACE_PHASES builds only)
+    window_us: float    # the op's first task ready -> its last task end, median over layers
+    gap_us: float       # the op's last end -> the next op's first ready (the next layer's qkv for down)
+
+
+def _chain_op(r: dict) -> str | None:
+    typ = r.get("type") or task_type(r["opcode"])
+    return "attn" if typ in ("attn_partial", "attn_combine") else typ if typ in CHAIN else None
+
+
+def layer_budget(records: Sequence[dict]) -> tuple[list[BudgetRow], float]:
+    """Per CHAIN op, medians over the layers that have a next op (all but the last for down): its weight bytes,
+    task time, window and the gap to the next op; and the median layer time (qkv ready to the next layer's qkv
+    ready). The records must carry 'layer' (trace.load_records annotates them when the meta can rebuild the
+    program). A layer's time is about the sum of the windows and gaps: the ops do not overlap (each waits for
+    all of the previous one's tasks)."""
+    if not records or "layer" not in records[0]:
+        raise ValueError("records without 'layer': load them with trace.load_records from a records file with meta")
+    by: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for r in records:
+        op = _chain_op(r)
+        if op is not None:
+            by[(int(r["layer"]), op)].append(r)
+    layers = sorted({lay for lay, _ in by})
+    phases = has_phases(records)
+
+    def nxt(lay: int, i: int) -> tuple[int, str] | None:
+        key = (lay, CHAIN[i + 1]) if i + 1 < len(CHAIN) else (lay + 1, CHAIN[0])
+        return key if key in by else None
+
+    rows = []
+    for i, op in enumerate(CHAIN):
+        keys = [(lay, op) for lay in layers if (lay, op) in by]
+        if not keys:
+            continue
+        windows, gaps, mb = [], [], []
+        for k in keys:
+            rs = by[k]
+            windows.append(max(r["end"] for r in rs) - min(r["ready"] for r in rs))
+            mb.append(sum(r.get("weight_bytes", 0) for r in rs) / 1e6)
+            n = nxt(k[0], i)
+            if n is not None:
+                gaps.append(min(r["ready"] for r in by[n]) - max(r["end"] for r in rs))
+        tasks = [r for k in keys for r in by[k]]
+        w = statistics.median(mb)
+        rows.append(BudgetRow(op, w, w * 1e3 / READ_GBPS, statistics.median(r["end"] - r["ready"] for r in tasks) / 1e3,
+                              statistics.median(r.get("ph_chunks", 0) for r in tasks) / 1e3 if phases else None,
+                              statistics.median(windows) / 1e3, statistics.median(gaps) / 1e3 if gaps else float("nan")))
+    starts = [min(r["ready"] for r in by[(lay, CHAIN[0])]) for lay in layers if (lay, CHAIN[0]) in by]
+    per_layer = statistics.median(b - a for a, b in itertools.pairwise(starts)) / 1e3 if len(starts) > 1 else float("nan")
+    return rows, per_layer
+
+
+def budget_markdown(rows: Sequence[BudgetRow], per_layer_us: float) -> str:
+    head = ("| op | weight MB | bytes us at 4.5 TB/s | task busy us | chunks us | window us | gap to next op us |\n"
+            "|---|---|---|---|---|---|---|")
+    out = [head]
+    for r in rows:
+        ch = "-" if r.chunks_us is None else f"{r.chunks_us:.2f}"
+        out.append(f"| {r.op} | {r.weight_mb:.1f} | {r.bytes_us:.2f} | {r.busy_us:.2f} | {ch} | {r.window_us:.2f} | "
+                   f"{r.gap_us:.2f} |")
+    tot_b = sum(r.bytes_us for r in rows)
+    tot_w = sum(r.window_us for r in rows)
+    tot_g = sum(r.gap_us for r in rows if r.gap_us == r.gap_us)
+    out.append(f"| layer | {sum(r.weight_mb for r in rows):.1f} | {tot_b:.2f} | | | {tot_w:.2f} | {tot_g:.2f} |")
+    return "\n".join(out) + (f"\n\nmedian layer (qkv ready to the next qkv ready): {per_layer_us:.2f} us; "
+                              f"windows + gaps {tot_w + tot_g:.2f} us; weight bytes {tot_b:.2f} us")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m mk_plugin.persistent.trace_phases RECORDS.json...: both tables per records file."""
+    """python -m mk_plugin.persistent.trace_phases [--budget] RECORDS.json...: the tables per records file."""
     import argparse
 
     from .trace import load_records
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("records", nargs="+")
+    ap.add_argument("--budget", action="store_true", help="also the budget of one layer (bytes, windows, gaps)")
     args = ap.parse_args(argv)
     for path in args.records:
         recs, _ = load_records(path)
+        if args.budget:
+            print(f"## {path}: one layer\n\n{budget_markdown(*layer_budget(recs))}\n")
+            if not has_phases(recs):
+                continue
         print(f"## {path}\n\nmedian per task (us):\n\n{phase_table_markdown(phase_table(recs))}\n")
         print("release us by when the SM's next weights began (tasks, median):\n")
         for typ, bs in release_by_lag(recs).items():
