@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 21's GPU calls (bench/NOTES.md session 20, "Next"). Run from the project root on the GPU host with
 # .commit carried: `bash bench/gpu_session28.sh N $OUT` (out must be set: records written elsewhere do not come
-# back). Calls 1 and 2 need no vLLM; 11, 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the
+# back), in the order 1, 6, 2, 11, 12, 3, 4, 5. Calls 1, 6 and 2 need no vLLM; 11, 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the
 # third part and unpack.sh; 4 and 5 reuse the unpacked tree while the machine stays warm.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
@@ -9,7 +9,8 @@ source bench/gpu_lib.sh   # header line, step(), vllm_env(), soak_triton()
 {
 case $n in
   1) # the tuning knobs of session 20 (ScheduleTuning.w_tma / .inflight; weight maps built on demand) first: bitwise
-     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "tunings_weight_maps" 2>&1 | tail -3
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py \
+       -k "tunings_weight_maps or piece_deps" 2>&1 | tail -3
      # issue 11: the release gate was measured (session 8) when 6 x 32 KB were in flight per SM and gate_up's
      # release waited 3.3 us for them; with MK_INFLIGHT = 2 a release waits for <= 64 KB (the probe: 16.1 -> 2.8
      # us under streaming), so the gate's cost (down's weights held until gate_up's release: no prefetch in
@@ -34,6 +35,14 @@ case $n in
      done
      T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
+  6) # (run second, after call 1)
+     # tuning.piece_deps (down's K part p waits for gate_up's piece p only; built in session 20, a program change):
+     # predicted 1B b8/b16 -5..-25 us, 8B b16 -20..-60 (the gate_up spread behind its slowest task: 1.3 us per
+     # layer at 1B b16, layer_budget_2026-12-03.md), against the same forced K-split
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 8 16 --rounds 2 \
+       --build ksplit.down=4 --build ksplit.down=4,piece_deps
+     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
+       --build ksplit.down=2 --build ksplit.down=2,piece_deps ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issue 13: the Triton mode's soak again (session 20's record was lost), engines first ...
      soak_triton --engines-only ;;

@@ -11,7 +11,8 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
 
 A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and program items:
 ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
-(tuning.attn_chunks: attention KV chunks per request and kv head). A/B rows are
+(tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
+ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only). A/B rows are
 not appended to mk_step.csv (like mk_step.py --define): the log and its table are the record.
 """
 from __future__ import annotations
@@ -44,10 +45,11 @@ def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
     chunks = [i.removeprefix("chunks=") for i in items if i.startswith("chunks=")]
     if len(chunks) > 1 or (chunks and not chunks[0].isdigit()):
         raise ValueError(f"build {text!r}: give one chunks=N (attention KV chunks per request and kv head)")
+    pieces = "piece_deps" in items
     tuning = None
-    if ks or chunks:   # validates op, parts and chunk count
-        tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0)
-    return KernelVariant.parse([i for i in items if not i.startswith(("ksplit.", "chunks="))]), tuning
+    if ks or chunks or pieces:   # validates op, parts and chunk count
+        tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0, piece_deps=pieces)
+    return KernelVariant.parse([i for i in items if not i.startswith(("ksplit.", "chunks=")) and i != "piece_deps"]), tuning
 
 
 def build_label(variant: KernelVariant, tuning: ScheduleTuning | None = None) -> str:

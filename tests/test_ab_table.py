@@ -88,5 +88,7 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
     assert c.att_tma == 128 and ct.attn_chunks == 4 and ct.ksplit == () and mk_ab.build_label(c, ct).endswith("tuning chunks4")
     with pytest.raises(ValueError, match="give one chunks=N"):
         mk_ab.parse_build("chunks=x")
+    q, qt = mk_ab.parse_build("ksplit.down=4,piece_deps")   # a program item: tuning.piece_deps
+    assert q == mk_ab.parse_build("default")[0] and qt.piece_deps and mk_ab.build_label(q, qt) == "tuning down/k4,piece_deps"
     with pytest.raises(ValueError, match="attn_chunks=99"):
         mk_ab.parse_build("chunks=99")

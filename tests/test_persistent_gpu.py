@@ -457,6 +457,22 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
 
 
+@pytest.mark.parametrize("name,parts", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
+def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
+    """tuning.piece_deps only changes which gate_up tasks each down part waits for (and gate_up's cut at the parts'
+    boundaries): the same sums in the same order, so the step equals the K-split program's bit for bit."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [300, 17, 1, 64, 0, 9, 33, 120, 5], seed=8)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    ks = ScheduleTuning(ksplit=(("down", parts),))
+    runs = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={9: t}), spec, w, batch, cs)
+            for t in (ks, ks.with_piece_deps(True))]
+    (o0, l0, c0), (o1, l1, c1) = runs
+    assert torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
+
+
 def test_a_tunings_weight_maps_and_cap_are_bitwise_the_default(models):
     """ScheduleTuning.w_tma / .inflight compile MK_W_TMA / MK_INFLIGHT into one batch's kernel: the weight maps are
     built when a tuning first asks for them (at construction, or by retune() on a decoder that had none), and the

@@ -102,3 +102,30 @@ def test_checkers_catch_broken_programs():
 
     with pytest.raises(AssertionError, match="unordered conflict"):
         check_ordering(_with_waits(p, drop_dependency))
+
+
+def test_checker_orders_k_split_merges_by_their_ticket():
+    """tuning.piece_deps: down's part p waits for gate_up's piece p only, so a part may run while other pieces of
+    gate_up still read the residual; the residual is written only by the merge, after every part (each after its
+    piece): ordered. A part made to wait for another part's piece reads ACT columns nobody ordered: caught; and a
+    merge whose parts do not all wait for their pieces would write the residual under a reader: caught."""
+    spec = LlamaSpec.tiny()
+    p = build_program(spec, 2, 5, tuning=ScheduleTuning(ksplit=(("down", 3),), piece_deps=True))
+    check_ordering(p)
+    check_deadlock_free(p)
+    lo, hi = p.op_ranges["L0.down"]
+    part0 = next(i for i in range(lo, hi) if enc.ksplit_parts(p.taskset.tasks[i].args[2])[0] == 0)
+    part1 = next(i for i in range(lo, hi) if enc.ksplit_parts(p.taskset.tasks[i].args[2])[0] == 1
+                 and p.taskset.tasks[i].ticket == p.taskset.tasks[part0].ticket)
+
+    def wrong_piece(seg, waits):   # part 0 waits for part 1's piece: its own ACT columns are unordered
+        waits[part0] = list(waits[part1])
+
+    with pytest.raises(AssertionError, match="unordered conflict"):
+        check_ordering(_with_waits(p, wrong_piece))
+
+    def no_wait(seg, waits):   # part 1 waits for nothing: it and the merge race with gate_up
+        waits[part1] = []
+
+    with pytest.raises(AssertionError, match="unordered conflict"):
+        check_ordering(_with_waits(p, no_wait))

@@ -311,3 +311,44 @@ def test_stock_rounding_points_of_layer_0():
     i = spec.intermediate_size
     g, u = rd(xn @ lw.gate_up[:i].float().t()), rd(xn @ lw.gate_up[i:].float().t())
     assert torch.equal(st_g.bufs[Buf.ACT], (g / (1.0 + torch.exp(-g)) * u).to(dt))
+
+
+def test_piece_deps_give_the_ksplit_programs_bits():
+    """tuning.piece_deps with down cut over K: gate_up's tasks cut at down's part boundaries, one counter per
+    piece, and each down part waits for its piece only. Under random interleavings (a down part may now run
+    before the other pieces of gate_up) the step's bits are the K-split program's; the program passes the
+    ordering and deadlock checks, and each part's wait is exactly the tasks that wrote its ACT columns."""
+    from mk_plugin.persistent.encoding import ksplit_parts, ksplit_range
+    from mk_plugin.persistent.tasks import gate_up_pieces
+
+    spec = LlamaSpec.tiny()
+    w, batch, cs, hidden = _setup(spec, [9, 40, 0], torch.bfloat16, seed=3)
+    ks = ScheduleTuning(ksplit=(("down", 3),))
+    _, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=7, tuning=ks)
+    for order, seed, fb in (("round_robin", 0, frozenset()), ("random", 4, frozenset()), ("random", 9, frozenset()),
+                            ("random", 2, frozenset({"o_proj"}))):
+        p, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=7, tuning=ks.with_piece_deps(True), order=order,
+                            seed=seed, fallback=fb)
+        assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
+        assert all(torch.equal(x, y) for x, y in zip(ca, cb))
+        check_ordering(p)
+        vm.check_deadlock_free(p)
+    ts = p.taskset
+    pieces = gate_up_pieces(spec, ks.with_piece_deps(True))
+    assert len(pieces) == 3 and sum(n for _, n in pieces) == spec.intermediate_size // 16
+    for layer in range(spec.num_layers):
+        lo, hi = ts.op_ranges[f"L{layer}.gate_up"]
+        signals = {}
+        for t in ts.tasks[lo:hi]:
+            signals.setdefault(t.signal[0], []).append(t)
+        assert len(signals) == 3   # one counter per piece, each task inside one piece
+        dlo, dhi = ts.op_ranges[f"L{layer}.down"]
+        for t in ts.tasks[dlo:dhi]:
+            (ctr, target), = t.waits
+            k0, k1 = ksplit_range(spec.intermediate_size, *ksplit_parts(t.args[2]))
+            writers = signals[ctr]
+            assert target == ts.counters[ctr].total == sum(x.args[1] for x in writers)
+            assert min(x.args[0] for x in writers) * 16 == k0 and max(x.args[0] + x.args[1] for x in writers) * 16 == k1
+    # without a down K-split there is nothing to cut at: the default program
+    plain = build_program(spec, 3, 7, tuning=ScheduleTuning(piece_deps=True))
+    assert [x.record() for x in plain.taskset.tasks] == [x.record() for x in build_program(spec, 3, 7).taskset.tasks]

@@ -200,15 +200,31 @@ def check_ordering(program: Program) -> None:
             r |= reach[p] | (1 << p)
         reach[tid] = r
         mask_so_far |= 1 << tid
+    group: dict[int, list[int]] = {}   # ticket -> its tasks: a merge access runs after all of them
+    for tid in order:
+        if tasks[tid].ticket is not None:
+            group.setdefault(tasks[tid].ticket, []).append(tid)
+
+    def conflict(r1: list, w1: list, r2: list, w2: list) -> bool:
+        return any(_overlaps(x, y) for x in w1 for y in r2 + w2) or any(_overlaps(x, y) for x in r1 for y in w2)
+
+    def before(xs: list[int], ys: list[int]) -> bool:
+        """Every access done by one of xs happens before some access of ys: each x precedes some y."""
+        return all(any((reach[y] >> x) & 1 for y in ys) for x in xs)
+
     for i, a in enumerate(order):
         ta = tasks[a]
+        ga = group.get(ta.ticket, [a]) if ta.ticket is not None else [a]
         for b in order[i + 1:]:
             tb = tasks[b]
-            conflict = any(_overlaps(x, y) for x in ta.writes for y in tb.reads + tb.writes) or any(
-                _overlaps(x, y) for x in ta.reads for y in tb.writes)
-            # Partials of one merge-in-partial ticket are ordered by the ticket: each stores its chunk
-            # before its increment, and only the one that completes the ticket reads them and writes ATTN_O.
-            if conflict and ta.ticket is not None and ta.ticket == tb.ticket:
+            # Tasks of one ticket are ordered by it: each stores its part before its increment, and only the
+            # one that completes the ticket reads the parts (merge-in-partial attention, K-split parts).
+            if ta.ticket is not None and ta.ticket == tb.ticket:
                 continue
-            if conflict and not (reach[b] >> a) & 1:
-                raise AssertionError(f"unordered conflict: task {a} ({ta.op.key}) and task {b} ({tb.op.key})")
+            gb = group.get(tb.ticket, [b]) if tb.ticket is not None else [b]
+            # (own accesses of a or of its ticket's merge) x (own accesses of b or of its ticket's merge): a merge
+            # runs after every task of its ticket, by whichever is last
+            for (ra, wa, xs) in ((ta.reads, ta.writes, [a]), (ta.merge_reads, ta.merge_writes, ga)):
+                for (rb, wb, ys) in ((tb.reads, tb.writes, [b]), (tb.merge_reads, tb.merge_writes, gb)):
+                    if conflict(ra, wa, rb, wb) and not before(xs, ys):
+                        raise AssertionError(f"unordered conflict: task {a} ({ta.op.key}) and task {b} ({tb.op.key})")

@@ -92,6 +92,10 @@ class Task:
     cost: float = 0.0      # predicted duration in ns (the time model above)
     reads: list[Region] = field(default_factory=list)
     writes: list[Region] = field(default_factory=list)
+    # What only the task that completes its ticket touches, after every task of the ticket (a K-split part's
+    # merge: the other parts' partials, the residual, the output); schedule.check_ordering orders them so
+    merge_reads: list[Region] = field(default_factory=list)
+    merge_writes: list[Region] = field(default_factory=list)
     phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
     ticket: int | None = None  # merge-in-partial attention: the (b, g) ticket counter (encoding ticket_ctr)
 
@@ -195,6 +199,21 @@ def unit_weight_bytes(spec: LlamaSpec, name: str) -> int:
 def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
     """Predicted duration of a weight-streaming task of `units` units (the time model above)."""
     return TASK_FIXED_NS + units * unit_weight_bytes(spec, name) / (HBM_BYTES_PER_NS / num_sms)
+
+
+def gate_up_pieces(spec: LlamaSpec, tuning: ScheduleTuning) -> list[tuple[int, int]]:
+    """tuning.piece_deps with down cut over K in n > 1 parts: gate_up's units cut at the parts' K boundaries,
+    [(first unit, units)] per part (ksplit_range's boundaries are multiples of 16 columns: whole units); else [].
+    Each piece signals its own counter and down's part p waits for piece p only, so the parts whose ACT columns
+    are done start while the rest of gate_up still runs."""
+    n = tuning.ksplit_for("down")
+    if not tuning.piece_deps or n == 1:
+        return []
+    out = []
+    for p in range(n):
+        lo, hi = ksplit_range(spec.intermediate_size, p, n)
+        out.append((lo // UNIT, (hi - lo) // UNIT))
+    return out if all(u > 0 for _, u in out) else []
 
 
 def _row_op(spec: LlamaSpec, op: FusedOp) -> tuple[Buf, int, Buf, Buf, str]:
@@ -311,27 +330,40 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
         else:
             in_buf, in_width, res_buf, out_buf, dep = _row_op(spec, op)
             units = op_units(spec, name)
-            ctr = bld.counter(op.key, op.key)
             parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
             ks = tuning.ksplit_for(name)   # > 1: each unit range cut into ks tasks over K (KSPLIT_OPS only)
-            for u0, n in split_units(0, units, max(1, round(parts / ks))):
+            # (counter, unit ranges) per piece: one piece (the op's counter) unless tuning.piece_deps cuts gate_up
+            # at down's K parts, each piece with its counter, so down's part p waits for piece p only
+            pieces = [(bld.counter(f"{op.key}.p{i}", op.key), split_units(lo, n, max(1, round(parts * n / units))))
+                      for i, (lo, n) in enumerate(gate_up_pieces(spec, tuning))] if name == "gate_up" else []
+            if not pieces:
+                ctr = bld.counter(op.key, op.key)
+                pieces = [(ctr, split_units(0, units, max(1, round(parts / ks))))]
+            ranges = [(c, u0, n) for c, rs in pieces for u0, n in rs]
+            for ctr, u0, n in ranges:
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
                 ticket = bld.counter(f"L{L}.{name}.ticket.u{u0}", op.key) if ks > 1 else None
                 for p in range(ks):
                     klo, khi = ksplit_range(in_width, p, ks) if ks > 1 else (0, in_width)
                     reads = [(in_buf.name, *all_rows, klo, khi)]
-                    if res_buf is not Buf.NONE:
-                        reads.append((res_buf.name, *all_rows, c0, c1))
-                    writes = [(out_buf.name, *all_rows, c0, c1)]
+                    out_reads = [(res_buf.name, *all_rows, c0, c1)] if res_buf is not Buf.NONE else []
+                    out_writes = [(out_buf.name, *all_rows, c0, c1)]
+                    merge_reads, merge_writes = [], []
                     cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
                     if ks > 1:   # PART_K regions: row = part, col = output column (all requests)
-                        writes.append(("PART_K", p, p + 1, c0, c1))
-                        reads.append(("PART_K", 0, ks, c0, c1))
+                        # a part stores its partial; the residual and the output are the merge's (the last part)
+                        writes = [("PART_K", p, p + 1, c0, c1)]
+                        merge_reads, merge_writes = [("PART_K", 0, ks, c0, c1), *out_reads], out_writes
                         cost = TASK_FIXED_NS + (cost - TASK_FIXED_NS) / ks + KSPLIT_MERGE_NS
+                    else:
+                        reads += out_reads
+                        writes = out_writes
                     t = Task(0, OP_OPCODE[name], op, (u0, n, ksplit_arg(p, ks) if ks > 1 else 0), in_buf=in_buf,
                              res_buf=res_buf, out_buf=out_buf, signal=(ctr, n), reads=reads, writes=writes,
-                             cost=cost, ticket=ticket)
-                    pending.append((bld.add(t), [dep]))
+                             merge_reads=merge_reads, merge_writes=merge_writes, cost=cost, ticket=ticket)
+                    # down's part p reads ACT columns [klo, khi): gate_up's piece p wrote exactly those
+                    piece_dep = name == "down" and bool(gate_up_pieces(spec, tuning))
+                    pending.append((bld.add(t), [f"{dep}.p{p}" if piece_dep else dep]))
         op_ranges[op.key] = (first, len(bld.tasks))
 
     for t, deps in pending:

@@ -91,6 +91,10 @@ class ScheduleTuning:
     inflight: the producer's cap on weight chunks in flight per SM for this batch size (variant.KernelVariant.
       inflight, a compile-time switch like num_stages), 1..INFLIGHT_MAX; 0 = the decoder's variant (no cap).
       Session 20: 2 chunks -46 / -6 / -55 us at 8B batch 1 / 8 / 16, +2..+19 at 1B (bench/NOTES.md).
+    piece_deps: with down cut over K (ksplit), gate_up's units cut at down's part boundaries, one counter per
+      piece, and down's part p waits for piece p only (tasks.gate_up_pieces): a part whose ACT columns are done
+      starts while the rest of gate_up still runs. A program change only (no kernel switch); no effect without
+      a down K-split.
     w_tma: one tensor-map copy per weight ring chunk for this batch size (variant.KernelVariant.w_tma); False = the
       decoder's variant. Session 19: -67 / -65 us at 8B batch 1 / 8, +409 at 8B batch 16, +2..+37 at 1B.
     """
@@ -102,6 +106,7 @@ class ScheduleTuning:
     att_tma: int = 0
     inflight: int = 0
     w_tma: bool = False
+    piece_deps: bool = False
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -114,7 +119,7 @@ class ScheduleTuning:
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        for name in ("merge_in_partial", "w_tma"):
+        for name in ("merge_in_partial", "w_tma", "piece_deps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
@@ -159,6 +164,9 @@ class ScheduleTuning:
     def with_w_tma(self, w_tma: bool) -> ScheduleTuning:
         return replace(self, w_tma=w_tma)
 
+    def with_piece_deps(self, piece_deps: bool) -> ScheduleTuning:
+        return replace(self, piece_deps=piece_deps)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -171,7 +179,7 @@ class ScheduleTuning:
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
-                and not self.w_tma)
+                and not self.w_tma and not self.piece_deps)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -188,6 +196,8 @@ class ScheduleTuning:
             parts.append(f"inflight{self.inflight}")
         if self.w_tma:
             parts.append("w_tma")
+        if self.piece_deps:
+            parts.append("piece_deps")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -203,11 +213,14 @@ class ScheduleTuning:
             d["inflight"] = self.inflight
         if self.w_tma:                  # absent = the decoder's variant
             d["w_tma"] = True
+        if self.piece_deps:             # absent = one counter per op
+            d["piece_deps"] = True
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
-        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma")
+        known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
+                 "piece_deps")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -215,7 +228,7 @@ class ScheduleTuning:
         ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
-                   d.get("w_tma", False))
+                   d.get("w_tma", False), d.get("piece_deps", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()
