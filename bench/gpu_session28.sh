@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 21's GPU calls (bench/NOTES.md session 20, "Next"). Run from the project root on the GPU host with
 # .commit carried: `bash bench/gpu_session28.sh N $OUT` (out must be set: records written elsewhere do not come
-# back), in the order 1, 6, 2, 11, 12, 3, 4, 5. Calls 1, 6 and 2 need no vLLM; 11, 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the
+# back), in the order 1, 6, 2, 11, 12, 3, 4, 5 (7 if time is left). Calls 1, 6 and 2 need no vLLM; 11, 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the
 # third part and unpack.sh; 4 and 5 reuse the unpacked tree while the machine stays warm.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
@@ -51,6 +51,9 @@ case $n in
   5) vllm_env   # issue 12: MK_MODE=auto against stock, 8B batch 1/4/8/16 at prompt 512, 2 alternated rounds
      timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 --modes auto \
        --rounds 2 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  7) vllm_env   # issue 12 (if device time is left): the batch x context sweep at 1B, stock against auto
+     timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes auto --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | tail -16 ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s28_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
