@@ -52,7 +52,7 @@ case $n in
      timeout 580 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 --modes auto \
        --rounds 2 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   7) vllm_env   # issue 12 (if device time is left): the batch x context sweep at 1B, stock against auto
-     timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes auto --outdir "$out" 2>&1 \
+     timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes auto --rounds 1 --outdir "$out" 2>&1 \
        | grep -v "^(EngineCore" | tail -16 ;;
   *) echo "no call $n here" ;;
 esac
