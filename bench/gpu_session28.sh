@@ -19,8 +19,8 @@ case $n in
      # two ~1% switches together (MK_W_TMA -67 at b1, MK_INFLIGHT=2 -46): additive if independent.
      B="--build default --build MK_RELEASE_GATE=0 --build MK_INFLIGHT=2 --build MK_INFLIGHT=2,MK_RELEASE_GATE=0"
      B="$B --build MK_INFLIGHT=3,MK_RELEASE_GATE=0"
-     timeout 250 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
-     timeout 300 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B \
+     timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
+     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B \
        --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
   2) # issue 11's per-layer budget at 8B (none traced so far): the phase trace of 8B and 1B batch 1, default build;
      # then both paths at the table's tunings in one job (issue 11's rows at one commit)
@@ -39,9 +39,9 @@ case $n in
      # tuning.piece_deps (down's K part p waits for gate_up's piece p only; built in session 20, a program change):
      # predicted 1B b8/b16 -5..-25 us, 8B b16 -20..-60 (the gate_up spread behind its slowest task: 1.3 us per
      # layer at 1B b16, layer_budget_2026-12-03.md), against the same forced K-split
-     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.2-1b --group 1b --batch 8 16 --rounds 2 \
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 8 16 --rounds 2 \
        --build ksplit.down=4 --build ksplit.down=4,piece_deps
-     timeout 150 python3 bench/mk_ab.py --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
        --build ksplit.down=2 --build ksplit.down=2,piece_deps ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issue 13: the Triton mode's soak again (session 20's record was lost), engines first ...

@@ -13,7 +13,8 @@ A build is "default" or comma-separated NAME=VALUE kernel variants (variant.Kern
 ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
 (tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
 ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only). A/B rows are
-not appended to mk_step.csv (like mk_step.py --define): the log and its table are the record.
+not appended to mk_step.csv (like mk_step.py --define, they are not the tuned program's step): every row goes to
+bench/results/mk_ab.csv (--csv), with its build and round.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
+
+CSV = common.RESULTS / "mk_ab.csv"
+CSV_HEADER = ("date", "gpu", "commit", "shape", "batch", "ctx", "build", "round", "step_us", "gbps")
 
 
 def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
@@ -70,6 +74,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--build", action="append", required=True, metavar="default|NAME=VALUE[,...]")
+    ap.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
@@ -97,8 +102,8 @@ def main() -> None:
         hidden = w.embed[b.input_ids.to("cuda")]
         nbytes = spec.weight_bytes_per_step(include_lm_head=False) + spec.kv_bytes_per_step(seq)
         inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), nbytes)
-    print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {common.git_commit()}, "
-          f"gpu {torch.cuda.get_device_name()}, reps {args.reps}")
+    commit, gpu, date = common.git_commit(), torch.cuda.get_device_name(), common.today()
+    print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {commit}, gpu {gpu}, reps {args.reps}")
     for r in range(1, args.rounds + 1):
         for (v, tuning), dec in zip(variants, decs):
             print(f"== round {r} {group}: {build_label(v, tuning)}")
@@ -108,6 +113,8 @@ def main() -> None:
                 us = graph_median_ms(fn, replays=args.reps) * 1e3
                 bps = nbytes / (us * 1e-6)
                 print(f"megakernel {bsz:>5} {us:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%", flush=True)
+                common.append_csv(args.csv, CSV_HEADER, [[date, gpu, commit, spec.name, bsz, args.ctx,
+                                                          build_label(v, tuning), r, f"{us:.1f}", f"{bps / 1e9:.0f}"]])
 
 
 if __name__ == "__main__":
