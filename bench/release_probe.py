@@ -165,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(comma-separated; default 0,1)")
     p.add_argument("--modes", default=",".join(map(str, MODES)), help="release forms (default all)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
     a = p.parse_args(argv)
     md, rows = run(a.iters, a.reps, _ints(a.inflight), _ints(a.stream), _ints(a.modes))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)
-    common.append_csv(CSV, CSV_HEADER, rows)
-    print(f"appended {len(rows)} rows to {CSV}")
+    common.append_csv(a.csv, CSV_HEADER, rows)
+    print(f"appended {len(rows)} rows to {a.csv}")
     return 0
 
 
