@@ -12,7 +12,7 @@ case $n in
      # streaming too (1) or not (2): hand-off ns and the streaming rate per cap. Predicted: the floor (mode 3)
      # falls with the cap (~6 -> ~2 us at 2 slots) while the rate stays >= 95% of 6 slots' at 2 slots.
      timeout 120 python3 bench/release_probe.py --inflight 6,3,2,1 --stream 0,1,2 --modes 0,3 --reps 3 \
-       --out "$out/release_probe_inflight.md" --csv "$out/release_probe_v2.csv" 2>&1 | tail -24
+       --out "$out/release_probe_inflight.md" 2>&1 | tail -24
      # MK_INFLIGHT computes what the default build computes: whole steps and graph replays against the VM
      timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py --mk-define MK_INFLIGHT=2 \
        -k "whole_step or graph_replay" 2>&1 | tail -3
