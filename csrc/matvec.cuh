@@ -131,12 +131,6 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
   __syncwarp();
 }
 
-// Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
-// A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
-// (KC = chunk_cols_for(NT)).
-//
-// Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
-// PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
 // Before the producer issues chunk `it` into its slot: the slot's consumers have freed it (empty barrier), and
 // under MK_INFLIGHT = N (A/B switch, default 0 = off, session 20) chunk it - N has landed, so at most N chunks are
 // in flight (issued, not landed) per SM; the ring keeps its depth for landed chunks that wait in shared memory.
@@ -162,6 +156,12 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
                                             MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
 }
 
+// Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
+// A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
+// (KC = chunk_cols_for(NT)).
+//
+// Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
+// PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c);
 __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, const Task& t, int L, int ti, int lane,

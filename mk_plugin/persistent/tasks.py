@@ -340,6 +340,8 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                 ctr = bld.counter(op.key, op.key)
                 pieces = [(ctr, split_units(0, units, max(1, round(parts / ks))))]
             ranges = [(c, u0, n) for c, rs in pieces for u0, n in rs]
+            # down's part p reads ACT columns [klo, khi): gate_up's piece p wrote exactly those
+            piece_dep = name == "down" and bool(gate_up_pieces(spec, tuning))
             for ctr, u0, n in ranges:
                 c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
                 ticket = bld.counter(f"L{L}.{name}.ticket.u{u0}", op.key) if ks > 1 else None
@@ -361,8 +363,6 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
                     t = Task(0, OP_OPCODE[name], op, (u0, n, ksplit_arg(p, ks) if ks > 1 else 0), in_buf=in_buf,
                              res_buf=res_buf, out_buf=out_buf, signal=(ctr, n), reads=reads, writes=writes,
                              merge_reads=merge_reads, merge_writes=merge_writes, cost=cost, ticket=ticket)
-                    # down's part p reads ACT columns [klo, khi): gate_up's piece p wrote exactly those
-                    piece_dep = name == "down" and bool(gate_up_pieces(spec, tuning))
                     pending.append((bld.add(t), [f"{dep}.p{p}" if piece_dep else dep]))
         op_ranges[op.key] = (first, len(bld.tasks))
 

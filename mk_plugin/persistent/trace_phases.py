@@ -191,8 +191,8 @@ def layer_budget(records: Sequence[dict]) -> tuple[list[BudgetRow], float]:
 
 
 def budget_markdown(rows: Sequence[BudgetRow], per_layer_us: float) -> str:
-    head = ("| op | weight MB | bytes us at 4.5 TB/s | task busy us | chunks us | window us | gap to next op us |\n"
-            "|---|---|---|---|---|---|---|")
+    head = (f"| op | weight MB | bytes us at {READ_GBPS / 1000:g} TB/s | task busy us | chunks us | window us | "
+            "gap to next op us |\n|---|---|---|---|---|---|---|")
     out = [head]
     for r in rows:
         ch = "-" if r.chunks_us is None else f"{r.chunks_us:.2f}"
