@@ -20,8 +20,15 @@ case $n in
      B="--build default --build MK_RELEASE_GATE=0 --build MK_INFLIGHT=2 --build MK_INFLIGHT=2,MK_RELEASE_GATE=0"
      B="$B --build MK_INFLIGHT=3,MK_RELEASE_GATE=0"
      timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
-     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B \
-       --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
+     # (session 21: the 8B half moved to call 8: one call's 600 s could not hold both)
+     timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 8 16 --rounds 2 \
+       --build ksplit.down=4 --build ksplit.down=4,piece_deps ;;
+  8) # call 1's 8B half (MK_RELEASE_GATE=0 alone and INFLIGHT=3 are 1B-only), then call 6's 8B half
+     B="--build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=2,MK_RELEASE_GATE=0"
+     timeout 330 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B \
+       --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
+       --build ksplit.down=2 --build ksplit.down=2,piece_deps ;;
   2) # issue 11's per-layer budget at 8B (none traced so far): the phase trace of 8B and 1B batch 1, default build;
      # then both paths at the table's tunings in one job (issue 11's rows at one commit)
      for m in llama-3.1-8b llama-3.2-1b; do
