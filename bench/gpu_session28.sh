@@ -29,6 +29,19 @@ case $n in
        --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2
      timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
        --build ksplit.down=2 --build ksplit.down=2,piece_deps ;;
+  9) # (session 21, after calls 1, 8, 2, 3, 4) the 8B table now sets w_tma + inflight 2 at b1/b8 (call 8: -194 / -163 us).
+     # 1B: is the pair super-additive there too (alone: W_TMA +31, INFLIGHT=2 +10 at b1)? Predicted -20..+40 us (the 8B
+     # result is not understood: no firm sign). 8B, on the new entries: the release gate after down (96) and after every
+     # matvec op (114): qkv / o_proj / down releases are 2.1-2.2 us at 8B b1 (call 2's trace: the next weights in
+     # flight), gate_up's 0.5 with the gate; predicted 114: -50..-150 us at b1 if the held copies cost less than the
+     # fence waits (session 8 measured the gate after down slower at 1B, without the cap)
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 \
+       --build default --build MK_W_TMA=1,MK_INFLIGHT=2 --build MK_W_TMA=1,MK_INFLIGHT=3
+     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 \
+       --build default --build MK_RELEASE_GATE=96 --build MK_RELEASE_GATE=114
+     # the new entries at ctx 512 and 4096 (the b8 entry's att_tma was chosen at ctx 4096), both paths in one job
+     T=120 step --model bench/models/llama-3.1-8b --batch 1 8
+     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 --ctx 4096 ;;
   2) # issue 11's per-layer budget at 8B (none traced so far): the phase trace of 8B and 1B batch 1, default build;
      # then both paths at the table's tunings in one job (issue 11's rows at one commit)
      for m in llama-3.1-8b llama-3.2-1b; do
