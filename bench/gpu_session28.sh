@@ -29,6 +29,16 @@ case $n in
        --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2
      timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 16 --rounds 2 \
        --build ksplit.down=2 --build ksplit.down=2,piece_deps ;;
+  10) # MK_PASS_PREFETCH (session 21, built after call 9): a matvec task's later passes find x ready (bit 1: the next
+     # pass's first column group copied during the last group; bit 2: a staged x kept). Bitwise first, then the A/B.
+     # Predicted (NOTES session 21): bit 1 8B b16 -150..-220 us, 8B b8 -60..-110, 1B b8/b16 -5..-15; bit 2 8B b1
+     # -60..-100, 1B b1 -5..-10; both: the sum
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "pass_prefetch" 2>&1 | tail -3
+     B="--build default --build MK_PASS_PREFETCH=1 --build MK_PASS_PREFETCH=2 --build MK_PASS_PREFETCH=3"
+     timeout 100 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B
+     timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_PASS_PREFETCH=3 \
+       --records-dir "$out" --model bench/models/llama-3.1-8b --batch 16 2>&1 | tail -4 ;;
   9) # (session 21, after calls 1, 8, 2, 3, 4) the 8B table now sets w_tma + inflight 2 at b1/b8 (call 8: -194 / -163 us).
      # 1B: is the pair super-additive there too (alone: W_TMA +31, INFLIGHT=2 +10 at b1)? Predicted -20..+40 us (the 8B
      # result is not understood: no firm sign). 8B, on the new entries: the release gate after down (96) and after every
