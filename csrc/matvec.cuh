@@ -513,7 +513,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
                                                     unsigned it, unsigned char* xs, int& gi, int warp, int lane,
                                                     unsigned lane_off, float (&acc)[ACC_TILES / 2][2][4],
                                                     unsigned long long& wait_cycles, bool ph_on,
-                                                    unsigned long long& ph_gwait, bool more) {
+                                                    unsigned long long& ph_gwait) {
   constexpr int NT = 2, MT = ACC_TILES / 2, KC = CHUNK_COLS, KG = CHUNK_COLS / 2;
   static_assert(MT <= NUM_STAGES, "NT = 2 holds a pass's M-tiles of one column range in the ring");
   for (int k0 = 0; k0 < K; k0 += KC) {
@@ -541,10 +541,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
           consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
           if (ph_on) ph_gwait += global_ns() - gw0;
           group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
-          if (kg + KG < K)
-            group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, ldx, kg + KG, B, KG);
-          else if ((MK_PASS_PREFETCH & 1) && more)   // the next pass's group 0 (reduce_parts leaves its buffer alone)
-            group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, ldx, 0, B, KG);
+          if (kg + KG < K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, ldx, kg + KG, B, KG);
           ++gi;
         }
 #pragma unroll
@@ -588,47 +585,6 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
   return it;
 }
 
-#if MK_PASS_PREFETCH
-// MK_PASS_PREFETCH (A/B switch, session 21; variant.KernelVariant.pass_prefetch): the cross-warp reduction of one
-// pass in PARTS rounds of MT / PARTS M-tiles through rh (CONSUMER_WARPS x MT / PARTS x NT float4 per lane), so it
-// leaves the rest of the scratch alone: bit 1 a column group copied for the next pass (PARTS = 2, the last group's
-// 16 KB buffer), bit 2 the staged x kept for the next pass (PARTS = 4 at NT = 1, the scratch's last 8 KB). Each tile
-// is summed over the warps in warp order and stored by the warp that owns it, as the one-round reduction does:
-// bit-identical results.
-template <int NT, int MT, int PARTS>
-__device__ __forceinline__ void reduce_parts(float4* rh, const float (&acc)[MT][NT][4], const Smem& S, const Params& P,
-                                             const Task& t, int p0, int mt, int mtpu, int warp, int lane,
-                                             const unsigned (&rres)[4]) {
-  constexpr int MP = MT / PARTS;
-  static_assert(MP % 2 == 0, "a gate_up unit's gate and up tiles (m, m + 1) share a round");
-#pragma unroll
-  for (int h = 0; h < PARTS; ++h) {
-#pragma unroll
-    for (int mm = 0; mm < MP; ++mm)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-        if (h * MP + mm < mt)
-          rh[((warp * MP + mm) * NT + n) * 32 + lane] = make_float4(acc[h * MP + mm][n][0], acc[h * MP + mm][n][1],
-                                                                    acc[h * MP + mm][n][2], acc[h * MP + mm][n][3]);
-    consumer_sync();
-    const int m = warp / NT, n = warp % NT, mm = m - h * MP;
-    if (mm >= 0 && mm < MP && m < mt && !(mtpu == 2 && (m & 1))) {
-      float v[4] = {0.f, 0.f, 0.f, 0.f}, vu[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int w = 0; w < CONSUMER_WARPS; ++w) {
-        const float4 a = rh[((w * MP + mm) * NT + n) * 32 + lane];
-        v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
-        if (mtpu == 2) {
-          const float4 c = rh[((w * MP + mm + 1) * NT + n) * 32 + lane];
-          vu[0] += c.x; vu[1] += c.y; vu[2] += c.z; vu[3] += c.w;
-        }
-      }
-      matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
-    }
-    consumer_sync();   // the round's readers are done before the next round (or pass) overwrites rh
-  }
-}
-#endif
-
 // Out of line: inlined into the consumer loop it spills at the 168-register cap (9 warps) and measured
 // 62 us slower at 1B batch 1 (NOTES session 5); as its own function it needs no spills.
 template <int NT>
@@ -660,15 +616,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // Column groups consumed so far (group staging: buffer gi & 1 holds the current one). The first
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
-#if MK_PASS_PREFETCH & 2
-  // a staged x that leaves the scratch's last QBYTES free stays for the later passes (reduce_parts in 4 rounds)
-  constexpr int QBYTES = CONSUMER_WARPS * (MT / 4) * NT * 32 * 16;
-  const bool resident = NT == 1 && staged && (B + (nw != nullptr ? 1 : 0)) * (wp.K * 2 + 16) <= UNION_BYTES - QBYTES;
-#else
-  constexpr int QBYTES = 0;
-  const bool resident = false;
-#endif
-  (void)QBYTES;
   if (!staged) group_issue(xs, x, wp.K, wp.ldx, 0, B, KG);
   if (!staged && nw != nullptr)
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
@@ -679,10 +626,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     if (ph_on) ph_mark = global_ns();
     const int mt = min(upp, uend - p0) * wp.mtpu;
-    // A later pass restages group 0 once the previous pass's reduction has left the scratch (MK_PASS_PREFETCH:
-    // the previous pass's last group copied it already).
-    const bool more = p0 + upp < uend;   // another pass follows this one
-    if (!staged && p0 != t.arg0 && !(MK_PASS_PREFETCH & 1)) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, wp.ldx, 0, B, KG);
+    // A later pass restages group 0 once the previous pass's reduction has left the scratch.
+    if (!staged && p0 != t.arg0) group_issue(xs + (gi & 1) * GROUP_BYTES, x, wp.K, wp.ldx, 0, B, KG);
     // o_proj/down: this warp's epilogue residuals, loaded early (o_proj.cuh); qkv_rope: its cos|sin values
     // (qkv_rope.cuh)
     unsigned rres[4] = {0u, 0u, 0u, 0u};
@@ -703,11 +648,11 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-    if (staged && (p0 == t.arg0 || !resident)) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
+    if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, x, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp, lane, lane_off, acc,
-                                 wait_cycles, ph_on, ph_gwait, more);
+                                 wait_cycles, ph_on, ph_gwait);
     } else
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
@@ -728,10 +673,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
         group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
-        if (k0 + KG < wp.K)
-          group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, k0 + KG, B, KG);
-        else if ((MK_PASS_PREFETCH & 1) && more)   // the next pass's group 0 (reduce_parts leaves its buffer alone)
-          group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, 0, B, KG);
+        if (k0 + KG < wp.K) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, k0 + KG, B, KG);
         ++gi;
       }
 #pragma unroll
@@ -774,22 +716,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       ph_mark = now;
     }
 
-#if MK_PASS_PREFETCH
-    if constexpr (NT == 1) {
-      if (resident) {       // x stays staged for the next pass: the reduction takes the scratch's last QBYTES
-        reduce_parts<NT, MT, 4>(reinterpret_cast<float4*>(xs + UNION_BYTES - QBYTES), acc, S, P, t, p0, mt, wp.mtpu,
-                                warp, lane, rres);
-        if (ph_on) ph_reduce += global_ns() - ph_mark;
-        continue;
-      }
-    }
-    if ((MK_PASS_PREFETCH & 1) && !staged) {   // the next pass's group 0 may be landing in buffer gi & 1
-      reduce_parts<NT, MT, 2>(reinterpret_cast<float4*>(xs + ((gi + 1) & 1) * GROUP_BYTES), acc, S, P, t, p0, mt,
-                              wp.mtpu, warp, lane, rres);
-      if (ph_on) ph_reduce += global_ns() - ph_mark;
-      continue;
-    }
-#endif
     // Cross-warp reduction: red[warp][m][n][lane] (float4), then warp w owns tile w = m*NT + n.
 #pragma unroll
     for (int m = 0; m < MT; ++m)

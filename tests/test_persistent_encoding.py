@@ -131,12 +131,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
         KernelVariant(rounding=1)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
     assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
-    # MK_PASS_PREFETCH (a mask: 1 column groups, 2 staged x): a later pass's x ready when it starts
-    pp = KernelVariant.parse(["MK_PASS_PREFETCH=3"])
-    assert pp.pass_prefetch == 3 and pp.defines() == ("-DMK_PASS_PREFETCH=3",) and pp.label() == "pass_prefetch=3"
-    for bad in (4, -1, True):
-        with pytest.raises(ValueError, match="pass_prefetch=.*: a mask in 0..3"):
-            KernelVariant(pass_prefetch=bad)
     assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"
     for bad in ({"inflight": 6}, {"inflight": 4, "num_stages": 4}, {"inflight": -1}, {"inflight": True}):
         with pytest.raises(ValueError, match="inflight=.*: 0 \\(off\\) or the weight chunks in flight"):

@@ -457,35 +457,6 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
-@pytest.mark.parametrize("bsz,ksplit", [(1, ()), (3, ()), (8, (("down", 3),)), (12, (("o_proj", 3), ("down", 2))),
-                                        (16, ())])
-def test_pass_prefetch_is_bitwise_the_default(models, name, bsz, ksplit):
-    """MK_PASS_PREFETCH=3 copies a later pass's first column group of x during the previous pass's last group, or
-    keeps a staged x for the later passes, and reduces in rounds in the rest of the scratch: the same sums in the
-    same order, so the step equals the default build's bit for bit, with x staged whole (8B batch 1, 1B up to
-    batch 6: kept where it leaves 8 KB free) and by column groups (one and two n-tiles), K-split parts whose last
-    group is short (3 parts), and with MK_W_TMA (the 8B table's batch-1 and batch-8 entries)."""
-    from mk_plugin.persistent.tuning import ScheduleTuning
-    from mk_plugin.persistent.variant import KernelVariant
-
-    spec, w = models(name, 2)
-    seq_lens = [(53 * i + 7) % 700 + 1 for i in range(bsz)]
-    seq_lens[1] = 0
-    batch = gpu_batch(spec, seq_lens, seed=bsz + 21)
-    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
-    tuning = {bsz: ScheduleTuning(ksplit=ksplit)} if ksplit else "off"
-    runs = []
-    for v in (KernelVariant(), KernelVariant(pass_prefetch=3), KernelVariant(pass_prefetch=3, w_tma=True)):
-        dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning)
-        runs.append(_run_mk(dec, spec, w, batch, cs))
-    o0, l0, c0 = runs[0]
-    for o1, l1, c1 in runs[1:]:
-        assert torch.equal(o0, o1) and torch.equal(l0, l1)
-        assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, runs[1][0], runs[1][1], runs[1][2])
-
-
 @pytest.mark.parametrize("name,parts", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
     """tuning.piece_deps only changes which gate_up tasks each down part waits for (and gate_up's cut at the parts'

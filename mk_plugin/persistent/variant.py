@@ -11,7 +11,8 @@ session 10: five attention load steps in flight won over four and six, the packe
 batch 9..16 lost; session 11: full-width ring chunks at batch 9..16, taken in two halves, won over
 half-width chunks; session 12: the chain L2 prefetch, split MMA chains for one-M-tile passes and more
 norm-statistics rows per round all lost; session 18 removed the bulk-copy hand-offs MK_BULK_RELEASE and
-MK_BULK_QKV: they raced, bench/NOTES.md session 17).
+MK_BULK_QKV: they raced, bench/NOTES.md session 17; session 21: a later pass's x copied early or kept staged,
+MK_PASS_PREFETCH, lost at every shape).
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_PASS_PREFETCH", "pass_prefetch", "pass_prefetch"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -66,13 +66,6 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/matvec.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_PASS_PREFETCH = mask (A/B switch, session 21; 0 = off): a matvec task's later passes find their x ready
-    # instead of restaging it after the previous pass's reduction (one exposed L2 round trip per pass: 14 passes per
-    # gate_up task at 8B batch 16, 7 at 8B batch 1). Bit 1: where x is staged by column groups, the next pass's
-    # first group is copied during the last group of this one; bit 2: a staged x that leaves 8 KB of the scratch
-    # free (one n-tile) stays staged. The cross-warp reduction then runs in rounds in the free part of the scratch
-    # (csrc/matvec.cuh: reduce_parts). Same arithmetic in the same order: bit-identical results.
-    pass_prefetch: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -91,8 +84,6 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        if isinstance(self.pass_prefetch, bool) or self.pass_prefetch not in (0, 1, 2, 3):
-            raise ValueError(f"pass_prefetch={self.pass_prefetch!r}: a mask in 0..3 (1 column groups, 2 staged x)")
         for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
