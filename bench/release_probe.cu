@@ -24,7 +24,15 @@
 // mode 3: generic stores, fence.acq_rel.cta only, red.relaxed.gpu: NOT a valid release (no gpu-scope
 //         ordering): the floor of a hand-off with no fence at all, mismatches expected to be possible
 // mode 4: mode 1 with fence.proxy.async.global between the wait and the relaxed add (MK_BULK_RELEASE=2)
-// The reader always polls with ld.acquire.gpu and reads the payload with ld.relaxed.gpu.
+// mode 5: data as flag (session 21): st.relaxed.gpu of the payload words and nothing else -- no fence, no flag; the
+//         reader re-reads the whole payload (ld.relaxed.gpu) until every word carries this round's value. Valid
+//         for the payload itself: each aligned 32-bit word is single-copy atomic, and the reader accepts only
+//         when it has seen every word's new value (what a tagged activation -- bf16 value | 16-bit epoch per
+//         word -- would give the megakernel's consumers: the activation load is the poll)
+// mode 6: mode 5 with a 4 KB payload (1024 words: a batch-1 activation of Llama-3.2-1B as tagged bf16 words is 8
+//         KB, read by each consumer; its untagged form 4 KB)
+// mode 7: mode 0 with the same 4 KB payload (the kernel's form at that size: flag, then the payload's loads)
+// The reader polls the flag with ld.acquire.gpu and reads the payload with ld.relaxed.gpu (modes 0-4, 7).
 //
 // out[0] = CTA 0's ns for all rounds, out[1] = payload mismatches (both sides), out[2] = CTA 0's end
 // time, out[3] = the earliest producer end time (atomicMin; the host sets it to ~0 first: streaming
@@ -36,8 +44,12 @@
 #define RP_NS 6
 #define RP_SLOT 32768u
 #define RP_COPY 2048u
-#define RP_PAYLOAD_WORDS 64
+#define RP_PAYLOAD_WORDS 64      // modes 0-5 (the bulk forms stage this many words in shared memory)
+#define RP_PAYLOAD_WORDS_BIG 1024 // modes 6, 7 (4 KB); each CTA's payload slot in `payloads` holds this many
 #include "probe_ring.cuh"
+
+__device__ __forceinline__ int rp_words(int mode) { return mode >= 6 ? RP_PAYLOAD_WORDS_BIG : RP_PAYLOAD_WORDS; }
+__device__ __forceinline__ bool rp_data_flag(int mode) { return mode == 5 || mode == 6; }
 
 __device__ __forceinline__ void rp_bulk_s2g(void* dst, unsigned src, unsigned bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
@@ -58,6 +70,10 @@ __device__ __forceinline__ unsigned rp_ld_relaxed(const unsigned* p) {
   return v;
 }
 
+__device__ __forceinline__ void rp_st_relaxed(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ void rp_red_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
@@ -69,9 +85,11 @@ __device__ __forceinline__ void rp_red_relaxed(unsigned* p) {
 // One side's release of round value v: the payload (64 words = v) and then the flag.
 __device__ __forceinline__ void rp_release(int mode, unsigned* payload, unsigned* flag, unsigned* stage, unsigned v,
                                            int lane) {
-  if (mode == 0 || mode == 3) {
-    payload[lane] = v;
-    payload[lane + 32] = v;
+  const int nw = rp_words(mode);
+  if (mode == 0 || mode == 3 || mode == 7) {
+    for (int i = lane; i < nw; i += 32) payload[i] = v;
+  } else if (rp_data_flag(mode)) {
+    for (int i = lane; i < nw; i += 32) rp_st_relaxed(payload + i, v);
   } else {
     stage[lane] = v;
     stage[lane + 32] = v;
@@ -82,17 +100,33 @@ __device__ __forceinline__ void rp_release(int mode, unsigned* payload, unsigned
     if (mode == 1 || mode == 2 || mode == 4) rp_bulk_s2g(payload, (unsigned)__cvta_generic_to_shared(stage), 4 * RP_PAYLOAD_WORDS);
     if (mode == 3) asm volatile("fence.acq_rel.cta;" ::: "memory");
     if (mode == 4) asm volatile("fence.proxy.async.global;" ::: "memory");
-    if (mode == 0 || mode == 2)
+    if (mode == 0 || mode == 2 || mode == 7)
       rp_red_release(flag);
-    else
+    else if (!rp_data_flag(mode))
       rp_red_relaxed(flag);
   }
   __syncwarp();
 }
 
-// Wait until *flag >= target (lane 0, acquire), then count payload words != v (whole warp).
-__device__ __forceinline__ unsigned rp_take(const unsigned* payload, const unsigned* flag, unsigned target, unsigned v,
-                                            int lane, unsigned long long* out) {
+// Wait until *flag >= target (lane 0, acquire), then count payload words != v (whole warp); data as flag (modes 5,
+// 6): re-read the payload until no word is stale (0 mismatches by construction, unless the wait timed out).
+__device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, const unsigned* flag, unsigned target,
+                                            unsigned v, int lane, unsigned long long* out) {
+  const int nw = rp_words(mode);
+  if (rp_data_flag(mode)) {
+    const unsigned long long t0 = probe_ns();
+    unsigned bad;
+    do {
+      bad = 0;
+      for (int i = lane; i < nw; i += 32) bad += rp_ld_relaxed(payload + i) != v;
+      for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
+      if (bad && probe_ns() - t0 > PROBE_WAIT_BUDGET_NS) {   // every lane sees the same bad and the same verdict
+        if (lane == 0) out[4] = 1;
+        break;
+      }
+    } while (bad);
+    return bad;
+  }
   if (lane == 0) {
     const unsigned long long t0 = probe_ns();
     while (rp_ld_acquire(flag) < target) {
@@ -103,7 +137,8 @@ __device__ __forceinline__ unsigned rp_take(const unsigned* payload, const unsig
     }
   }
   __syncwarp();
-  unsigned bad = (rp_ld_relaxed(payload + lane) != v) + (rp_ld_relaxed(payload + lane + 32) != v);
+  unsigned bad = 0;
+  for (int i = lane; i < nw; i += 32) bad += rp_ld_relaxed(payload + i) != v;
   for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
   return bad;
 }
@@ -155,8 +190,8 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     }
   } else if (blockIdx.x < 2) {  // ping-pong
     const int me = blockIdx.x, other = 1 - me;
-    unsigned* mine = payloads + me * RP_PAYLOAD_WORDS;
-    const unsigned* theirs = payloads + other * RP_PAYLOAD_WORDS;
+    unsigned* mine = payloads + me * RP_PAYLOAD_WORDS_BIG;
+    const unsigned* theirs = payloads + other * RP_PAYLOAD_WORDS_BIG;
     unsigned bad = 0;
     // let the streaming reach its steady state first (the ring fills in ~6 us)
     const unsigned long long w0 = probe_ns();
@@ -167,9 +202,9 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
       const unsigned v0 = 2u * i + 1u, v1 = 2u * i + 2u;
       if (me == 0) {
         rp_release(mode, mine, flags + 0, stage, v0, lane);
-        bad += rp_take(theirs, flags + 1, (unsigned)i + 1u, v1, lane, out);
+        bad += rp_take(mode, theirs, flags + 1, (unsigned)i + 1u, v1, lane, out);
       } else {
-        bad += rp_take(theirs, flags + 0, (unsigned)i + 1u, v0, lane, out);
+        bad += rp_take(mode, theirs, flags + 0, (unsigned)i + 1u, v0, lane, out);
         rp_release(mode, mine, flags + 1, stage, v1, lane);
       }
       // one lane reads the error word and the warp follows it (lanes must leave together: rp_take syncs)

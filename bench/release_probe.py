@@ -12,7 +12,10 @@ chunks from HBM (stream 1) or idle (stream 0):
 mode 0 generic stores + red.release.gpu (the megakernel's release); 1 payload by a bulk store from shared
 memory + wait_group 0 + red.relaxed.gpu (no MEMBAR); 2 the bulk store + red.release.gpu; 3 generic stores
 + fence.acq_rel.cta + red.relaxed.gpu: not a valid release, the no-fence floor; 4 mode 1 with
-fence.proxy.async.global before the add (csrc/bulk_release.cuh's MK_BULK_RELEASE=2). --inflight N caps the
+fence.proxy.async.global before the add (csrc/bulk_release.cuh's MK_BULK_RELEASE=2); 5 data as flag (session 21:
+relaxed stores of the payload, no fence and no flag; the reader re-reads the payload until every word is this
+round's: the hand-off a tagged activation would cost); 6 the same with a 4 KB payload; 7 mode 0 with that 4 KB
+payload (the kernel's form at the size of a batch-1 activation of the 1B model). --inflight N caps the
 streaming SMs' chunks in flight (issued, not landed) at N x 32 KB, the megakernel's MK_INFLIGHT: the table then
 says what the cap costs the streaming rate and what it buys every hand-off (session 20's question: is the
 hand-off's 5.8-us floor under streaming the queue of 6 x 32 KB per SM?); --stream 2 keeps the two ping-pong SMs
@@ -41,7 +44,10 @@ RING_BYTES = RP_NS * RP_SLOT
 SMEM_BYTES = RING_BYTES + 16 * 6 + 256      # the ring, 6 full + 6 empty mbarriers, the payload stage
 REGION_BYTES = 8 << 20                      # streamed per CTA, cycled (132 x 8 MB >> the 50 MB L2)
 MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed", 2: "bulk store + red.release",
-         3: "st + fence.cta + red.relaxed (invalid)", 4: "bulk store + wait + proxy fence + red.relaxed"}
+         3: "st + fence.cta + red.relaxed (invalid)", 4: "bulk store + wait + proxy fence + red.relaxed",
+         5: "data as flag: st.relaxed, reader re-reads (256 B)", 6: "data as flag (4 KB)",
+         7: "st + red.release.gpu (kernel), 4 KB"}
+PAYLOAD_WORDS_BIG = 1024   # release_probe.cu's RP_PAYLOAD_WORDS_BIG: each CTA's payload slot (modes 6, 7 use it all)
 STREAMS = {0: "off", 1: "all SMs", 2: "all but the two"}
 # rows of this version (the in-flight cap, the streaming rate); release_probe.csv keeps session 16's rows
 CSV = common.RESULTS / "release_probe_v2.csv"
@@ -106,7 +112,7 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
     flags = cp.zeros(64, dtype=cp.uint32)
-    payloads = cp.zeros(128, dtype=cp.uint32)
+    payloads = cp.zeros(2 * PAYLOAD_WORDS_BIG, dtype=cp.uint32)
     out = cp.zeros(8, dtype=cp.uint64)
     rows_md, rows_csv = [], []
     commit, date = common.git_commit(), common.today()

@@ -83,3 +83,14 @@ def test_no_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(SystemExit, match="CuPy and a CUDA GPU"):
         rp.run(10, 1, [6], [0], [0])
+
+
+def test_data_as_flag_modes_agree_with_the_kernel():
+    """Modes 5-7 (session 21): the data-as-flag hand-off and the kernel's form at a 4 KB payload; the host's
+    payload buffer holds the kernel's per-CTA slot for both CTAs."""
+    src = rp.build_source()
+    assert set(rp.MODES) == set(range(8))
+    assert f"#define RP_PAYLOAD_WORDS_BIG {rp.PAYLOAD_WORDS_BIG}" in src
+    assert "mode == 5 || mode == 6" in src and "mode >= 6 ? RP_PAYLOAD_WORDS_BIG" in src
+    assert "st.relaxed.gpu.global.u32" in src
+    rp.check_args([6], [0, 1], [5, 6, 7], 10, 1)
