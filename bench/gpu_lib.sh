@@ -22,7 +22,8 @@ soak_triton() {   # issue 13: the Triton mode's soak, its engines kept in /root/
   timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work "$@" 2>&1 \
     | grep -v "^(EngineCore" | tail -16
 }
-soak_megakernel() {   # issue 13: the fp32-judged soak with preemption
-  timeout 560 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" 2>&1 \
-    | grep -v "^(EngineCore" | tail -16
+soak_megakernel() {   # issue 13: the fp32-judged soak with preemption, its engines kept in /root/soak_work_mk (extra
+  # args: --engines-only; session 20's Triton soak took 434 s for the engines and 376 s for the verdict: two calls)
+  timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work_mk "$@" \
+    2>&1 | grep -v "^(EngineCore" | tail -16
 }
