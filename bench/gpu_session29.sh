@@ -15,6 +15,11 @@ case $n in
      # ~2-6 us against mode 7's ~16 (mode 0: 16.1); at 2 chunks ~1.1 against ~2.8
      timeout 150 python3 bench/release_probe.py --modes 0,3,5,6,7 --stream 0,1 --inflight 6,2 --reps 5 \
        --csv "$out/release_probe_v2.csv" --out "$out/release_probe_data_flag.md" 2>&1 | tail -16
+     # why the tensor-map copies and the cap pay together at 8B (-194 us at b1, each alone ~-55): the phase trace of
+     # the new b1 entry, against session 21's default-build trace (session21/mk_step_llama-3.1-8b_b1_...): which
+     # phases fell (the releases' 2.1 us? the stages?)
+     timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+       --records-dir "$out" --model bench/models/llama-3.1-8b --batch 1 2>&1 | tail -4
      # the knobs the autotuner gained in session 20 (w_tma, inflight), where the table has no measured winner with
      # them: 8B b16 here, 1B b1 / b16 in call 2 (candidates checked against the default's output first; no --write-tuned:
      # the session decides from the report)

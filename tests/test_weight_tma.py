@@ -55,6 +55,12 @@ def test_unsupported_shapes_are_clear_errors():
         tm.check_weights_model(spec)
     with pytest.raises(ValueError, match="MK_W_TMA needs every matrix's K to be a multiple of 64"):
         MegakernelDecoder(spec, random_weights(spec), 2, "cpu", num_sms=6, variant=KernelVariant(w_tma=True))
+    # a tuning that asks for the maps later (retune) is refused the same way, on the CPU executor too
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    dec = MegakernelDecoder(spec, random_weights(spec), 2, "cpu", num_sms=6)
+    with pytest.raises(ValueError, match="MK_W_TMA needs every matrix's K to be a multiple of 64"):
+        dec.retune(2, ScheduleTuning(w_tma=True))
+    assert not dec.tunings[2].w_tma   # the refused tuning was not taken
     tm.check_weights_model(LlamaSpec.from_json_file(MODELS / "llama-3.1-8b"))
 
 
