@@ -323,6 +323,12 @@ def test_neighbours_drop_equivalent_values():
     k64 = replace(LlamaSpec.tiny(), hidden_size=128, intermediate_size=256)   # every K a multiple of 64
     assert [t.w_tma for k, t in neighbours(k64, 2, SMS, base, lm_head=False) if k == "w_tma"] == [True]
     assert [t.w_tma for k, t in neighbours(k64, 2, SMS, base.with_w_tma(True), lm_head=False) if k == "w_tma"] == [False]
+    # the tensor maps and the cap also as one step (they paid together, not alone: session 21), on and off again
+    pair = [t for k, t in neighbours(k64, 2, SMS, base, lm_head=False) if k == "w_tma+inflight"]
+    assert pair == [ScheduleTuning(w_tma=True, inflight=2)]
+    both = ScheduleTuning(w_tma=True, inflight=2)
+    assert [t for k, t in neighbours(k64, 2, SMS, both, lm_head=False) if k == "w_tma+inflight"] == [ScheduleTuning()]
+    assert all(k != "w_tma+inflight" for k, _ in neighbours(k64, 2, SMS, base.with_w_tma(True), lm_head=False))
     one = [t for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(attn_chunks=1), lm_head=False) if k == "merge_in_partial"]
     assert one == []   # one chunk: nothing to merge
 

@@ -88,6 +88,11 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
         pass
     else:
         out.append(("w_tma", base.with_w_tma(not base.w_tma)))
+        # the pair as one step: at 8B batch 1 / 8 tensor-map copies with the cap won -194 / -163 us where each
+        # alone won ~-55 (session 21), so coordinate descent over one knob at a time can miss it
+        if bool(base.inflight) == base.w_tma:
+            out.append(("w_tma+inflight", base.with_w_tma(not base.w_tma).with_inflight(0 if base.inflight
+                                                                                      else INFLIGHT_TUNED)))
     if base.ksplit_for("down") > 1:   # gate_up's pieces at down's K parts: each part waits for its piece only
         out.append(("piece_deps", base.with_piece_deps(not base.piece_deps)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
@@ -143,7 +148,8 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
-                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma"]
+                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
+                 "w_tma+inflight"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head)
