@@ -113,3 +113,16 @@ def test_layer_budget_windows_gaps_and_bytes():
     assert "| qkv_rope | 4.5 | 1.00 | 4.50 | 0.50 | 5.00 | -0.50 |" in md and "median layer" in md
     with pytest.raises(ValueError, match="without 'layer'"):
         tp.layer_budget([rec(0, Opcode.O_PROJ, 0, 10, 0, 0, 0)])
+
+
+def test_phase_delta_is_b_minus_a_per_common_op():
+    a = tp.phase_table([rec(0, Opcode.O_PROJ, 1000, 6000, 1000, 2000, 1500, 200),
+                        rec(1, Opcode.DOWN, 1000, 9000, 500, 6000, 1000, 250)])
+    b = tp.phase_table([rec(0, Opcode.O_PROJ, 1000, 5000, 800, 2000, 1500, 100),
+                        rec(2, Opcode.GATE_UP, 1000, 3000, 100, 1000, 100)])
+    d = tp.phase_delta(a, b)
+    assert [r.op for r in d] == ["o_proj"]   # gate_up is only in b, down only in a
+    o = d[0]
+    assert (o.busy_us, o.stage_us, o.chunks_us, o.release_us) == pytest.approx((-1.0, -0.2, 0.0, -0.1))
+    assert tp.phase_delta_markdown(d).splitlines()[2].startswith("| o_proj | 1 | -1.00 | +0.00 | -0.20 | +0.00 |")
+

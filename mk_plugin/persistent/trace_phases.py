@@ -90,6 +90,30 @@ def phase_table_markdown(rows: Sequence[PhaseRow]) -> str:
     return "\n".join(out)
 
 
+def phase_delta(a: Sequence[PhaseRow], b: Sequence[PhaseRow]) -> list[PhaseRow]:
+    """b - a per op present in both (tasks: b's count), in b's order: which phases a build change moved (session
+    21: why MK_W_TMA with MK_INFLIGHT=2 paid -194 us at 8B batch 1 where each alone paid ~-55)."""
+    by_a = {r.op: r for r in a}
+    out = []
+    for r in b:
+        q = by_a.get(r.op)
+        if q is None:
+            continue
+        out.append(PhaseRow(r.op, r.tasks, *(getattr(r, f) - getattr(q, f) for f in
+                                             ("busy_us", "entry_us", "stage_us", "chunks_us", "reduce_us",
+                                              "release_us", "other_us"))))
+    return out
+
+
+def phase_delta_markdown(rows: Sequence[PhaseRow]) -> str:
+    head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
+    out = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:+.2f} | {r.entry_us:+.2f} | {r.stage_us:+.2f} | "
+                   f"{r.chunks_us:+.2f} | {r.reduce_us:+.2f} | {r.release_us:+.2f} | {r.other_us:+.2f} |")
+    return "\n".join(out)
+
+
 LAG_BUCKETS_US = (0.0, 2.0, 5.0)   # edges: <0 (the next weights not started yet), 0-2, 2-5, >= 5 us
 
 
@@ -207,7 +231,8 @@ def budget_markdown(rows: Sequence[BudgetRow], per_layer_us: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m mk_plugin.persistent.trace_phases [--budget] RECORDS.json...: the tables per records file."""
+    """python -m mk_plugin.persistent.trace_phases [--budget] RECORDS.json...: the tables per records file;
+    --compare A B: B's per-op medians minus A's (two builds' traces of one shape)."""
     import argparse
 
     from .trace import load_records
@@ -215,7 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("records", nargs="+")
     ap.add_argument("--budget", action="store_true", help="also the budget of one layer (bytes, windows, gaps)")
+    ap.add_argument("--compare", action="store_true", help="two records files A B: B's per-op medians minus A's")
     args = ap.parse_args(argv)
+    if args.compare:
+        if len(args.records) != 2:
+            ap.error(f"--compare takes two records files (A B), got {len(args.records)}")
+        a, b = (phase_table(load_records(p)[0]) for p in args.records)
+        print(f"## {args.records[1]} minus {args.records[0]}\n\nmedian per task (us):\n\n"
+              f"{phase_delta_markdown(phase_delta(a, b))}\n")
+        return 0
     for path in args.records:
         recs, _ = load_records(path)
         if args.budget:
