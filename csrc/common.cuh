@@ -272,6 +272,11 @@ struct Task {
   int wait_ctr[NUM_WAITS], wait_target[NUM_WAITS];
   int signal_ctr, signal_add;
   int ticket_ctr;  // ATTN_PARTIAL merging in the partial: its (b, g) ticket counter; -1 otherwise
+#if MK_DATA_FLAG
+  // encoding.BUF_TAGGED / CTR_DATA, taken off the fields above: in_buf / out_buf hold (tag << 16 | value) words;
+  // a data wait is not polled (the tagged load is the poll), a data signal is not released
+  bool in_tag, out_tag, wait_data[NUM_WAITS], signal_data;
+#endif
 };
 
 __device__ __forceinline__ Task load_task(const Params& P, int index) {
@@ -295,7 +300,38 @@ __device__ __forceinline__ Task load_task(const Params& P, int index) {
   t.signal_ctr = w[F_SIGNAL_CTR];
   t.signal_add = w[F_SIGNAL_ADD];
   t.ticket_ctr = w[F_TICKET_CTR];
+#if MK_DATA_FLAG
+  t.in_tag = (t.in_buf & BUF_TAGGED) != 0;
+  t.out_tag = (t.out_buf & BUF_TAGGED) != 0;
+  t.in_buf &= BUF_TAGGED - 1;
+  t.out_buf &= BUF_TAGGED - 1;
+#pragma unroll
+  for (int i = 0; i < NUM_WAITS; ++i) {
+    t.wait_data[i] = t.wait_ctr[i] >= 0 && (t.wait_ctr[i] & CTR_DATA);
+    if (t.wait_ctr[i] >= 0) t.wait_ctr[i] &= ~CTR_DATA;
+  }
+  t.signal_data = t.signal_ctr >= 0 && (t.signal_ctr & CTR_DATA);
+  if (t.signal_ctr >= 0) t.signal_ctr &= ~CTR_DATA;
+#endif
   return t;
+}
+
+// MK_DATA_FLAG: whether wait w / the signal of t is data (skipped by the counter code); false in other builds.
+__device__ __forceinline__ bool wait_is_data(const Task& t, int w) {
+#if MK_DATA_FLAG
+  return t.wait_data[w];
+#else
+  (void)t; (void)w;
+  return false;
+#endif
+}
+__device__ __forceinline__ bool signal_is_data(const Task& t) {
+#if MK_DATA_FLAG
+  return t.signal_data;
+#else
+  (void)t;
+  return false;
+#endif
 }
 
 #define NEG_INF (__int_as_float(0xff800000u))  // -inf (no constexpr infinity in NVRTC)

@@ -239,6 +239,22 @@ def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
     return g * (steps * part // parts), g * (steps * (part + 1) // parts)
 
 
+# MK_DATA_FLAG (A/B switch, session 21): an edge whose consumer polls the data instead of a counter. The producer's
+# output words are (tag << 16 | 16-bit value), stored relaxed, with no release; the consumer re-reads its input until
+# every word carries the expected tag (data_tag). In the record: BUF_TAGGED on in_buf / out_buf (the buffer is
+# tagged), CTR_DATA on a wait's or the signal's counter (the kernel skips that wait / release; the VM and the
+# deadlock checker keep them, as the dependency they stand for). decode() strips both into *_tagged / *_data keys.
+BUF_TAGGED = 16
+CTR_DATA = 1 << 30
+DATA_WAIT_COUNTER = -2   # the error record's counter field for a data wait that timed out (csrc stage_x_tagged)
+
+
+def data_tag(layer: int) -> int:
+    """The tag of the words a tagged producer of `layer` stores (ACT by gate_up(layer)); 0 is never a tag: the step's
+    memset zeroes the tagged buffer with the counters, so a word of an earlier step can never match."""
+    return layer + 1
+
+
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
 COUNTER_STRIDE = 8
 MAX_BATCH = 16
@@ -281,6 +297,13 @@ class KernelLayout:
     def smem_bytes(self) -> int:
         return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
 
+
+    def staged_fits(self, k: int, batch: int, norm: bool) -> bool:
+        """Whether a matvec task stages its activations x[batch, k] whole in the scratch (csrc/matvec.cuh
+        staged_fits: rows padded to k * 2 + 16 bytes, a norm-fused op's norm weight as one more row, the per-warp
+        row sums at the scratch's end), else it copies them by column groups."""
+        stage_part = 4 * self.consumer_warps * MAX_BATCH
+        return (batch + (1 if norm else 0)) * (k * 2 + 16) <= self.union_bytes - stage_part
 
     def with_stages(self, num_stages: int) -> KernelLayout:
         """The same shared memory with a ring of num_stages slots: the per-task scratch takes what the
@@ -398,6 +421,16 @@ class DecodedProgram:
         return sum(len(q) for q in self.queues)
 
 
+def record_words(rec: dict[str, int]) -> list[int]:
+    """A decoded task record's TASK_WORDS words as encoded (decode's MK_DATA_FLAG keys put back into their bits)."""
+    d = dict(rec)
+    for k in ("in_buf", "out_buf"):
+        d[k] |= BUF_TAGGED if rec[k.replace("buf", "tagged")] else 0
+    for k in ("wait0", "wait1", "signal"):
+        d[f"{k}_ctr"] |= CTR_DATA if rec[f"{k}_data"] else 0
+    return [int(d[f]) for f in TASK_FIELDS]
+
+
 def decode(prog: np.ndarray) -> DecodedProgram:
     """Inverse of :func:`encode` (checks magic, version and bounds)."""
     p = np.asarray(prog, dtype=np.int32)
@@ -414,6 +447,15 @@ def decode(prog: np.ndarray) -> DecodedProgram:
         q = []
         for t in range(offs[i], offs[i + 1]):
             w = p[at + t * TASK_WORDS: at + (t + 1) * TASK_WORDS]
-            q.append({name: int(w[j]) for j, name in enumerate(TASK_FIELDS)})
+            rec = {name: int(w[j]) for j, name in enumerate(TASK_FIELDS)}
+            for k in ("in_buf", "out_buf"):   # MK_DATA_FLAG's bits, as separate keys
+                rec[k.replace("buf", "tagged")] = bool(rec[k] & BUF_TAGGED)
+                rec[k] &= ~BUF_TAGGED
+            for k in ("wait0", "wait1", "signal"):
+                c = rec[f"{k}_ctr"]
+                rec[f"{k}_data"] = c >= 0 and bool(c & CTR_DATA)
+                if c >= 0:
+                    rec[f"{k}_ctr"] = c & ~CTR_DATA
+            q.append(rec)
         queues.append(q)
     return DecodedProgram(hdr, queues)
