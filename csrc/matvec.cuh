@@ -443,11 +443,11 @@ __device__ __forceinline__ uint4 untag8(const uint4& a, const uint4& b) {
 }
 
 // x[B, K] from a tagged buffer (words tag << 16 | value, row stride ldx words) into the scratch as stage_x lays out
-// an untagged x (no norm row: a data edge's consumer is down). The load is the poll: a unit whose 8 words do not all
-// carry `tag` (the producer's layer + 1, encoding.data_tag; the step's memset left 0) is read again, giving up when
-// this CTA stops, when another SM has recorded a failure, or after the watchdog's budget (recorded as a counter
-// timeout on DATA_WAIT_COUNTER with the tag expected and seen). The first loads of a thread's units are in flight
-// together, as stage_x's. Ends with consumer_sync().
+// an untagged x (no norm row: a data edge's consumer is down). The load is the poll: the units of a round (U per
+// thread, their loads in flight together, as stage_x's) whose 8 words do not all carry `tag` (the producer's layer +
+// 1, encoding.data_tag; the step's memset left 0) are read again together, one round trip per poll, until none is
+// stale; giving up when this CTA stops, when another SM has recorded a failure, or after the watchdog's budget
+// (recorded as a counter timeout on DATA_WAIT_COUNTER with the tag expected and one seen). Ends with consumer_sync().
 __device__ __forceinline__ void stage_x_tagged(const Smem& S, const Params& P, unsigned char* xs, const unsigned* x,
                                                int K, int ldx, int B, unsigned tag) {
   const int vpr = K / 8, total = B * vpr, rowb = K * 2 + 16;
@@ -456,6 +456,7 @@ __device__ __forceinline__ void stage_x_tagged(const Smem& S, const Params& P, u
   bool give_up = false;
   for (int base = threadIdx.x; base < total; base += U * CONSUMER_THREADS) {
     uint4 lo[U], hi[U];
+    unsigned stale = 0;   // bit u: unit u of this round is read and not yet all tagged
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * CONSUMER_THREADS;
@@ -464,29 +465,42 @@ __device__ __forceinline__ void stage_x_tagged(const Smem& S, const Params& P, u
         const unsigned* src = x + (size_t)(idx / vpr) * ldx + (idx % vpr) * 8;
         lo[u] = ld_relaxed_gpu_v4(src);
         hi[u] = ld_relaxed_gpu_v4(src + 4);
+        stale |= 1u << u;
+      }
+    }
+    for (;;) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (((stale >> u) & 1u) && tags_are(lo[u], hi[u], tag)) stale &= ~(1u << u);
+      if (stale == 0 || give_up) break;
+      if (t0 == 0) t0 = global_ns();
+      if (*S.abort_flag() || ld_relaxed_gpu_s32(P.err) != 0) {
+        give_up = true;   // this CTA is stopping, or a wait elsewhere failed: stage whatever the words hold
+        break;
+      }
+      if (global_ns() - t0 > P.budget_ns) {
+        const int u = __ffs(stale) - 1;
+        watchdog_record(P, ERR_COUNTER_TIMEOUT, *S.cur_task(), DATA_WAIT_COUNTER, (int)tag, (int)(lo[u].x >> 16),
+                        global_ns() - t0);
+        *S.abort_flag() = 1;
+        give_up = true;
+        break;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {   // every stale unit again, together
+        if ((stale >> u) & 1u) {
+          const int idx = base + u * CONSUMER_THREADS;
+          const unsigned* src = x + (size_t)(idx / vpr) * ldx + (idx % vpr) * 8;
+          lo[u] = ld_relaxed_gpu_v4(src);
+          hi[u] = ld_relaxed_gpu_v4(src + 4);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int idx = base + u * CONSUMER_THREADS;
-      if (idx >= total) continue;
-      const int b = idx / vpr, kv = idx - b * vpr;
-      const unsigned* src = x + (size_t)b * ldx + kv * 8;
-      while (!give_up && !tags_are(lo[u], hi[u], tag)) {
-        if (t0 == 0) t0 = global_ns();
-        if (*S.abort_flag() || ld_relaxed_gpu_s32(P.err) != 0) {
-          give_up = true;   // this CTA is stopping, or a wait elsewhere failed: stage whatever the words hold
-        } else if (global_ns() - t0 > P.budget_ns) {
-          watchdog_record(P, ERR_COUNTER_TIMEOUT, *S.cur_task(), DATA_WAIT_COUNTER, (int)tag, (int)(lo[u].x >> 16),
-                          global_ns() - t0);
-          *S.abort_flag() = 1;
-          give_up = true;
-        } else {
-          lo[u] = ld_relaxed_gpu_v4(src);
-          hi[u] = ld_relaxed_gpu_v4(src + 4);
-        }
-      }
-      *reinterpret_cast<uint4*>(xs + (size_t)b * rowb + kv * 16) = untag8(lo[u], hi[u]);
+      if (idx < total)
+        *reinterpret_cast<uint4*>(xs + (size_t)(idx / vpr) * rowb + (idx % vpr) * 16) = untag8(lo[u], hi[u]);
     }
   }
   consumer_sync();
@@ -713,7 +727,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
 #if MK_DATA_FLAG
-    if (t.in_tag && staged)   // a data edge's consumer (tasks.mark_data_edges: only where x is staged whole)
+    if ((t.dflags & DF_IN_TAG) && staged)   // a data edge's consumer (tasks.mark_data_edges: only where x is staged whole)
       stage_x_tagged(S, P, xs, reinterpret_cast<const unsigned*>(P.buf[t.in_buf]), wp.K, wp.ldx, B,
                      (unsigned)(t.layer + 1));
     else

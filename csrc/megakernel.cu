@@ -89,7 +89,7 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
 #if MK_DATA_FLAG
-  if (t.in_tag && !staged && threadIdx.x == 0) {   // a tagged x must be staged whole (mark_data_edges): never run
+  if ((t.dflags & DF_IN_TAG) && !staged && threadIdx.x == 0) {   // a tagged x must be staged whole (mark_data_edges): never run
     watchdog_record(P, ERR_BAD_PROGRAM, *S.cur_task(), DATA_WAIT_COUNTER, 0, 0, 0);
     *S.abort_flag() = 1;
   }
