@@ -91,3 +91,49 @@ def test_nvrtc_compiles_the_runtime_source():
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
         assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"
         assert "warning" not in log.lower(), log[-2000:]
+
+
+# Builds of the packaged tables that spill, as measured: (model, batch) -> (spill stores, spill loads) bytes summed over
+# the kernel's functions. Each was the measured winner regardless; listed so that a change is seen either way.
+KNOWN_TABLE_SPILLS = {("llama-3.1-8b", 8): (4, 8)}   # att_tma 128 + w_tma + inflight 2: mk_decode (session 21)
+
+
+def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):
+    """The variant each packaged table entry compiles into its batch's kernel (tuning.tuned_variant: ring depth,
+    ring-fed attention, in-flight cap, weight maps), at the entry's model shape: no spills but the known ones (the
+    variants above are checked at the 1B shape only)."""
+    from mk_plugin.persistent.encoding import spec_hash
+    from mk_plugin.persistent.tuning import TUNED_DIR, TuningTable, tuned_variant
+    from mk_plugin.persistent.variant import KernelVariant
+
+    nvcc = nvcc_path()
+    assert nvcc is not None, "nvcc not found (looked in /usr/local/cuda/bin and on PATH)"
+    src = tmp_path / "megakernel_full.cu"
+    src.write_text(build_source())
+    specs = {spec_hash(s): s for s in (LlamaSpec.from_json_file(MODELS / m) for m in ("llama-3.2-1b", "llama-3.1-8b"))}
+    jobs = {}
+    for path in sorted(TUNED_DIR.glob("megakernel_*.json")):
+        table = TuningTable.load(path, path.stem)
+        for key in table.entries:
+            e = table.winner(key)
+            if e is None:
+                continue
+            assert key.spec_hash in specs, f"{path.name}: an entry for a model not in bench/models ({key})"
+            spec = specs[key.spec_hash]
+            defines = tuned_variant(KernelVariant(), e.tuning).defines()
+            jobs.setdefault((spec.name, defines), []).append(key.batch)
+    assert jobs, "no packaged tuning entries found"
+
+    def run(job):
+        (name, defines), _ = job
+        return _compile(nvcc, src, next(s for s in specs.values() if s.name == name), tmp_path, defines)
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        results = list(ex.map(run, jobs.items()))
+    for ((name, defines), batches), (rc, log) in zip(jobs.items(), results):
+        assert rc == 0, f"{name} {defines}: nvcc failed:\n{log[-4000:]}"
+        spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+        assert spills, f"{name} {defines}: no ptxas resource report"
+        total = (sum(a for a, _ in spills), sum(b for _, b in spills))
+        known = {KNOWN_TABLE_SPILLS.get((name, b), (0, 0)) for b in batches}
+        assert total in known, f"{name} batch {batches} {defines}: spills {total}, known {known}:\n{log[-3000:]}"

@@ -60,7 +60,7 @@ from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks
-from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, resolve, spec_tuning_key
+from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, resolve, spec_tuning_key, tuned_variant
 from .variant import KernelVariant
 from .watchdog import WatchdogMixin
 
@@ -171,15 +171,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
-        t = self.tunings[batch]
-        v = self.variant.with_stages(t.num_stages) if t.num_stages else self.variant
-        if t.att_tma and self._att_tma_ok:   # the tuning's ring-fed attention, like its ring depth
-            v = replace(v, att_tma=t.att_tma)
-        if t.inflight:   # the tuning's cap on weight chunks in flight
-            v = replace(v, inflight=t.inflight)
-        if t.w_tma:      # the tuning's one tensor-map copy per weight chunk (the maps: _ensure_weight_maps)
-            v = replace(v, w_tma=True)
-        return v
+        # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
+        return tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok)
 
     def _wants_w_tma(self) -> bool:
         """Whether the decoder's variant or some batch's tuning copies weight chunks by tensor maps."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
 from .encoding import STAGE_CHOICES, spec_hash
-from .variant import ATT_TMA_MAX_TOKENS, INFLIGHT_MAX
+from .variant import ATT_TMA_MAX_TOKENS, INFLIGHT_MAX, KernelVariant
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -244,6 +244,19 @@ def parse_ksplit(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"ksplit item {item!r}: give OP=N, e.g. down=4")
         out.append((op, int(n)))
     return tuple(sorted(out))
+
+
+def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = True) -> KernelVariant:
+    """The kernel variant a batch with tuning `t` runs on: `base` with the ring depth, ring-fed attention (where the
+    model and caches allow it), in-flight cap and weight-map copies of `t` where it sets them."""
+    v = base.with_stages(t.num_stages) if t.num_stages else base
+    if t.att_tma and att_tma_ok:
+        v = replace(v, att_tma=t.att_tma)
+    if t.inflight:
+        v = replace(v, inflight=t.inflight)
+    if t.w_tma:
+        v = replace(v, w_tma=True)
+    return v
 
 
 def tuned_file(device_name: str) -> Path:
