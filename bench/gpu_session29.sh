@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 22's GPU calls (bench/NOTES.md session 21, "Next"). Run from the project root on the GPU host with
 # .commit carried: `bash bench/gpu_session29.sh N $OUT` (out must be set: records written elsewhere do not come
-# back), in the order 1, 8 (if the probe says so), 2, 11, 12, 3, 4, 5, 6 (7 if time is left). Calls 1 and 2 need no vLLM; 11 and 12 carry the
-# bundle parts (move bench/results/**/*.gz aside first), 3 the third part and unpack.sh; 4-7 reuse the unpacked
-# tree while the machine stays warm.
+# back), in the order 1, 8 (if the probe says so), 11, 12, 3, 4, 5, 6, then if time is left 9, 2, 7. Calls 1, 8, 9 and 2
+# need no vLLM; 11 and 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the third part and
+# unpack.sh; 4-7 reuse the unpacked tree while the machine stays warm (the autotuner calls 9 and 2 are ~10 min each).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), soak_megakernel()
@@ -20,10 +20,11 @@ case $n in
      # phases fell (the releases' 2.1 us? the stages?)
      timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
        --records-dir "$out" --model bench/models/llama-3.1-8b --batch 1 2>&1 | tail -4
-     # the knobs the autotuner gained in session 20 (w_tma, inflight), where the table has no measured winner with
-     # them: 8B b16 here, 1B b1 / b16 in call 2 (candidates checked against the default's output first; no --write-tuned:
-     # the session decides from the report)
-     timeout 420 python3 bench/autotune.py --models 8b --batch 16 --lm-head off --rounds 2 --reps 100 \
+     ;;
+  9) # the knobs the autotuner gained in sessions 20-21 (w_tma, inflight, the pair), where the table has no measured
+     # winner with them: 8B b16 here, 1B b1 / b16 in call 2 (candidates checked against the default's output first; no
+     # --write-tuned: the session decides from the report)
+     timeout 560 python3 bench/autotune.py --models 8b --batch 16 --lm-head off --rounds 2 --reps 100 \
        --outdir "$out" 2>&1 | tail -12 ;;
   8) # MK_DATA_FLAG (built in session 21 ahead of the probe: run only if call 1's mode 6 is well below mode 7): the
      # gate_up -> down hand-off as tagged data at batch 1 (down stages ACT whole there), bitwise first, then the A/B.
