@@ -269,6 +269,8 @@ __device__ __forceinline__ elem_t* buf_ptr(const Params& P, int id) {
 // Task record fields, loaded once per task.
 #if MK_DATA_FLAG
 constexpr int DF_IN_TAG = 1, DF_OUT_TAG = 2, DF_WAIT0_DATA = 4, DF_SIGNAL_DATA = 4 << NUM_WAITS;  // Task.dflags
+// the tag a tagged producer of `layer` stores (encoding.data_tag: never 0, the step's memset value)
+__device__ __forceinline__ unsigned data_tag(int layer) { return (unsigned)(layer + 1); }
 #endif
 struct Task {
   int opcode, layer, arg0, arg1, arg2, in_buf, res_buf, out_buf;
@@ -309,11 +311,15 @@ __device__ __forceinline__ Task load_task(const Params& P, int index) {
   t.out_buf &= BUF_TAGGED - 1;
 #pragma unroll
   for (int i = 0; i < NUM_WAITS; ++i) {
-    if (t.wait_ctr[i] >= 0 && (t.wait_ctr[i] & CTR_DATA)) t.dflags |= DF_WAIT0_DATA << i;
-    if (t.wait_ctr[i] >= 0) t.wait_ctr[i] &= ~CTR_DATA;
+    if (t.wait_ctr[i] >= 0) {   // -1 (no counter) keeps its bits
+      if (t.wait_ctr[i] & CTR_DATA) t.dflags |= DF_WAIT0_DATA << i;
+      t.wait_ctr[i] &= ~CTR_DATA;
+    }
   }
-  if (t.signal_ctr >= 0 && (t.signal_ctr & CTR_DATA)) t.dflags |= DF_SIGNAL_DATA;
-  if (t.signal_ctr >= 0) t.signal_ctr &= ~CTR_DATA;
+  if (t.signal_ctr >= 0) {
+    if (t.signal_ctr & CTR_DATA) t.dflags |= DF_SIGNAL_DATA;
+    t.signal_ctr &= ~CTR_DATA;
+  }
 #endif
   return t;
 }

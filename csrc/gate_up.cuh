@@ -20,7 +20,7 @@ __device__ __forceinline__ void gate_up_epilogue(const Smem& S, const Params& P,
 #if MK_DATA_FLAG
       if ((t.dflags & DF_OUT_TAG)) {   // (tag | value), relaxed: down polls these words instead of a counter (no release)
         st_relaxed_gpu_u32(reinterpret_cast<unsigned*>(P.buf[BUF_ACT]) + (size_t)b * I + col,
-                           (unsigned)(t.layer + 1) << 16 | (unsigned)a.bits);
+                           data_tag(t.layer) << 16 | (unsigned)a.bits);
         continue;
       }
 #endif

@@ -728,8 +728,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
 #if MK_DATA_FLAG
     if ((t.dflags & DF_IN_TAG) && staged)   // a data edge's consumer (tasks.mark_data_edges: only where x is staged whole)
-      stage_x_tagged(S, P, xs, reinterpret_cast<const unsigned*>(P.buf[t.in_buf]), wp.K, wp.ldx, B,
-                     (unsigned)(t.layer + 1));
+      stage_x_tagged(S, P, xs, reinterpret_cast<const unsigned*>(P.buf[t.in_buf]), wp.K, wp.ldx, B, data_tag(t.layer));
     else
 #endif
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);

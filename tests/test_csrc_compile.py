@@ -57,6 +57,11 @@ def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str,
     return r.returncode, r.stdout + r.stderr
 
 
+def _spills(log: str) -> list[tuple[int, int]]:
+    """(spill store bytes, spill load bytes) of each function in ptxas's -v report."""
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+
+
 def test_megakernel_compiles_without_spills(tmp_path):
     nvcc = nvcc_path()
     # CI machines carry nvcc 13.0 (no GPU); a missing compiler is a broken machine, not a skip.
@@ -73,7 +78,7 @@ def test_megakernel_compiles_without_spills(tmp_path):
     for (spec, extra), (rc, log) in zip(jobs, results):
         name = f"{spec.name} {' '.join(extra)}".strip()
         assert rc == 0, f"{name}: nvcc failed:\n{log[-4000:]}"
-        spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+        spills = _spills(log)
         assert spills, f"{name}: no ptxas resource report:\n{log[-2000:]}"
         bad = [s for s in spills if s != (0, 0)]
         assert not bad, f"{name}: register spills {bad}:\n{log[-4000:]}"
@@ -132,7 +137,7 @@ def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):
         results = list(ex.map(run, jobs.items()))
     for ((name, defines), batches), (rc, log) in zip(jobs.items(), results):
         assert rc == 0, f"{name} {defines}: nvcc failed:\n{log[-4000:]}"
-        spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+        spills = _spills(log)
         assert spills, f"{name} {defines}: no ptxas resource report"
         total = (sum(a for a, _ in spills), sum(b for _, b in spills))
         known = {KNOWN_TABLE_SPILLS.get((name, b), (0, 0)) for b in batches}

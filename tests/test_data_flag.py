@@ -53,6 +53,7 @@ def test_the_edges_marked_where_down_stages_act_whole():
     raw = seg.tasks[i].record(seg.waits[i])
     assert raw[5] & BUF_TAGGED and any(w >= 0 and w & CTR_DATA for w in raw[8:12:2])
     assert data_tag(0) == 1   # 0 is the memset's value: never a tag
+    assert "data_tag(int layer) { return (unsigned)(layer + 1); }" in (ROOT / "csrc" / "common.cuh").read_text()
 
 
 @pytest.mark.parametrize("why,kw", [

@@ -124,5 +124,5 @@ def test_phase_delta_is_b_minus_a_per_common_op():
     assert [r.op for r in d] == ["o_proj"]   # gate_up is only in b, down only in a
     o = d[0]
     assert (o.busy_us, o.stage_us, o.chunks_us, o.release_us) == pytest.approx((-1.0, -0.2, 0.0, -0.1))
-    assert tp.phase_delta_markdown(d).splitlines()[2].startswith("| o_proj | 1 | -1.00 | +0.00 | -0.20 | +0.00 |")
+    assert tp.phase_table_markdown(d, signed=True).splitlines()[2].startswith("| o_proj | 1 | -1.00 | +0.00 | -0.20 | +0.00 |")
 

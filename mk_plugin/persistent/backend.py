@@ -329,11 +329,11 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             raise RuntimeError("retune() rebuilds a program: not during CUDA-graph capture")
         if not 1 <= batch <= self.max_tokens:
             raise ValueError(f"batch of {batch} tokens; this decoder handles 1..{self.max_tokens}")
-        if tuning.w_tma:   # on any executor: the error names what the model lacks (the CPU one builds no maps)
+        if tuning.w_tma and self._wptr is not None:   # the maps (their model check first) before the program
+            self._ensure_weight_maps(self._wptr)
+        elif tuning.w_tma:   # the CPU executor builds no maps: the model check alone, so its error is the same
             from .tensormap import check_weights_model
             check_weights_model(self.spec)
-            if self._wptr is not None:   # the maps before the program that copies by them
-                self._ensure_weight_maps(self._wptr)
         self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
         self._entries.pop(batch, None)
         self._update_needs_maps()

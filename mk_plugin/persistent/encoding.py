@@ -247,6 +247,18 @@ def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
 BUF_TAGGED = 16
 CTR_DATA = 1 << 30
 DATA_WAIT_COUNTER = -2   # the error record's counter field for a data wait that timed out (csrc stage_x_tagged)
+TAGGED_BUF_FIELDS = ("in_buf", "out_buf")          # decode: key "in_tagged" / "out_tagged"
+DATA_CTR_FIELDS = ("wait0_ctr", "wait1_ctr", "signal_ctr")   # decode: key "wait0_data" / ... / "signal_data"
+
+
+def tag_buf(buf: int, tagged: bool) -> int:
+    """A record's in_buf / out_buf word with MK_DATA_FLAG's bit."""
+    return buf | BUF_TAGGED if tagged else buf
+
+
+def data_ctr(ctr: int, data: bool) -> int:
+    """A record's wait / signal counter word with MK_DATA_FLAG's bit (-1, no counter, stays -1)."""
+    return ctr | CTR_DATA if data and ctr >= 0 else ctr
 
 
 def data_tag(layer: int) -> int:
@@ -296,7 +308,6 @@ class KernelLayout:
     @property
     def smem_bytes(self) -> int:
         return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
-
 
     def staged_fits(self, k: int, batch: int, norm: bool) -> bool:
         """Whether a matvec task stages its activations x[batch, k] whole in the scratch (csrc/matvec.cuh
@@ -424,10 +435,10 @@ class DecodedProgram:
 def record_words(rec: dict[str, int]) -> list[int]:
     """A decoded task record's TASK_WORDS words as encoded (decode's MK_DATA_FLAG keys put back into their bits)."""
     d = dict(rec)
-    for k in ("in_buf", "out_buf"):
-        d[k] |= BUF_TAGGED if rec[k.replace("buf", "tagged")] else 0
-    for k in ("wait0", "wait1", "signal"):
-        d[f"{k}_ctr"] |= CTR_DATA if rec[f"{k}_data"] else 0
+    for k in TAGGED_BUF_FIELDS:
+        d[k] = tag_buf(rec[k], rec[k.replace("buf", "tagged")])
+    for k in DATA_CTR_FIELDS:
+        d[k] = data_ctr(rec[k], rec[k.replace("ctr", "data")])
     return [int(d[f]) for f in TASK_FIELDS]
 
 
@@ -448,14 +459,14 @@ def decode(prog: np.ndarray) -> DecodedProgram:
         for t in range(offs[i], offs[i + 1]):
             w = p[at + t * TASK_WORDS: at + (t + 1) * TASK_WORDS]
             rec = {name: int(w[j]) for j, name in enumerate(TASK_FIELDS)}
-            for k in ("in_buf", "out_buf"):   # MK_DATA_FLAG's bits, as separate keys
+            for k in TAGGED_BUF_FIELDS:   # MK_DATA_FLAG's bits, as separate keys (record_words puts them back)
                 rec[k.replace("buf", "tagged")] = bool(rec[k] & BUF_TAGGED)
                 rec[k] &= ~BUF_TAGGED
-            for k in ("wait0", "wait1", "signal"):
-                c = rec[f"{k}_ctr"]
-                rec[f"{k}_data"] = c >= 0 and bool(c & CTR_DATA)
+            for k in DATA_CTR_FIELDS:
+                c = rec[k]
+                rec[k.replace("ctr", "data")] = c >= 0 and bool(c & CTR_DATA)
                 if c >= 0:
-                    rec[f"{k}_ctr"] = c & ~CTR_DATA
+                    rec[k] = c & ~CTR_DATA
             q.append(rec)
         queues.append(q)
     return DecodedProgram(hdr, queues)

@@ -45,16 +45,16 @@ from dataclasses import dataclass, field
 
 from ..spec import LlamaSpec
 from .encoding import (
-    BUF_TAGGED,
-    CTR_DATA,
     LAYOUT,
     NUM_WAITS,
     TASK_WORDS,
     UNIT,
     Buf,
     Opcode,
+    data_ctr,
     ksplit_arg,
     ksplit_range,
+    tag_buf,
 )
 from .graph import FusedOp, decode_graph, residual_source
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
@@ -124,12 +124,11 @@ class Task:
             raise ValueError(f"task {self.tid} has {len(ws)} waits; the record holds {NUM_WAITS}")
         ws += [(-1, 0)] * (NUM_WAITS - len(ws))
         sig = self.signal or (-1, 0)
-        rec = [int(self.opcode), self.op.layer, *self.args, int(self.in_buf) | (BUF_TAGGED if self.in_tagged else 0),
-               int(self.res_buf), int(self.out_buf) | (BUF_TAGGED if self.out_tagged else 0)]
+        rec = [int(self.opcode), self.op.layer, *self.args, tag_buf(int(self.in_buf), self.in_tagged),
+               int(self.res_buf), tag_buf(int(self.out_buf), self.out_tagged)]
         for c, t in ws:
-            rec += [c | CTR_DATA if c >= 0 and c in self.data_waits else c, t]
-        sig_ctr = sig[0] | CTR_DATA if sig[0] >= 0 and self.data_signal else sig[0]
-        rec += [sig_ctr, sig[1], self.tid, -1 if self.ticket is None else self.ticket]
+            rec += [data_ctr(c, c in self.data_waits), t]
+        rec += [data_ctr(sig[0], self.data_signal), sig[1], self.tid, -1 if self.ticket is None else self.ticket]
         assert len(rec) == TASK_WORDS
         return rec
 
@@ -401,10 +400,14 @@ def mark_data_edges(ts: TaskSet, tuning: ScheduleTuning, fallback: frozenset[str
     lay = LAYOUT.with_stages(tuning.num_stages) if tuning.num_stages else LAYOUT
     if not lay.staged_fits(ts.spec.intermediate_size, ts.batch, norm=False):
         return 0
+    by_name = {c.name: i for i, c in enumerate(ts.counters)}
     marked = 0
     for op in ts.ops:
         if op.name != "down":
             continue
+        # the residual of o_proj(l) (down's res_buf) is no longer ordered through gate_up's counter: down waits for it
+        # directly (the SM's counter cache makes that free where its gate_up task waited on the same counter)
+        oc = by_name[f"L{op.layer}.o_proj"]
         lo, hi = ts.op_ranges[f"L{op.layer}.gate_up"]
         gate_up = ts.tasks[lo:hi]
         ctrs = {t.signal[0] for t in gate_up if t.signal is not None}
@@ -415,9 +418,6 @@ def mark_data_edges(ts: TaskSet, tuning: ScheduleTuning, fallback: frozenset[str
         for t in ts.tasks[slice(*ts.op_ranges[op.key])]:
             t.in_tagged = True
             t.data_waits = frozenset(c for c, _ in t.waits if c in ctrs)
-            # the residual of o_proj(l) (res_buf) is no longer ordered through gate_up's counter: wait for it
-            # directly (the SM's counter cache makes it free: its gate_up task waited on the same counter)
-            oc = next(i for i, c in enumerate(ts.counters) if c.name == f"L{op.layer}.o_proj")
             if all(c != oc for c, _ in t.waits):
                 t.waits = [*t.waits, (oc, ts.counters[oc].total)]
         marked += 1

@@ -81,12 +81,14 @@ def phase_table(records: Sequence[dict]) -> list[PhaseRow]:
     return rows
 
 
-def phase_table_markdown(rows: Sequence[PhaseRow]) -> str:
+def phase_table_markdown(rows: Sequence[PhaseRow], *, signed: bool = False) -> str:
+    """The per-op table; signed=True writes every time with its sign (phase_delta's rows)."""
+    f = "+.2f" if signed else ".2f"
     head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
     out = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:.2f} | {r.entry_us:.2f} | {r.stage_us:.2f} | "
-                   f"{r.chunks_us:.2f} | {r.reduce_us:.2f} | {r.release_us:.2f} | {r.other_us:.2f} |")
+        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:{f}} | {r.entry_us:{f}} | {r.stage_us:{f}} | "
+                   f"{r.chunks_us:{f}} | {r.reduce_us:{f}} | {r.release_us:{f}} | {r.other_us:{f}} |")
     return "\n".join(out)
 
 
@@ -103,15 +105,6 @@ def phase_delta(a: Sequence[PhaseRow], b: Sequence[PhaseRow]) -> list[PhaseRow]:
                                              ("busy_us", "entry_us", "stage_us", "chunks_us", "reduce_us",
                                               "release_us", "other_us"))))
     return out
-
-
-def phase_delta_markdown(rows: Sequence[PhaseRow]) -> str:
-    head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
-    out = [head, "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:+.2f} | {r.entry_us:+.2f} | {r.stage_us:+.2f} | "
-                   f"{r.chunks_us:+.2f} | {r.reduce_us:+.2f} | {r.release_us:+.2f} | {r.other_us:+.2f} |")
-    return "\n".join(out)
 
 
 LAG_BUCKETS_US = (0.0, 2.0, 5.0)   # edges: <0 (the next weights not started yet), 0-2, 2-5, >= 5 us
@@ -247,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--compare takes two records files (A B), got {len(args.records)}")
         a, b = (phase_table(load_records(p)[0]) for p in args.records)
         print(f"## {args.records[1]} minus {args.records[0]}\n\nmedian per task (us):\n\n"
-              f"{phase_delta_markdown(phase_delta(a, b))}\n")
+              f"{phase_table_markdown(phase_delta(a, b), signed=True)}\n")
         return 0
     for path in args.records:
         recs, _ = load_records(path)
