@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 22's GPU calls (bench/NOTES.md session 21, "Next"). Run from the project root on the GPU host with
 # .commit carried: `bash bench/gpu_session29.sh N $OUT` (out must be set: records written elsewhere do not come
-# back), in the order 1, 8 (if the probe says so), 11, 12, 3, 4, 5, 6, then if time is left 9, 2, 7. Calls 1, 8, 9 and 2
-# need no vLLM; 11 and 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the third part and
-# unpack.sh; 4-7 reuse the unpacked tree while the machine stays warm (the autotuner calls 9 and 2 are ~10 min each).
+# back), in the order 1, 11, 12, 3, 4, 5, 6, then if time is left 9, 2, 7. Calls 1, 9 and 2 need no vLLM; 11 and
+# 12 carry the bundle parts (move bench/results/**/*.gz aside first), 3 the third part and unpack.sh; 4-7 reuse the
+# unpacked tree while the machine stays warm (the autotuner calls 9 and 2 are ~10 min each).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), soak_megakernel()
@@ -26,16 +26,6 @@ case $n in
      # --write-tuned: the session decides from the report)
      timeout 560 python3 bench/autotune.py --models 8b --batch 16 --lm-head off --rounds 2 --reps 100 \
        --outdir "$out" 2>&1 | tail -12 ;;
-  8) # MK_DATA_FLAG (built in session 21 ahead of the probe: run only if call 1's mode 6 is well below mode 7): the
-     # gate_up -> down hand-off as tagged data at batch 1 (down stages ACT whole there), bitwise first, then the A/B.
-     # Predicted (NOTES session 21): data_flag -1..-2 us per layer (1B b1 -15..-30 us, 8B b1 -30..-60: gate_up's
-     # release and down's poll round trip); with the gate off too (the gate's reason was gate_up's fence, gone
-     # here: down's weights then prefetch during gate_up's tail) 1B b1 -30..-60, 8B b1 -50..-120; b8 unchanged
-     # (unmarked programs: the build alone, its code-generation cost)
-     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "data_flag" 2>&1 | tail -3
-     B="--build default --build MK_DATA_FLAG=1 --build MK_DATA_FLAG=1,MK_RELEASE_GATE=0"
-     timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 --rounds 2 $B
-     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B ;;
   2) timeout 560 python3 bench/autotune.py --models 1b --batch 1 16 --lm-head off --rounds 2 --reps 100 \
        --outdir "$out" 2>&1 | tail -12 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;

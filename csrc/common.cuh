@@ -267,21 +267,11 @@ __device__ __forceinline__ elem_t* buf_ptr(const Params& P, int id) {
 }
 
 // Task record fields, loaded once per task.
-#if MK_DATA_FLAG
-constexpr int DF_IN_TAG = 1, DF_OUT_TAG = 2, DF_WAIT0_DATA = 4, DF_SIGNAL_DATA = 4 << NUM_WAITS;  // Task.dflags
-// the tag a tagged producer of `layer` stores (encoding.data_tag: never 0, the step's memset value)
-__device__ __forceinline__ unsigned data_tag(int layer) { return (unsigned)(layer + 1); }
-#endif
 struct Task {
   int opcode, layer, arg0, arg1, arg2, in_buf, res_buf, out_buf;
   int wait_ctr[NUM_WAITS], wait_target[NUM_WAITS];
   int signal_ctr, signal_add;
   int ticket_ctr;  // ATTN_PARTIAL merging in the partial: its (b, g) ticket counter; -1 otherwise
-#if MK_DATA_FLAG
-  // encoding.BUF_TAGGED / CTR_DATA, taken off the fields above: in_buf / out_buf hold (tag << 16 | value) words;
-  // a data wait is not polled (the tagged load is the poll), a data signal is not released
-  int dflags;   // DF_* bits (one register: five bools spilled the 8B build's kernel)
-#endif
 };
 
 __device__ __forceinline__ Task load_task(const Params& P, int index) {
@@ -305,41 +295,7 @@ __device__ __forceinline__ Task load_task(const Params& P, int index) {
   t.signal_ctr = w[F_SIGNAL_CTR];
   t.signal_add = w[F_SIGNAL_ADD];
   t.ticket_ctr = w[F_TICKET_CTR];
-#if MK_DATA_FLAG
-  t.dflags = ((t.in_buf & BUF_TAGGED) ? DF_IN_TAG : 0) | ((t.out_buf & BUF_TAGGED) ? DF_OUT_TAG : 0);
-  t.in_buf &= BUF_TAGGED - 1;
-  t.out_buf &= BUF_TAGGED - 1;
-#pragma unroll
-  for (int i = 0; i < NUM_WAITS; ++i) {
-    if (t.wait_ctr[i] >= 0) {   // -1 (no counter) keeps its bits
-      if (t.wait_ctr[i] & CTR_DATA) t.dflags |= DF_WAIT0_DATA << i;
-      t.wait_ctr[i] &= ~CTR_DATA;
-    }
-  }
-  if (t.signal_ctr >= 0) {
-    if (t.signal_ctr & CTR_DATA) t.dflags |= DF_SIGNAL_DATA;
-    t.signal_ctr &= ~CTR_DATA;
-  }
-#endif
   return t;
-}
-
-// MK_DATA_FLAG: whether wait w / the signal of t is data (skipped by the counter code); false in other builds.
-__device__ __forceinline__ bool wait_is_data(const Task& t, int w) {
-#if MK_DATA_FLAG
-  return (t.dflags >> w) & DF_WAIT0_DATA;
-#else
-  (void)t; (void)w;
-  return false;
-#endif
-}
-__device__ __forceinline__ bool signal_is_data(const Task& t) {
-#if MK_DATA_FLAG
-  return (t.dflags & DF_SIGNAL_DATA) != 0;
-#else
-  (void)t;
-  return false;
-#endif
 }
 
 #define NEG_INF (__int_as_float(0xff800000u))  // -inf (no constexpr infinity in NVRTC)

@@ -17,13 +17,6 @@ __device__ __forceinline__ void gate_up_epilogue(const Smem& S, const Params& P,
     if (b < P.batch) {
       const float gt = stock_rnd(v[e]);   // STOCK: vLLM's gate_up GEMM stores g and u first
       const elem_t a = from_f(gt / (1.f + __expf(-gt)) * stock_rnd(vu[e]));
-#if MK_DATA_FLAG
-      if ((t.dflags & DF_OUT_TAG)) {   // (tag | value), relaxed: down polls these words instead of a counter (no release)
-        st_relaxed_gpu_u32(reinterpret_cast<unsigned*>(P.buf[BUF_ACT]) + (size_t)b * I + col,
-                           data_tag(t.layer) << 16 | (unsigned)a.bits);
-        continue;
-      }
-#endif
       act[(size_t)b * I + col] = a;
     }
   }

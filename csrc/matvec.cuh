@@ -429,84 +429,6 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
   consumer_sync();
 }
 
-#if MK_DATA_FLAG
-// MK_DATA_FLAG (A/B switch, session 21): the 8 words of one 16-byte unit of x carry `tag` in their high halves
-__device__ __forceinline__ bool tags_are(const uint4& a, const uint4& b, unsigned tag) {
-  return ((a.x >> 16) == tag) & ((a.y >> 16) == tag) & ((a.z >> 16) == tag) & ((a.w >> 16) == tag) &
-         ((b.x >> 16) == tag) & ((b.y >> 16) == tag) & ((b.z >> 16) == tag) & ((b.w >> 16) == tag);
-}
-
-// the unit's 8 values as stage_x stores them (element 2j in the low half of word j)
-__device__ __forceinline__ uint4 untag8(const uint4& a, const uint4& b) {
-  return make_uint4((a.x & 0xFFFFu) | (a.y << 16), (a.z & 0xFFFFu) | (a.w << 16), (b.x & 0xFFFFu) | (b.y << 16),
-                    (b.z & 0xFFFFu) | (b.w << 16));
-}
-
-// x[B, K] from a tagged buffer (words tag << 16 | value, row stride ldx words) into the scratch as stage_x lays out
-// an untagged x (no norm row: a data edge's consumer is down). The load is the poll: the units of a round (U per
-// thread, their loads in flight together, as stage_x's) whose 8 words do not all carry `tag` (the producer's layer +
-// 1, encoding.data_tag; the step's memset left 0) are read again together, one round trip per poll, until none is
-// stale; giving up when this CTA stops, when another SM has recorded a failure, or after the watchdog's budget
-// (recorded as a counter timeout on DATA_WAIT_COUNTER with the tag expected and one seen). Ends with consumer_sync().
-__device__ __forceinline__ void stage_x_tagged(const Smem& S, const Params& P, unsigned char* xs, const unsigned* x,
-                                               int K, int ldx, int B, unsigned tag) {
-  const int vpr = K / 8, total = B * vpr, rowb = K * 2 + 16;
-  constexpr int U = 4;
-  unsigned long long t0 = 0;
-  bool give_up = false;
-  for (int base = threadIdx.x; base < total; base += U * CONSUMER_THREADS) {
-    uint4 lo[U], hi[U];
-    unsigned stale = 0;   // bit u: unit u of this round is read and not yet all tagged
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = base + u * CONSUMER_THREADS;
-      lo[u] = hi[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (idx < total) {
-        const unsigned* src = x + (size_t)(idx / vpr) * ldx + (idx % vpr) * 8;
-        lo[u] = ld_relaxed_gpu_v4(src);
-        hi[u] = ld_relaxed_gpu_v4(src + 4);
-        stale |= 1u << u;
-      }
-    }
-    for (;;) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (((stale >> u) & 1u) && tags_are(lo[u], hi[u], tag)) stale &= ~(1u << u);
-      if (stale == 0 || give_up) break;
-      if (t0 == 0) t0 = global_ns();
-      if (*S.abort_flag() || ld_relaxed_gpu_s32(P.err) != 0) {
-        give_up = true;   // this CTA is stopping, or a wait elsewhere failed: stage whatever the words hold
-        break;
-      }
-      if (global_ns() - t0 > P.budget_ns) {
-        const int u = __ffs(stale) - 1;
-        watchdog_record(P, ERR_COUNTER_TIMEOUT, *S.cur_task(), DATA_WAIT_COUNTER, (int)tag, (int)(lo[u].x >> 16),
-                        global_ns() - t0);
-        *S.abort_flag() = 1;
-        give_up = true;
-        break;
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {   // every stale unit again, together
-        if ((stale >> u) & 1u) {
-          const int idx = base + u * CONSUMER_THREADS;
-          const unsigned* src = x + (size_t)(idx / vpr) * ldx + (idx % vpr) * 8;
-          lo[u] = ld_relaxed_gpu_v4(src);
-          hi[u] = ld_relaxed_gpu_v4(src + 4);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = base + u * CONSUMER_THREADS;
-      if (idx < total)
-        *reinterpret_cast<uint4*>(xs + (size_t)(idx / vpr) * rowb + (idx % vpr) * 16) = untag8(lo[u], hi[u]);
-    }
-  }
-  consumer_sync();
-}
-#endif
-
 // B fragments from the staged copy (see load_x_frags for the fragment layout and the
 // normalisation, here with the norm weight from the staged row B).
 template <int NT, int JMAX>
@@ -726,11 +648,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-#if MK_DATA_FLAG
-    if ((t.dflags & DF_IN_TAG) && staged)   // a data edge's consumer (tasks.mark_data_edges: only where x is staged whole)
-      stage_x_tagged(S, P, xs, reinterpret_cast<const unsigned*>(P.buf[t.in_buf]), wp.K, wp.ldx, B, data_tag(t.layer));
-    else
-#endif
     if (staged) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {

@@ -32,8 +32,6 @@
 // before the dependency wait (matvec_dispatch); qkv_rope's cos|sin values are loaded at the start of the pass
 // (rope_prefetch). o_proj/down stream x by column groups only when it does not fit the scratch whole (the
 // column groups at batch 1 too measured +36 us at 1B batch 1).
-// MK_DATA_FLAG=1 (A/B switch, session 21): the program's data edges (gate_up -> down where down stages ACT whole): the
-// consumer skips the wait, the producer the release; the tagged stores and loads are in gate_up.cuh / matvec.cuh.
 // MK_TRACE_PHASES=1 (bench only): matvec tasks record the ns of their phases in the trace (encoding.py
 // TRACE_FIELDS); the defaults of all these switches are generated into tasks.h from variant.KernelVariant
 #include "matvec.cuh"
@@ -88,12 +86,6 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     wp.K = hi - lo;
   }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
-#if MK_DATA_FLAG
-  if ((t.dflags & DF_IN_TAG) && !staged && threadIdx.x == 0) {   // a tagged x must be staged whole (mark_data_edges): never run
-    watchdog_record(P, ERR_BAD_PROGRAM, *S.cur_task(), DATA_WAIT_COUNTER, 0, 0, 0);
-    *S.abort_flag() = 1;
-  }
-#endif
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else
@@ -119,7 +111,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
       for (int w = 0; w < NUM_WAITS; ++w) {
         const int c = t.wait_ctr[w];
         const unsigned target = (unsigned)t.wait_target[w];
-        if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1) || wait_is_data(t, w)) continue;
+        if (stop || c < 0 || (c == known_ctr && target <= known_val) || (MK_DIAG & 1)) continue;
         unsigned v;
         if (task_counter_wait(P, ti, c, target, v) != WAIT_OK) {
           stop = 1;
@@ -155,7 +147,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     consumer_sync();  // all of this task's stores precede the release below
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
-    if (threadIdx.x == 0 && t.signal_ctr >= 0 && !signal_is_data(t))   // a data signal: the tagged words are it
+    if (threadIdx.x == 0 && t.signal_ctr >= 0)
       red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {

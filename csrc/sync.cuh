@@ -60,19 +60,6 @@ __device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const unsigned* p) {
   return v;
 }
 
-// MK_DATA_FLAG's tagged words: single-copy atomic 32-bit stores and loads at gpu scope (a vector load is four of
-// them, each word read atomically on its own: a word with the new tag has the new value).
-__device__ __forceinline__ void st_relaxed_gpu_u32(unsigned* p, unsigned v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const unsigned* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-
 // Slow path of a counter wait (the caller has read *p once and found it < target): poll until
 // *p >= target. The first SPIN_POLLS polls are back to back, relaxed loads (an acquire invalidates
 // L1 on every poll); then __nanosleep(256) between polls. The acquire is done once, on success. A

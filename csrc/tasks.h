@@ -64,9 +64,6 @@ constexpr int COUNTER_STRIDE = 8;
 constexpr int MAX_BATCH = 16;
 constexpr int UNIT = 16;
 constexpr int KSPLIT_SHIFT = 8;   // arg2 of a K-split o_proj/down task: parts << 8 | part
-constexpr int BUF_TAGGED = 16;   // MK_DATA_FLAG: in_buf / out_buf bit (a tagged buffer)
-constexpr int CTR_DATA = 0x40000000;   // MK_DATA_FLAG: a wait's / the signal's counter bit (data as flag)
-constexpr int DATA_WAIT_COUNTER = -2;   // MK_DATA_FLAG: the error record's counter, a data wait
 
 // Watchdog error record (encoding.ERROR_FIELDS)
 enum ErrorCode : int {
@@ -190,9 +187,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_INFLIGHT
 #define MK_INFLIGHT 0
-#endif
-#ifndef MK_DATA_FLAG
-#define MK_DATA_FLAG 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -64,8 +64,7 @@ def test_encode_decode_roundtrip(recs, nq, batch, chunks, rnd):
     assert dp.header["batch"] == batch and dp.header["attn_chunks"] == chunks
     assert dp.header["num_queues"] == nq and dp.num_tasks == len(recs)
     for q, dq in zip(queues, dp.queues):
-        # (decode takes MK_DATA_FLAG's bits off in_buf / out_buf and the counters into keys: record_words puts them back)
-        assert [enc.record_words(d) for d in dq] == [recs[i] for i in q]
+        assert [[d[f] for f in enc.TASK_FIELDS] for d in dq] == [recs[i] for i in q]
 
 
 def test_encode_rejects_bad_queues():

@@ -457,34 +457,6 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
 
 
-@pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 2), ("llama-3.1-8b", 2), ("llama-3.2-1b", 1)])
-def test_data_flag_is_bitwise_the_default(models, name, layers):
-    """MK_DATA_FLAG: gate_up stores (tag | bf16) words with no release and down polls them instead of a counter, at
-    batch 1 (marked: down stages ACT whole); at batch 2 the build runs unmarked programs. The same sums in the same
-    order, so each step equals the default build's bit for bit, with the 8B table's tensor-map + cap variant too;
-    steps with other inputs in turn (one layer: every step's gate_up writes tag 1) show that a step never takes an
-    earlier step's words (the step's memset zeroes the tags with the counters)."""
-    from mk_plugin.persistent.variant import KernelVariant
-
-    spec, w = models(name, layers)
-    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
-    base = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off")
-    decs = [MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning="off")
-            for v in (KernelVariant(data_flag=True), KernelVariant(data_flag=True, w_tma=True, inflight=2))]
-    for bsz in (1, 2):
-        batches = [gpu_batch(spec, [(97 * i + 29 * k) % 700 + 1 for i in range(bsz)], seed=41 + 7 * k + bsz)
-                   for k in range(2)]
-        refs = [_run_mk(base, spec, w, b, cs) for b in batches]
-        for dec in decs:
-            assert dec._entry(bsz).program.tagged_act == (bsz == 1)
-            for k in (0, 1, 0, 1):
-                o, lg, c = _run_mk(dec, spec, w, batches[k], cs)
-                assert torch.equal(o, refs[k][0]) and torch.equal(lg, refs[k][1]), (bsz, k)
-                assert all(torch.equal(a, b) for a, b in zip(c, refs[k][2]))
-            assert dec.pending_error() is False and dec.error_record() is None
-    _assert_step_matches_ref_and_triton(spec, w, batches[1], cs, *_run_mk(decs[0], spec, w, batches[1], cs))
-
-
 @pytest.mark.parametrize("name,parts", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
     """tuning.piece_deps only changes which gate_up tasks each down part waits for (and gate_up's cut at the parts'

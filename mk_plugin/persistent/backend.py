@@ -301,7 +301,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             raise RuntimeError(f"megakernel program for batch {batch} is not built; call "
                                "MegakernelDecoder.prepare() before CUDA-graph capture")
         prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback,
-                             tuning=self.tunings[batch], data_flag=self.variant_for(batch).data_flag)
+                             tuning=self.tunings[batch])
         e = self._upload(prog, program_meta(prog, self._source_hash()))
         self._entries[batch] = e
         return e
@@ -366,15 +366,12 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         self.check_meta(meta, prog.batch)
         segs = [torch.from_numpy(s.encoded).to(self.device) if isinstance(s, Segment) else None
                 for s in prog.steps]
-        nc = max(1, prog.num_counters) * COUNTER_STRIDE
-        tagged = prog.batch * self.spec.intermediate_size if prog.tagged_act else 0
-        counters = torch.zeros(nc + tagged, dtype=torch.int32, device=self.device)
-        tagged_act = counters[nc:].view(prog.batch, self.spec.intermediate_size) if tagged else None
+        counters = torch.zeros(max(1, prog.num_counters) * COUNTER_STRIDE, dtype=torch.int32, device=self.device)
         traces = None
         if self.trace:
             traces = [torch.zeros(len(s.tasks) * TRACE_WORDS, dtype=torch.int64, device=self.device)
                       if isinstance(s, Segment) else None for s in prog.steps]
-        return _Entry(prog, segs, counters, traces, meta, tagged_act)
+        return _Entry(prog, segs, counters, traces, meta)
 
     def _att_tma_off(self, why: str) -> None:
         """The ring-fed attention (MK_ATT_TMA) cannot serve this model or these caches: the kernel without it
@@ -546,9 +543,6 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         C = self.attn_chunks(batch)
         parts = batch * s.num_kv_heads * C
         out = {k: v[:batch] for k, v in self.ws.items()}
-        e = self._entries.get(batch)
-        if self.executor == "cuda" and e is not None and e.tagged_act is not None:   # MK_DATA_FLAG: ACT's values, untagged
-            out[Buf.ACT] = (e.tagged_act & 0xFFFF).to(torch.int16).view(self.spec.torch_dtype)
         out[Buf.PART_O] = self.part_o[: parts * s.gqa_group * s.head_dim].view(
             batch, s.num_kv_heads, C, s.gqa_group, s.head_dim)
         out[Buf.PART_ML] = self.part_ml[: parts * s.gqa_group * 2].view(batch, s.num_kv_heads, C, s.gqa_group, 2)

@@ -239,34 +239,6 @@ def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
     return g * (steps * part // parts), g * (steps * (part + 1) // parts)
 
 
-# MK_DATA_FLAG (A/B switch, session 21): an edge whose consumer polls the data instead of a counter. The producer's
-# output words are (tag << 16 | 16-bit value), stored relaxed, with no release; the consumer re-reads its input until
-# every word carries the expected tag (data_tag). In the record: BUF_TAGGED on in_buf / out_buf (the buffer is
-# tagged), CTR_DATA on a wait's or the signal's counter (the kernel skips that wait / release; the VM and the
-# deadlock checker keep them, as the dependency they stand for). decode() strips both into *_tagged / *_data keys.
-BUF_TAGGED = 16
-CTR_DATA = 1 << 30
-DATA_WAIT_COUNTER = -2   # the error record's counter field for a data wait that timed out (csrc stage_x_tagged)
-TAGGED_BUF_FIELDS = ("in_buf", "out_buf")          # decode: key "in_tagged" / "out_tagged"
-DATA_CTR_FIELDS = ("wait0_ctr", "wait1_ctr", "signal_ctr")   # decode: key "wait0_data" / ... / "signal_data"
-
-
-def tag_buf(buf: int, tagged: bool) -> int:
-    """A record's in_buf / out_buf word with MK_DATA_FLAG's bit."""
-    return buf | BUF_TAGGED if tagged else buf
-
-
-def data_ctr(ctr: int, data: bool) -> int:
-    """A record's wait / signal counter word with MK_DATA_FLAG's bit (-1, no counter, stays -1)."""
-    return ctr | CTR_DATA if data and ctr >= 0 else ctr
-
-
-def data_tag(layer: int) -> int:
-    """The tag of the words a tagged producer of `layer` stores (ACT by gate_up(layer)); 0 is never a tag: the step's
-    memset zeroes the tagged buffer with the counters, so a word of an earlier step can never match."""
-    return layer + 1
-
-
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
 COUNTER_STRIDE = 8
 MAX_BATCH = 16
@@ -309,12 +281,6 @@ class KernelLayout:
     def smem_bytes(self) -> int:
         return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
 
-    def staged_fits(self, k: int, batch: int, norm: bool) -> bool:
-        """Whether a matvec task stages its activations x[batch, k] whole in the scratch (csrc/matvec.cuh
-        staged_fits: rows padded to k * 2 + 16 bytes, a norm-fused op's norm weight as one more row, the per-warp
-        row sums at the scratch's end), else it copies them by column groups."""
-        stage_part = 4 * self.consumer_warps * MAX_BATCH
-        return (batch + (1 if norm else 0)) * (k * 2 + 16) <= self.union_bytes - stage_part
 
     def with_stages(self, num_stages: int) -> KernelLayout:
         """The same shared memory with a ring of num_stages slots: the per-task scratch takes what the
@@ -432,16 +398,6 @@ class DecodedProgram:
         return sum(len(q) for q in self.queues)
 
 
-def record_words(rec: dict[str, int]) -> list[int]:
-    """A decoded task record's TASK_WORDS words as encoded (decode's MK_DATA_FLAG keys put back into their bits)."""
-    d = dict(rec)
-    for k in TAGGED_BUF_FIELDS:
-        d[k] = tag_buf(rec[k], rec[k.replace("buf", "tagged")])
-    for k in DATA_CTR_FIELDS:
-        d[k] = data_ctr(rec[k], rec[k.replace("ctr", "data")])
-    return [int(d[f]) for f in TASK_FIELDS]
-
-
 def decode(prog: np.ndarray) -> DecodedProgram:
     """Inverse of :func:`encode` (checks magic, version and bounds)."""
     p = np.asarray(prog, dtype=np.int32)
@@ -458,15 +414,6 @@ def decode(prog: np.ndarray) -> DecodedProgram:
         q = []
         for t in range(offs[i], offs[i + 1]):
             w = p[at + t * TASK_WORDS: at + (t + 1) * TASK_WORDS]
-            rec = {name: int(w[j]) for j, name in enumerate(TASK_FIELDS)}
-            for k in TAGGED_BUF_FIELDS:   # MK_DATA_FLAG's bits, as separate keys (record_words puts them back)
-                rec[k.replace("buf", "tagged")] = bool(rec[k] & BUF_TAGGED)
-                rec[k] &= ~BUF_TAGGED
-            for k in DATA_CTR_FIELDS:
-                c = rec[k]
-                rec[k.replace("ctr", "data")] = c >= 0 and bool(c & CTR_DATA)
-                if c >= 0:
-                    rec[k] = c & ~CTR_DATA
-            q.append(rec)
+            q.append({name: int(w[j]) for j, name in enumerate(TASK_FIELDS)})
         queues.append(q)
     return DecodedProgram(hdr, queues)

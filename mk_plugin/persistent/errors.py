@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from .encoding import (
-    DATA_WAIT_COUNTER,
     ERROR_FIELDS,
     MBAR_TAG_DRAIN,
     MBAR_TAG_EMPTY,
@@ -73,10 +72,7 @@ class MegakernelHang(MegakernelError):
                 opname = f"opcode {r['opcode']}"
             task = (f"task #{r['task_index']} of the launch (tid {r['tid']}, "
                     f"{self.op or opname}, {opname}, layer {r['layer']})")
-        if code == ErrorCode.COUNTER_TIMEOUT and r["counter"] == DATA_WAIT_COUNTER:
-            what = (f"data wait (MK_DATA_FLAG): the tagged input's words never all carried tag {r['expected']} "
-                    f"(one showed {r['seen']}) after {r['elapsed_us'] / 1000:.1f} ms")
-        elif code == ErrorCode.COUNTER_TIMEOUT:
+        if code == ErrorCode.COUNTER_TIMEOUT:
             what = (f"counter wait: counter {r['counter']} >= {r['expected']} expected, "
                     f"{r['seen']} seen after {r['elapsed_us'] / 1000:.1f} ms")
         elif code == ErrorCode.MBAR_TIMEOUT:

@@ -19,12 +19,9 @@ from .schedule import FallbackStep, Program
 class _Entry:
     program: Program
     seg_progs: list[torch.Tensor | None]   # device int32 program per step (None: fallback step)
-    counters: torch.Tensor                 # int32 [num_counters * COUNTER_STRIDE (+ the tagged ACT's words)]
+    counters: torch.Tensor                 # int32 [num_counters * COUNTER_STRIDE]
     traces: list[torch.Tensor | None] | None = None  # int64 [num_tasks * TRACE_WORDS] per segment
     meta: ProgramMeta | None = field(default=None)
-    # MK_DATA_FLAG: the tagged ACT ([batch, I] int32 words, tag << 16 | bf16), a view into `counters`' tail, so the
-    # step's one memset zeroes its tags too (Program.tagged_act); None: ACT is the workspace's bf16 buffer
-    tagged_act: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -45,8 +42,7 @@ class CudaExecutorMixin:
             "block_size": io.kv_caches[0].shape[2], "cos_sin": cs, "cs_rows": cs.shape[0],
             "cs_stride": cs.stride(0), "cs_f32": 1 if cs.dtype == torch.float32 else 0,
             "hidden_in": bufs[Buf.HIDDEN_IN], "resid": bufs[Buf.RESID], "q": bufs[Buf.Q],
-            "attn_o": bufs[Buf.ATTN_O], "act": bufs[Buf.ACT] if e.tagged_act is None else e.tagged_act,
-            "out": bufs[Buf.OUT],
+            "attn_o": bufs[Buf.ATTN_O], "act": bufs[Buf.ACT], "out": bufs[Buf.OUT],
             "logits": bufs.get(Buf.LOGITS), "part_o": bufs[Buf.PART_O], "part_ml": bufs[Buf.PART_ML],
             "part_k": bufs[Buf.PART_K],
             "trace": None, "err": self.err, "err_host": self._err_host, "watchdog_ms": self.watchdog_ms,

@@ -6,10 +6,7 @@ from __future__ import annotations
 import enum
 
 from .encoding import (
-    BUF_TAGGED,
     COUNTER_STRIDE,
-    CTR_DATA,
-    DATA_WAIT_COUNTER,
     ERROR_FIELDS,
     ERROR_WORDS,
     HEADER_FIELDS,
@@ -93,9 +90,6 @@ def generate_header() -> str:
         f"constexpr int MAX_BATCH = {MAX_BATCH};",
         f"constexpr int UNIT = {UNIT};",
         f"constexpr int KSPLIT_SHIFT = {KSPLIT_SHIFT};   // arg2 of a K-split o_proj/down task: parts << 8 | part",
-        f"constexpr int BUF_TAGGED = {BUF_TAGGED};   // MK_DATA_FLAG: in_buf / out_buf bit (a tagged buffer)",
-        f"constexpr int CTR_DATA = {CTR_DATA:#x};   // MK_DATA_FLAG: a wait's / the signal's counter bit (data as flag)",
-        f"constexpr int DATA_WAIT_COUNTER = {DATA_WAIT_COUNTER};   // MK_DATA_FLAG: the error record's counter, a data wait",
         "",
         "// Watchdog error record (encoding.ERROR_FIELDS)",
         _enum_cpp("ErrorCode", "ERR_", ErrorCode),

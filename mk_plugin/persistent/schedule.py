@@ -20,7 +20,7 @@ import numpy as np
 from ..spec import LlamaSpec
 from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
-from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks, mark_data_edges
+from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
 
 
@@ -84,7 +84,6 @@ class Program:
     prefix_len: int | None = None      # set on truncated programs
     taskset: TaskSet | None = field(default=None, repr=False)
     tuning: ScheduleTuning = DEFAULT_TUNING
-    tagged_act: bool = False   # MK_DATA_FLAG: ACT holds (tag | bf16) words (the decoder's tagged buffer, zeroed per step)
 
     @property
     def predicted_ns(self) -> float:
@@ -131,18 +130,14 @@ def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
 
 
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
-                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING,
-                  data_flag: bool = False) -> Program:
+                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING) -> Program:
     """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
-    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step.
-    data_flag (a build with MK_DATA_FLAG only): the gate_up -> down hand-offs as data where they can be
-    (tasks.mark_data_edges; Program.tagged_act)."""
+    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step."""
     why = megakernel_supports(spec)
     if why is not None:
         raise ValueError(f"the megakernel cannot run this model: {why}")
     ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
     fallback = frozenset(fallback)
-    tagged_act = data_flag and mark_data_edges(ts, tuning, fallback) > 0
     steps: list[Segment | FallbackStep] = []
     for part in split_segments(ts.ops, fallback):
         if isinstance(part, FusedOp):
@@ -156,7 +151,7 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
         steps.append(Segment(part, tasks, waits, queues,
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
-                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning, tagged_act=tagged_act)
+                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:

@@ -44,18 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import LlamaSpec
-from .encoding import (
-    LAYOUT,
-    NUM_WAITS,
-    TASK_WORDS,
-    UNIT,
-    Buf,
-    Opcode,
-    data_ctr,
-    ksplit_arg,
-    ksplit_range,
-    tag_buf,
-)
+from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range
 from .graph import FusedOp, decode_graph, residual_source
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
 
@@ -87,7 +76,6 @@ class Counter:
     name: str
     producer: str          # FusedOp.key of the op whose tasks signal it
     total: int = 0         # sum of all signal_add (the value once every signaller is done)
-    data: bool = False     # MK_DATA_FLAG: its signals are data (tagged words); on the GPU it stays 0
 
 
 @dataclass
@@ -110,12 +98,6 @@ class Task:
     merge_writes: list[Region] = field(default_factory=list)
     phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
     ticket: int | None = None  # merge-in-partial attention: the (b, g) ticket counter (encoding ticket_ctr)
-    # MK_DATA_FLAG (mark_data_edges): the input / output buffer is tagged; the waits on these counters and the
-    # signal are data (the kernel skips them; the VM and the checkers keep them as the dependency they stand for)
-    in_tagged: bool = False
-    out_tagged: bool = False
-    data_waits: frozenset[int] = frozenset()
-    data_signal: bool = False
 
     def record(self, waits: list[tuple[int, int]] | None = None) -> list[int]:
         """The TASK_WORDS int32 words of this task (encoding.TASK_FIELDS order)."""
@@ -124,11 +106,11 @@ class Task:
             raise ValueError(f"task {self.tid} has {len(ws)} waits; the record holds {NUM_WAITS}")
         ws += [(-1, 0)] * (NUM_WAITS - len(ws))
         sig = self.signal or (-1, 0)
-        rec = [int(self.opcode), self.op.layer, *self.args, tag_buf(int(self.in_buf), self.in_tagged),
-               int(self.res_buf), tag_buf(int(self.out_buf), self.out_tagged)]
+        rec = [int(self.opcode), self.op.layer, *self.args, int(self.in_buf), int(self.res_buf),
+               int(self.out_buf)]
         for c, t in ws:
-            rec += [data_ctr(c, c in self.data_waits), t]
-        rec += [data_ctr(sig[0], self.data_signal), sig[1], self.tid, -1 if self.ticket is None else self.ticket]
+            rec += [c, t]
+        rec += [sig[0], sig[1], self.tid, -1 if self.ticket is None else self.ticket]
         assert len(rec) == TASK_WORDS
         return rec
 
@@ -387,39 +369,3 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
     for t, deps in pending:
         t.waits = [(bld.by_name[n], bld.counters[bld.by_name[n]].total) for n in deps]
     return TaskSet(spec, batch, num_sms, C, ops, bld.tasks, bld.counters, op_ranges)
-
-
-def mark_data_edges(ts: TaskSet, tuning: ScheduleTuning, fallback: frozenset[str]) -> int:
-    """MK_DATA_FLAG: mark gate_up(l) -> down(l) as a data edge (tagged ACT, down's wait and gate_up's signal as
-    data) in every layer where down stages ACT whole at this batch and ring depth (KernelLayout.staged_fits), is not
-    cut over K, and both ops run in the megakernel (a fallback op writes or reads untagged buffers). In place;
-    returns the layers marked. Only gate_up writes ACT and only down reads it (tasks' regions), and down's other
-    input (the residual of o_proj(l)) is ordered by its second wait."""
-    if tuning.ksplit_for("down") > 1 or "gate_up" in fallback or "down" in fallback:
-        return 0
-    lay = LAYOUT.with_stages(tuning.num_stages) if tuning.num_stages else LAYOUT
-    if not lay.staged_fits(ts.spec.intermediate_size, ts.batch, norm=False):
-        return 0
-    by_name = {c.name: i for i, c in enumerate(ts.counters)}
-    marked = 0
-    for op in ts.ops:
-        if op.name != "down":
-            continue
-        # the residual of o_proj(l) (down's res_buf) is no longer ordered through gate_up's counter: down waits for it
-        # directly (the SM's counter cache makes that free where its gate_up task waited on the same counter)
-        oc = by_name[f"L{op.layer}.o_proj"]
-        lo, hi = ts.op_ranges[f"L{op.layer}.gate_up"]
-        gate_up = ts.tasks[lo:hi]
-        ctrs = {t.signal[0] for t in gate_up if t.signal is not None}
-        for t in gate_up:
-            t.out_tagged, t.data_signal = True, True
-        for c in ctrs:
-            ts.counters[c].data = True
-        for t in ts.tasks[slice(*ts.op_ranges[op.key])]:
-            t.in_tagged = True
-            t.data_waits = frozenset(c for c, _ in t.waits if c in ctrs)
-            if all(c != oc for c, _ in t.waits):
-                t.waits = [*t.waits, (oc, ts.counters[oc].total)]
-        marked += 1
-    return marked
-

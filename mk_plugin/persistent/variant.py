@@ -29,8 +29,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_DATA_FLAG", "data_flag", "data_flag"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -67,12 +66,6 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/matvec.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_DATA_FLAG (A/B switch, session 21; off): the gate_up -> down hand-off as data, not a counter, where down
-    # stages ACT whole (batch 1 of Llama-3.2-1B / 3.1-8B; not K-split, both ops in one segment): gate_up stores
-    # (tag | bf16) words with relaxed stores and no release, down re-reads them until every word carries its
-    # layer's tag (encoding.BUF_TAGGED / CTR_DATA / data_tag; csrc/matvec.cuh stage_x_tagged). The programs mark
-    # the edge only on this build; the same sums in the same order: bit-identical results.
-    data_flag: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -91,7 +84,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "data_flag"):
+        for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 7:

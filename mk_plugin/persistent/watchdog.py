@@ -71,8 +71,7 @@ class WatchdogMixin:
             parts = [f"the CPU deadlock checker rejects this program: {str(x).splitlines()[0]}"]
         if self.executor == "cuda":
             vals = e.counters.view(-1, COUNTER_STRIDE)[:, 0].cpu().tolist()
-            short = [f"{c.name}={v}/{c.total}" for v, c in zip(vals, e.program.counters)
-                     if v < c.total and not c.data]   # a data edge's counter is never signalled on the GPU
+            short = [f"{c.name}={v}/{c.total}" for v, c in zip(vals, e.program.counters) if v < c.total]
             if short:
                 parts.append(f"{len(short)} counter(s) short of their totals at the end of the step, first "
                              f"{', '.join(short[:4])}")
