@@ -1,0 +1,60 @@
+"""bench/sass.py: the listing parser on a made-up nvdisasm text, and one real comparison on the CPU (nvcc and
+Triton's nvdisasm are on every CI machine: a missing one is a broken machine, not a skip)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import sass  # bench/sass.py
+
+LISTING = """
+        .type           mk_decode,@function
+mk_decode:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+        /*0040*/                   CALL.REL.NOINC 0x100 ;
+        .type           $mk_decode$_ZN2mk11matvec_taskILi2EEEjNS_4SmemE,@function
+        /*0100*/                   STL [R1], R2 ;
+.L_x_2:
+        /*0110*/                   LDS R3, [R2] ;
+        /*0120*/              @!P1 BRA `(.L_x_3) ;
+        /*0130*/                   BRA `(.L_x_2) ;
+.L_x_3:
+        /*0140*/                   RET.REL.NODEC R20 0x0 ;
+"""
+
+
+def test_parse_functions_classes_and_mma_loops():
+    funcs, loops = sass.parse(LISTING)
+    assert list(funcs) == ["mk_decode", "matvec_task<2>"]
+    assert funcs["mk_decode"] == ["LDC", "LDSM.16.M88.4", "HMMA.16816.F32.BF16", "BRA", "CALL.REL.NOINC"]
+    assert sass.classes(funcs["matvec_task<2>"]) == {"stl": 1, "lds": 1, "bra": 2}
+    # the backward branch to .L_x_1 holds an MMA; the one to .L_x_2 does not; a forward branch is no loop
+    assert loops == [("mk_decode", ["LDSM.16.M88.4", "HMMA.16816.F32.BF16", "BRA"])]
+    rows = sass.compare(funcs, {"mk_decode": funcs["mk_decode"] + ["HMMA.16816.F32.BF16"]})
+    assert "| mk_decode | 5 -> 6 (+1) | 100.0% | mma 1 -> 2 |" in rows
+    assert "| matvec_task<2> | 5 -> 0 (-5) | 0.0% | bra 2 -> 0, lds 1 -> 0, stl 1 -> 0 |" in rows
+
+
+def test_short_names():
+    assert sass.short_name("mk_decode") == "mk_decode"
+    assert sass.short_name("$mk_decode$_ZN2mk12ksplit_mergeENS_4SmemERKNS_6ParamsENS_4TaskE") == "ksplit_merge"
+    assert sass.short_name("$mk_decode$_ZN2mk11matvec_taskILi1EEEjNS_4SmemE") == "matvec_task<1>"
+
+
+def test_an_unused_define_keeps_every_function():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "--model", str(ROOT / "bench" / "models" /
+                        "llama-3.2-1b"), "--define", "MK_SASS_TEST_UNUSED=1"], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "->" in ln and "function" not in ln]
+    assert any(ln.startswith("| mk_decode |") for ln in rows), r.stdout
+    assert any(ln.startswith("| matvec_task<1> |") for ln in rows), r.stdout
+    for ln in rows:
+        assert "(+0)" in ln and ("100.0%" in ln or ln.split("|")[1].strip().isdigit()), ln
