@@ -657,8 +657,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (staged && xload) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {
-      it = nt2_full_chunks<JMAX>(S, P, xload ? x : nullptr, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp, lane, lane_off, acc,
-                                 wait_cycles, ph_on, ph_gwait);
+      it = nt2_full_chunks<JMAX>(S, P, xload ? x : nullptr, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp,
+                                 lane, lane_off, acc, wait_cycles, ph_on, ph_gwait);
     } else
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
