@@ -27,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))   # cuda_tools: where nvcc is on a CPU machine (shared with the compile tests)
+from cuda_tools import nvcc_path
+
 from mk_plugin.persistent.runtime import build_source, compile_options
 from mk_plugin.spec import LlamaSpec
 
@@ -50,18 +53,14 @@ def tool(name: str) -> str:
     return path
 
 
-def nvcc() -> str:
-    for c in ("/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
-        if c and Path(c).exists():
-            return c
-    raise SystemExit("nvcc not found")
-
-
 def compile_cubin(source: str, spec: LlamaSpec, defines: list[str], out: Path) -> None:
     src = out.with_suffix(".cu")
     src.write_text(source)
     opts = [o.replace("--gpu-architecture=", "-arch=") for o in compile_options(spec)]
-    r = subprocess.run([nvcc(), *opts, *defines, "-cubin", "-o", str(out), str(src)], capture_output=True, text=True,
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise SystemExit("nvcc not found (looked in /usr/local/cuda/bin and on PATH)")
+    r = subprocess.run([nvcc, *opts, *defines, "-cubin", "-o", str(out), str(src)], capture_output=True, text=True,
                        timeout=600, check=False)
     if r.returncode:
         raise SystemExit(f"nvcc failed ({' '.join(defines) or 'base'}):\n{r.stderr[-3000:]}")
@@ -127,6 +126,12 @@ def classes(ops: list[str]) -> Counter:
     return c
 
 
+def class_diff(x: list[str], y: list[str]) -> str:
+    """The opcode classes whose counts differ between two opcode sequences ('-' if none)."""
+    cx, cy = classes(x), classes(y)
+    return ", ".join(f"{k} {cx[k]} -> {cy[k]}" for k in sorted(set(cx) | set(cy)) if cx[k] != cy[k]) or "-"
+
+
 def compare(a: dict[str, list[str]], b: dict[str, list[str]]) -> list[str]:
     rows = ["| function | insns base -> build | kept of base's sequence | opcode classes that changed (base -> build) |",
             "|---|---|---|---|"]
@@ -134,9 +139,7 @@ def compare(a: dict[str, list[str]], b: dict[str, list[str]]) -> list[str]:
         x, y = a.get(name, []), b.get(name, [])
         sm = difflib.SequenceMatcher(None, x, y, autojunk=False)
         kept = sum(blk.size for blk in sm.get_matching_blocks()) / max(1, len(x))
-        cx, cy = classes(x), classes(y)
-        diff = ", ".join(f"{k} {cx[k]} -> {cy[k]}" for k in sorted(set(cx) | set(cy)) if cx[k] != cy[k]) or "-"
-        rows.append(f"| {name} | {len(x)} -> {len(y)} ({len(y) - len(x):+d}) | {100 * kept:.1f}% | {diff} |")
+        rows.append(f"| {name} | {len(x)} -> {len(y)} ({len(y) - len(x):+d}) | {100 * kept:.1f}% | {class_diff(x, y)} |")
     return rows
 
 
@@ -145,10 +148,8 @@ def compare_loops(a: list[tuple[str, list[str]]], b: list[tuple[str, list[str]]]
     rows = ["| loop | function | insns base -> build | opcode classes that changed (base -> build) |", "|---|---|---|---|"]
     for i in range(max(len(a), len(b))):
         (fa, x), (fb, y) = (a[i] if i < len(a) else ("-", [])), (b[i] if i < len(b) else ("-", []))
-        cx, cy = classes(x), classes(y)
-        diff = ", ".join(f"{k} {cx[k]} -> {cy[k]}" for k in sorted(set(cx) | set(cy)) if cx[k] != cy[k]) or "-"
         fn = fa if fa == fb else f"{fa} / {fb}"
-        rows.append(f"| {i} | {fn} | {len(x)} -> {len(y)} ({len(y) - len(x):+d}) | {diff} |")
+        rows.append(f"| {i} | {fn} | {len(x)} -> {len(y)} ({len(y) - len(x):+d}) | {class_diff(x, y)} |")
     return rows
 
 

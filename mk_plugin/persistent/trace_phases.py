@@ -23,6 +23,7 @@ and warp merges and the partial stores; "other" is then the ticket and, for the 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections import defaultdict
@@ -46,6 +47,9 @@ class PhaseRow:
     reduce_us: float
     release_us: float
     other_us: float
+
+
+PHASE_FIELDS = tuple(f.name for f in dataclasses.fields(PhaseRow))[2:]   # the times, after op and tasks
 
 
 def has_phases(records: Sequence[dict]) -> bool:
@@ -87,8 +91,7 @@ def phase_table_markdown(rows: Sequence[PhaseRow], *, signed: bool = False) -> s
     head = "| op | tasks | busy us | entry us | stage us | chunks us | reduce+epilogue us | release us | other us |"
     out = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r.op} | {r.tasks} | {r.busy_us:{f}} | {r.entry_us:{f}} | {r.stage_us:{f}} | "
-                   f"{r.chunks_us:{f}} | {r.reduce_us:{f}} | {r.release_us:{f}} | {r.other_us:{f}} |")
+        out.append(f"| {r.op} | {r.tasks} | " + " | ".join(f"{getattr(r, n):{f}}" for n in PHASE_FIELDS) + " |")
     return "\n".join(out)
 
 
@@ -101,9 +104,7 @@ def phase_delta(a: Sequence[PhaseRow], b: Sequence[PhaseRow]) -> list[PhaseRow]:
         q = by_a.get(r.op)
         if q is None:
             continue
-        out.append(PhaseRow(r.op, r.tasks, *(getattr(r, f) - getattr(q, f) for f in
-                                             ("busy_us", "entry_us", "stage_us", "chunks_us", "reduce_us",
-                                              "release_us", "other_us"))))
+        out.append(PhaseRow(r.op, r.tasks, *(getattr(r, f) - getattr(q, f) for f in PHASE_FIELDS)))
     return out
 
 
