@@ -108,6 +108,14 @@ __device__ __forceinline__ void rp_release(int mode, unsigned* payload, unsigned
   __syncwarp();
 }
 
+// The payload's words != v, counted by the whole warp (every lane gets the total).
+__device__ __forceinline__ unsigned rp_count_stale(const unsigned* payload, int nw, unsigned v, int lane) {
+  unsigned bad = 0;
+  for (int i = lane; i < nw; i += 32) bad += rp_ld_relaxed(payload + i) != v;
+  for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  return bad;
+}
+
 // Wait until *flag >= target (lane 0, acquire), then count payload words != v (whole warp); data as flag (modes 5,
 // 6): re-read the payload until no word is stale (0 mismatches by construction, unless the wait timed out).
 __device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, const unsigned* flag, unsigned target,
@@ -117,9 +125,7 @@ __device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, c
     const unsigned long long t0 = probe_ns();
     unsigned bad;
     do {
-      bad = 0;
-      for (int i = lane; i < nw; i += 32) bad += rp_ld_relaxed(payload + i) != v;
-      for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
+      bad = rp_count_stale(payload, nw, v, lane);
       if (bad && probe_ns() - t0 > PROBE_WAIT_BUDGET_NS) {   // every lane sees the same bad and the same verdict
         if (lane == 0) out[4] = 1;
         break;
@@ -137,10 +143,7 @@ __device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, c
     }
   }
   __syncwarp();
-  unsigned bad = 0;
-  for (int i = lane; i < nw; i += 32) bad += rp_ld_relaxed(payload + i) != v;
-  for (int o = 16; o; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
-  return bad;
+  return rp_count_stale(payload, nw, v, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
