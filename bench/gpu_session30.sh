@@ -36,6 +36,12 @@ case $n in
      soak_megakernel --engines-only ;;
   6) vllm_env   # ... then the fp32 verdict over the same engines' outputs (stock control included)
      soak_megakernel ;;
+  7) vllm_env   # issue 12: is 1B TBT in vLLM G + h (no overlap of host and GPU) rather than max(G, h)? Stock's GPU
+     # step at 1B was never profiled. 1 round, profiled, stock against auto (b1: Triton, b8: megakernel)
+     timeout 420 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes auto \
+       --rounds 1 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -22
+     for f in "$out"/profiles/*.gz; do timeout 60 python3 bench/host_gap.py "$f" 2>&1 | tail -3; done
+     rm -rf "$out"/profiles "$out"/logs/*payload* ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s30_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
