@@ -659,12 +659,24 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, xload ? x : nullptr, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp,
                                  lane, lane_off, acc, wait_cycles, ph_on, ph_gwait);
-    } else
+    } else {
+#if MK_DIAG & 16
+    // MK_DIAG & 16 (timing only, wrong results): the activation fragments of a pass's first chunk are used
+    // for all its chunks (no smem_x_frags / group_frags after it; the column groups' copies and barriers kept):
+    // the price of building the fragments per chunk, which one-M-tile tasks pay once per 32 KB chunk
+    unsigned xb_kept[JMAX][NT][2] = {};
+#endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
+#if MK_DIAG & 16
+      unsigned (&xb)[JMAX][NT][2] = xb_kept;
+      const bool xfrag = k0 == 0;
+#else
       unsigned xb[JMAX][NT][2];
+      constexpr bool xfrag = true;
+#endif
       if (staged) {
-        smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
+        if (xfrag) smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
       } else {
         unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
 #pragma unroll
@@ -678,7 +690,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         cp_async_wait_all();  // this thread's copies of the group have landed ...
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
-        group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
+        if (xfrag) group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
         if (k0 + KG < wp.K && xload) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, k0 + KG, B, KG);
         ++gi;
       }
@@ -712,6 +724,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           ++it;
         }
       }
+    }
     }
     consumer_sync();  // every warp is done with the staged x before `red` overwrites it
     if (ph_on) {

@@ -42,7 +42,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 # Kernel variants selected with -D for A/B runs (bench/mk_step.py --define) and the autotuner's ring
 # depths (MK_NUM_STAGES, tuning.num_stages): each must compile
 # without spills too, at the 1B shape.
-VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",), ("-DMK_DIAG=8",),
+VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",), ("-DMK_DIAG=8",), ("-DMK_DIAG=16", "-DMK_TRACE_PHASES=1"),
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
             ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128"),
             ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128")]

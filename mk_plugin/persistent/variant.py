@@ -45,7 +45,8 @@ class KernelVariant:
     """What one build of the megakernel compiles in, as typed values: its rounding points, its weight
     ring's depth (the per-task scratch takes the rest of the shared memory) and, for bench only, the
     timing-only MK_DIAG mask (1 no counter waits, 2 no weight copies, 4 no MMAs, 8 activations staged for a matvec
-    task's first pass only: wrong results).
+    task's first pass only, 16 a pass's first activation fragments reused for its other chunks at NT = 1: wrong
+    results).
     defines() renders the -D options; nothing reads a variant back from option strings: parse() is the
     command-line boundary (bench --define, pytest --mk-define), used once where the values come in."""
     rounding: Rounding = Rounding.FUSED
@@ -88,9 +89,10 @@ class KernelVariant:
         for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 15:
-            raise ValueError(f"diag={self.diag!r}: a mask in 0..15 (1 no waits, 2 no weight copies, 4 no MMAs, "
-                             "8 activations staged for a matvec task's first pass only)")
+        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
+            raise ValueError(f"diag={self.diag!r}: a mask in 0..31 (1 no waits, 2 no weight copies, 4 no MMAs, "
+                             "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
+                             "activation fragments reused for a pass's other chunks at NT = 1)")
 
     def _changed(self) -> list[tuple[str, str, object]]:
         """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
