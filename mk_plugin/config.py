@@ -1,8 +1,9 @@
 """Every MK_* environment switch, parsed and validated here and nowhere else.
 
-MK_MODE      megakernel | triton | auto | stock   decode path used inside vLLM (default: triton);
+MK_MODE      auto | megakernel | triton | stock   decode path used inside vLLM (default: auto);
                                            auto: per batch size, the path measured faster on this GPU
-                                           (adapter/auto.py: packaged table, else measured in the worker)
+                                           (adapter/auto.py: packaged table, else measured in the worker;
+                                           Triton alone where the megakernel cannot be built here)
 MK_FALLBACK  comma list of op names        ops run by the Triton kernels while the rest run in the
                                            megakernel (names: mk_plugin.ops.STEP_OPS)
 MK_TRACE     0 | 1                         record the megakernel's per-task timeline
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from .ops import STEP_OPS
 
 MODES = ("megakernel", "triton", "auto", "stock")
-DEFAULT_MODE = "triton"
+DEFAULT_MODE = "auto"   # measured at or below stock at 8B b1..16 and 1B b1 / b8 (NOTES session 23)
 DEFAULT_WATCHDOG_MS = 2000
 ROUNDINGS = ("fused", "stock")   # = persistent.encoding.Rounding names (config must not import torch)
 DEFAULT_ROUNDING = "fused"

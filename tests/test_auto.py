@@ -61,6 +61,18 @@ def test_adapter_auto_mode_runs_the_chosen_path(monkeypatch, tmp_path, winner):
     assert model._mk_last_call.backend == winner   # what compute_logits would recompute after a hang
 
 
+def test_auto_is_the_default_mode(monkeypatch, tmp_path):
+    """Issue 12: with MK_MODE unset the adapter runs auto (measured at or below stock, NOTES session 23)."""
+    pytest.importorskip("mk_plugin.triton_ops")
+    path = tmp_path / "paths_cpu.json"
+    path.write_text(json.dumps({"format": 1, "entries": [
+        {"spec_hash": spec_hash(SPEC), "num_sms": 132, "batch": 4, "triton_us": 1000.0, "megakernel_us": 1500.0}]}))
+    monkeypatch.setattr(auto, "paths_file", lambda slug: path)
+    model, w = make_model(monkeypatch, "")   # MK_MODE set to "" = unset (config.get_config strips it)
+    profile_run(model)
+    assert model.mk_status()["mode"] == "auto" and model._mk_state.backend == "auto"
+
+
 def test_in_vllm_tbt_decides_over_the_kernel_only_step(tmp_path):
     path = tmp_path / "paths_x.json"
     path.write_text(json.dumps({"format": 1, "entries": [
