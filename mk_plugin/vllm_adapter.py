@@ -11,10 +11,11 @@ How it plugs in
   of vLLM's own ``LlamaForCausalLM``: same parameters, weight loading, prefill, ``Attention`` layers
   (the KV cache is sized from them) and LM head.
 
-Backends of the decode path: MK_MODE=triton (default) runs ``triton_ops.decode_step``;
+Backends of the decode path: MK_MODE=triton runs ``triton_ops.decode_step``;
 MK_MODE=megakernel runs ``persistent.backend.MegakernelDecoder`` (built on the first forward call with MK_FALLBACK's ops
-on the Triton kernels, its programs prepared for every batch size before any capture); if that import
-or construction fails, ONE warning names the reason and the Triton path is used.
+on the Triton kernels, its programs prepared before any capture); if that import or construction fails, ONE
+warning names the reason and the Triton path is used. MK_MODE=auto (the default) holds both and runs, per padded
+batch size, the one measured faster here (adapter/auto.py).
 
 Which path a step takes (``decide``; stock = ``LlamaForCausalLM.forward``)
 - MK_MODE=stock: the class is still registered (so MK_DUMP_LOGITS works) but every step is stock.
