@@ -470,6 +470,41 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
       }
     }
   } else {
+    static_assert(NT == 1, "the one-n-tile fragments");
+#if MK_XFRAG
+    // MK_XFRAG (A/B switch, session 23): no branch per k-step. Every lane loads from a staged row (a lane of a
+    // row past B reads row 0; a tail chunk's k-steps past nsteps read the last valid one), all of the chunk's
+    // loads first, then the norm, then a select zeroes what the default leaves zero: the k-steps' loads are in
+    // flight together instead of one divergent branch (BSSY/BSYNC) and one rstd load per k-step (SASS of the
+    // default, session 23). The fragments are bitwise the default's.
+    const int bi = lane >> 2;
+    const bool rowok = bi < B;
+    const unsigned char* xr = xs + (rowok ? bi : 0) * rowb;
+    const unsigned char* wr = xs + B * rowb;   // the staged norm weights (norm-fused ops)
+    const float r = norm ? rstd[rowok ? bi : 0] : 0.f;
+    unsigned xv[JMAX][2], wv[JMAX][2];
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int off = (k0 + min(warp + jj * CONSUMER_WARPS, nsteps - 1) * 16 + (lane & 3) * 2) * 2;
+      xv[jj][0] = *reinterpret_cast<const unsigned*>(xr + off);
+      xv[jj][1] = *reinterpret_cast<const unsigned*>(xr + off + 16);
+      wv[jj][0] = norm ? *reinterpret_cast<const unsigned*>(wr + off) : 0u;
+      wv[jj][1] = norm ? *reinterpret_cast<const unsigned*>(wr + off + 16) : 0u;
+    }
+    if (norm) {   // one (warp-uniform) branch for all k-steps
+#pragma unroll
+      for (int jj = 0; jj < JMAX; ++jj) {
+        xv[jj][0] = norm_pair(xv[jj][0], r, wv[jj][0]);
+        xv[jj][1] = norm_pair(xv[jj][1], r, wv[jj][1]);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
+      xb[jj][0][0] = ok ? xv[jj][0] : 0u;
+      xb[jj][0][1] = ok ? xv[jj][1] : 0u;
+    }
+#else
 #pragma unroll
     for (int jj = 0; jj < JMAX; ++jj) {
       const int j = warp + jj * CONSUMER_WARPS;
@@ -497,6 +532,7 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
         xb[jj][n][1] = v1;
       }
     }
+#endif
   }
 }
 
