@@ -272,7 +272,7 @@ def test_ring_depth_variants_share_the_shared_memory():
         assert lay.num_stages == n and lay.smem_bytes == six.smem_bytes
         assert lay.union_bytes == six.union_bytes + (6 - n) * six.slot_bytes
     # 5 stages stage batch-8 activations of K = 2048 norm-fused ops ((8 + 1) rows of 2 K + 16 bytes,
-    # csrc/matvec.cuh staged_fits, with its 512 bytes of per-warp sums); 6 do not
+    # csrc/x_frags.cuh staged_fits, with its 512 bytes of per-warp sums); 6 do not
     need = 9 * (2 * 2048 + 16) + 4 * 8 * 16
     assert KernelVariant(num_stages=5).layout.union_bytes >= need > six.union_bytes
     with pytest.raises(ValueError, match="num_stages=3: choose one of 4, 5, 6"):

@@ -66,11 +66,11 @@ class KernelVariant:
     # 2 KB row each (tensormap.weight_maps; csrc/weight_tma.cuh). Needs K a multiple of 64 for every matrix.
     w_tma: bool = False
     # MK_INFLIGHT = N (A/B switch, session 20; 0 = off): the producer keeps at most N weight chunks in flight (issued,
-    # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/matvec.cuh:
+    # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/producer.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
     # MK_XFRAG (A/B switch, session 23): the one-n-tile fragment build from a staged x without a branch per
-    # k-step (csrc/matvec.cuh smem_x_frags): all of a chunk's loads first, rows past the batch zeroed by a select.
+    # k-step (csrc/x_frags.cuh smem_x_frags): all of a chunk's loads first, rows past the batch zeroed by a select.
     # Bitwise the default's fragments.
     xfrag: bool = False
 
