@@ -15,8 +15,8 @@ case $n in
      # Rule: > ~3% at 8B b1 -> a branch-free fragment build is next; < ~1% -> the MMA / ring side of the loop.
      # MK_XFRAG=1 (the branch-free fragment build, built for the case the diag shows a price): its bitwise test
      # first, then in the same A/B. Predicted: 1B b1 -15..-30 us, 8B b1 -40..-80 (about half of what the diag
-     # frees at batch 1, where lanes 4..31 skip the loads today), b8 within +-1% (column groups: its code is not
-     # on that path). Kept if it gains > 1% at batch 1 with b8 within noise.
+     # frees at batch 1, where lanes 4..31 skip the loads today), b8 0..-2% (column groups: no lane masked there,
+     # only the loads' overlap changes). Kept if it gains > 1% at batch 1 with b8 not slower.
      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k xfrag 2>&1 | tail -3
      B="--build default --build MK_DIAG=16 --build MK_XFRAG=1"
      timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 --rounds 2 $B

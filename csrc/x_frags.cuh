@@ -93,6 +93,36 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
       }
     }
   } else {
+    static_assert(NT == 1, "the one-n-tile fragments");
+#if MK_XFRAG
+    // MK_XFRAG: as smem_x_frags' one-n-tile case, from the swizzled group buffer (row 0 is always copied; a short
+    // group's k-steps past its end read the last copied one). Bitwise the default's fragments.
+    const int bi = lane >> 2;
+    const bool rowok = bi < B;
+    const int bc = rowok ? bi : 0;
+    const unsigned char* row = gb + bc * KC * 2 + (lane & 3) * 4;
+    const float r = norm ? rstd[bc] : 0.f;
+    unsigned xv[JMAX][2];
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int j = min(warp + jj * CONSUMER_WARPS, nsteps - 1);
+      xv[jj][0] = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bc & 7)) << 4));
+      xv[jj][1] = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bc & 7)) << 4));
+    }
+    if (norm) {
+#pragma unroll
+      for (int jj = 0; jj < JMAX; ++jj) {
+        xv[jj][0] = norm_pair(xv[jj][0], r, wv[jj][0]);
+        xv[jj][1] = norm_pair(xv[jj][1], r, wv[jj][1]);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
+      xb[jj][0][0] = ok ? xv[jj][0] : 0u;
+      xb[jj][0][1] = ok ? xv[jj][1] : 0u;
+    }
+#else
 #pragma unroll
     for (int jj = 0; jj < JMAX; ++jj) {
       const int j = warp + jj * CONSUMER_WARPS;
@@ -114,6 +144,7 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
         xb[jj][n][1] = v1;
       }
     }
+#endif
   }
 }
 

@@ -458,12 +458,13 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
 
 
 @pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("llama-3.2-1b", 1), ("llama-3.2-1b", 5),
-                                      ("llama-3.1-8b", 1), ("llama-3.1-8b", 2)])
+                                      ("llama-3.2-1b", 7), ("llama-3.1-8b", 1), ("llama-3.1-8b", 2),
+                                      ("llama-3.1-8b", 8)])
 def test_xfrag_fragments_are_bitwise_the_default(models, name, bsz):
     """MK_XFRAG builds the one-n-tile fragments from a staged x without a branch per k-step (lanes of rows past the
     batch, and a short chunk's k-steps past its end, read valid staged bytes that a select then zeroes): the MMAs
     see the same operands in the same order, so the step equals the default build's bit for bit (tiny: K = 256,
-    one short chunk; batch 1..5: every linear op stages its activations whole)."""
+    one short chunk; 1B batch 1..5: every linear op stages its activations whole; batch 7 / 8: column groups)."""
     from mk_plugin.persistent.variant import KernelVariant
 
     spec, w = models(name, 2)
