@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 24's GPU calls (bench/NOTES.md session 23, "Next"). Run from the project root on the GPU host with
 # .commit carried: `bash bench/gpu_session31.sh N $OUT` (out must be set: records written elsewhere do not come
-# back), in the order 1, 11, 12, 3, 4, then 5, 6, 7 if time is left. Call 1 needs no vLLM; 11 and 12 carry the
+# back), in the order 1, 8, 11, 12, 3, 4, then 5, 6, 7 if time is left. Calls 1 and 8 need no vLLM; 11 and 12 carry the
 # bundle parts (move bench/results/**/*.gz aside first: the 64 MiB carry limit), 3 the third part and unpack.sh;
 # 4-7 reuse the unpacked tree while the machine stays warm.
 set -uo pipefail
@@ -43,6 +43,16 @@ case $n in
      timeout 560 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes mk-stock,auto \
        --rounds 2 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -16
      rm -f "$out"/logs/*payload* ;;
+  8) # issue 11: can L2 hold the next op's weights across the 1B batch-1 chain and hand them out faster than HBM?
+     # bulk_probe re-reads the same region every launch, so at a few tens of MB its timed launches stream from L2
+     # (warm) with the megakernel's copy pattern; 0.5 GB is the HBM reference. Rule: the per-row KC 1024 NS 6 rows'
+     # marginal rate between sizes >= ~1.5x the HBM row -> L2 parking has headroom (NOTES session 23); <= ~1.2x ->
+     # the chain itself must shrink. (Each launch also pays its start and ring fill: compare sizes, not one row.)
+     for g in 0.016 0.032 0.048 0.5; do
+       timeout 100 python3 bench/bulk_probe.py --gb $g --reps 20 --out "$out/bulk_probe_l2_${g}.md" 2>&1 | tail -1
+       grep "per-row | 1024 | 2048 | 16 | 6 " "$out/bulk_probe_l2_${g}.md"
+     done
+     cp bench/results/bulk_probe.csv "$out/" ;;   # its rows (the device's copy of the CSV does not come back)
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s31_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
