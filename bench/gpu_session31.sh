@@ -48,7 +48,7 @@ case $n in
      # (warm) with the megakernel's copy pattern; 0.5 GB is the HBM reference. Rule: the per-row KC 1024 NS 6 rows'
      # marginal rate between sizes >= ~1.5x the HBM row -> L2 parking has headroom (NOTES session 23); <= ~1.2x ->
      # the chain itself must shrink. (Each launch also pays its start and ring fill: compare sizes, not one row.)
-     for g in 0.016 0.032 0.048 0.5; do
+     for g in 0.018 0.035 0.052 0.5; do   # 17.3 / 34.6 / 51.9 MB: the probe cuts rows in 16s
        timeout 100 python3 bench/bulk_probe.py --gb $g --reps 20 --out "$out/bulk_probe_l2_${g}.md" 2>&1 | tail -1
        grep "per-row | 1024 | 2048 | 16 | 6 " "$out/bulk_probe_l2_${g}.md"
      done
