@@ -71,6 +71,10 @@ def test_encode_rejects_bad_queues():
     rec = [0] * enc.TASK_WORDS
     with pytest.raises(ValueError, match="exactly one queue"):
         enc.encode([rec, rec], [[0], [0]], batch=1, attn_chunks=1, spec_hash=0)
+    with pytest.raises(ValueError, match=f"record 1 has 3 words, expected {enc.TASK_WORDS}"):
+        enc.encode([rec, [1, 2, 3], rec], [[1, 0], [2]], batch=1, attn_chunks=1, spec_hash=0)
+    with pytest.raises(OverflowError):
+        enc.encode([[2**31] * enc.TASK_WORDS], [[0]], batch=1, attn_chunks=1, spec_hash=0)
     with pytest.raises(ValueError, match="not a megakernel program"):
         enc.decode(np.zeros(64, dtype=np.int32))
 

@@ -3,9 +3,12 @@ of conflicting memory accesses is ordered by the counters, for small random spec
 Llama-3.2-1B / Llama-3.1-8B shapes (encoding + deadlock check only for the big ones)."""
 from __future__ import annotations
 
+import gc
+import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,8 +16,15 @@ from strategies import small_specs  # tests/strategies.py
 
 from mk_plugin.ops import STEP_OPS
 from mk_plugin.persistent import encoding as enc
-from mk_plugin.persistent.schedule import Program, Segment, _encode_segment, build_program, check_ordering
-from mk_plugin.persistent.tasks import op_units
+from mk_plugin.persistent.schedule import (
+    Program,
+    Segment,
+    _encode_segment,
+    build_program,
+    check_ordering,
+    list_schedule,
+)
+from mk_plugin.persistent.tasks import SIGNAL_NS, Task, op_units, qkv_unit
 from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.persistent.vm import DeadlockError, check_deadlock_free
 from mk_plugin.spec import LlamaSpec
@@ -129,3 +139,80 @@ def test_checker_orders_k_split_merges_by_their_ticket():
 
     with pytest.raises(AssertionError, match="unordered conflict"):
         check_ordering(_with_waits(p, no_wait))
+
+
+# ---- the fast build equals plain reference code ---------------------------------------------------------
+def _reference_list_schedule(tasks, num_sms, waits=None):
+    """list_schedule as first written (one allocating numpy expression per task): the fast loop's reference."""
+    free = np.zeros(num_sms)
+    done: dict[int, float] = {}
+    queues: list[list[int]] = [[] for _ in range(num_sms)]
+    for idx, t in enumerate(tasks):
+        ws = t.waits if waits is None else waits[idx]
+        ready = max((done.get(c, 0.0) + SIGNAL_NS for c, _ in ws), default=0.0)
+        finish = np.maximum(free, ready) + t.cost
+        sm = int(np.argmin(finish))
+        free[sm] = finish[sm]
+        queues[sm].append(idx)
+        if t.signal is not None:
+            done[t.signal[0]] = max(done.get(t.signal[0], 0.0), float(finish[sm]))
+    return queues, float(free.max(initial=0.0))
+
+
+def _random_tasks(rnd: random.Random, n: int) -> list[Task]:
+    """A chain of ops (counter i signalled by op i) with costs that make ties, rounding ties included."""
+    costs = [1.0, 2.5, 0.1, 0.2, 0.30000000000000004, 1e-12, 3e5]
+    tasks, op = [], 0
+    for tid in range(n):
+        if rnd.random() < 0.2:
+            op += 1
+        waits = [(c, 0) for c in rnd.sample(range(op), min(op, rnd.randint(0, 2)))]
+        tasks.append(Task(tid, None, None, (0, 0, 0), waits=waits, signal=(op, 1), cost=rnd.choice(costs)))
+    return tasks
+
+
+def test_list_schedule_equals_its_reference():
+    rnd = random.Random(5)
+    for _ in range(200):
+        tasks, sms = _random_tasks(rnd, rnd.randint(0, 60)), rnd.randint(1, 9)
+        assert list_schedule(tasks, sms) == _reference_list_schedule(tasks, sms)
+    for spec, b, sms, t in ((LlamaSpec.tiny(), 3, 7, ScheduleTuning()), (LlamaSpec.tiny(), 16, 20, ScheduleTuning(
+            attn_chunks=3, merge_in_partial=False, ksplit=(("down", 2),))),
+            (LlamaSpec.from_json_file(MODELS / "llama-3.2-1b"), 1, 132, ScheduleTuning())):
+        p = build_program(spec, b, sms, fallback=frozenset({"o_proj"}), tuning=t)
+        for seg in p.segments:
+            assert list_schedule(seg.tasks, sms, seg.waits) == _reference_list_schedule(seg.tasks, sms, seg.waits)
+            assert (seg.queues, seg.predicted_ns) == _reference_list_schedule(seg.tasks, sms, seg.waits)
+
+
+def test_qkv_tasks_write_their_units_regions():
+    spec = LlamaSpec(hidden_size=320, num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=64, intermediate_size=688,
+                     vocab_size=1000)
+    p = build_program(spec, 5, 11)
+    d = spec.head_dim
+    for t in p.taskset.tasks:
+        if t.op.name != "qkv_rope":
+            continue
+        want = []
+        for u in range(t.args[0], t.args[0] + t.args[1]):   # the per-unit description of tasks.py
+            kind, head, s = qkv_unit(spec, u)
+            base = head * d if kind == "q" else (0 if kind == "k" else spec.kv_size) + head * d
+            name = "Q" if kind == "q" else f"KV{t.op.layer}"
+            want += [(name, 0, 5, c0, c0 + 8) for c0 in (base + s * 8, base + d // 2 + s * 8)]
+        assert t.writes == want
+
+
+def test_build_program_is_deterministic_and_leaves_gc_as_it_was():
+    spec = LlamaSpec.tiny()
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            a, b = (build_program(spec, 3, 7, lm_head=True, fallback=frozenset({"attention"})) for _ in range(2))
+            assert gc.isenabled() == enabled
+            assert [s.encoded.tobytes() for s in a.segments] == [s.encoded.tobytes() for s in b.segments]
+            assert [(s.queues, s.waits, s.predicted_ns) for s in a.segments] == \
+                [(s.queues, s.waits, s.predicted_ns) for s in b.segments]
+            assert a.taskset.tasks == b.taskset.tasks and a.counters == b.counters and a.op_ranges == b.op_ranges
+    finally:
+        (gc.enable if was else gc.disable)()

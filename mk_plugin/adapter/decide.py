@@ -73,6 +73,32 @@ def full_graph_replays_on_mixed(cudagraph_mode: Any) -> bool:
     return bool(cudagraph_mode.has_full_cudagraphs() and not cudagraph_mode.separate_routine())
 
 
+def full_decode_graphs(cudagraph_mode: Any) -> bool:
+    """True for cudagraph modes that capture uniform decode batches as FULL graphs (FULL_AND_PIECEWISE,
+    FULL_DECODE_ONLY; plain FULL is refused by config_unsupported_reason)."""
+    if cudagraph_mode is None or not hasattr(cudagraph_mode, "decode_mode"):
+        return False
+    return getattr(cudagraph_mode.decode_mode(), "name", None) == "FULL"
+
+
+def sizes_to_prepare(compilation_config: Any, max_tokens: int) -> list[int]:
+    """The decode batch sizes whose megakernel programs are built before vLLM captures its graphs.
+
+    With FULL decode graphs both runners (V1 CudagraphDispatcher, V2 CudaGraphManager) capture a FULL graph
+    of every capture size s <= max_num_seqs with s requests, after an eager warm-up of the same s, and pad a
+    uniform decode batch of n requests to the smallest capture size >= n: in a graph the decode path only
+    sees capture sizes (those <= max_tokens; a larger padded batch runs stock). A batch above the largest
+    capture size runs without a graph at its own size, so those sizes are built too, and max_tokens. Any
+    other size reaches the decoder only in an eager step (e.g. cascade attention), where it is built on
+    first use. Without FULL decode graphs (enforce_eager, NONE, PIECEWISE) every decode step runs eagerly at
+    its own size: all of 1..max_tokens, so that no first step of a size waits for its build."""
+    every = list(range(1, max_tokens + 1))
+    sizes = sorted({int(s) for s in getattr(compilation_config, "cudagraph_capture_sizes", None) or ()})
+    if not sizes or not full_decode_graphs(getattr(compilation_config, "cudagraph_mode", None)):
+        return every
+    return [n for n in every if n in sizes or n > sizes[-1] or n == max_tokens]
+
+
 def config_unsupported_reason(vllm_config: Any, attn_backends: set[str]) -> str | None:
     """The first engine setting the decode path cannot serve exactly, or None. Duck-typed on
     VllmConfig (parallel_config, cache_config, quant_config, lora_config, speculative_config,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import MkConfig
 from ..decoding import DecodeInputs, Decoder
-from .decide import MAX_DECODE_TOKENS, config_unsupported_reason, hf_dict_for_spec
+from .decide import MAX_DECODE_TOKENS, config_unsupported_reason, hf_dict_for_spec, sizes_to_prepare
 
 logger = logging.getLogger("vllm.mk_plugin")  # the adapter's logger (a child of vLLM's)
 
@@ -181,6 +181,9 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
 
     decoder: Decoder | None = None
     mk = None
+    # Programs of the sizes vLLM captures (all of them when it captures none) now, never during capture; any
+    # other size on its first (eager) step
+    sizes = sizes_to_prepare(getattr(vllm_config, "compilation_config", None), max_tokens)
     if cfg.mode in ("megakernel", "auto"):
         try:
             from ..persistent.backend import MegakernelDecoder
@@ -191,13 +194,12 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
                                    variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()]),
                                    trace=cfg.trace, verbose=cfg.verbose)
-            mk.prepare()  # build and upload the programs of every batch size now, never during capture
-            decoder = mk if cfg.mode == "megakernel" else None
+            if cfg.mode == "megakernel":
+                mk.prepare(sizes)
+                decoder = mk
         except Exception as e:  # noqa: BLE001 - any failure to build it means: use the Triton path
             mk = None
-            what = "MK_MODE=megakernel is unavailable" if cfg.mode == "megakernel" else \
-                "MK_MODE=auto: the megakernel is unavailable"
-            once.warn("megakernel", f"{what} ({type(e).__name__}: {e}); using the Triton decode path")
+            _megakernel_unavailable(cfg, once, e)
     if decoder is None:
         from ..triton_ops import DecodeWorkspace, TritonDecoder
 
@@ -207,7 +209,10 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
             raise _Unsupported(f"decode workspace: {e}") from e
         decoder = TritonDecoder(spec, weights, workspace)
         if mk is not None:  # MK_MODE=auto: per batch size, the path measured faster here
-            decoder = _auto_decoder(decoder, mk, spec, weights, cos_sin, block_size, max_tokens, device)
+            try:
+                decoder = _auto_decoder(decoder, mk, spec, weights, cos_sin, block_size, max_tokens, device, sizes)
+            except Exception as e:  # noqa: BLE001 - the megakernel failed in its measurement or its build
+                _megakernel_unavailable(cfg, once, e)
     if (cfg.dump_logits or cfg.force_tokens) and not getattr(vllm_config.model_config, "enforce_eager", False):
         once.warn("debug_eager", "MK_DUMP_LOGITS/MK_FORCE_TOKENS only see steps that run in Python; "
                   "use enforce_eager=True (CUDA-graph replays are skipped)")
@@ -235,10 +240,18 @@ def megakernel_of(decoder: Any) -> Any:
     return decoder if decoder.backend == "megakernel" else getattr(decoder, "megakernel", None)
 
 
+def _megakernel_unavailable(cfg: MkConfig, once: _OnceLog, e: Exception) -> None:
+    what = "MK_MODE=megakernel is unavailable" if cfg.mode == "megakernel" else \
+        "MK_MODE=auto: the megakernel is unavailable"
+    once.warn("megakernel", f"{what} ({type(e).__name__}: {e}); using the Triton decode path")
+
+
 def _auto_decoder(triton: Any, mk: Any, spec: Any, weights: Any, cos_sin: Any, block_size: int, max_tokens: int,
-                  device: Any) -> Any:
+                  device: Any, sizes: list[int]) -> Any:
     """MK_MODE=auto's decoder: the packaged table of measured steps for this GPU and model, else a
-    short measurement of both paths here (CUDA only), else Triton (adapter/auto.py)."""
+    short measurement of both paths here (CUDA only), else Triton (adapter/auto.py). The megakernel's
+    programs of `sizes` are built where it was chosen (a measured size was built by its measurement);
+    the sizes given to Triton never launch it."""
     from ..persistent.encoding import spec_hash
     from ..triton_ops._device import device_name, gpu_slug
     from .auto import AutoDecoder, choose, load_paths, measure_both, paths_file
@@ -248,4 +261,5 @@ def _auto_decoder(triton: Any, mk: Any, spec: Any, weights: Any, cos_sin: Any, b
     table = load_paths(path, spec_hash(spec), mk.num_sms)
     measure = measure_both(triton, mk, spec, weights, cos_sin, block_size) if device.type == "cuda" else None
     choice, source = choose(max_tokens, table, path.name, measure)
+    mk.prepare([b for b in sizes if choice[b] == "megakernel"])
     return AutoDecoder(triton, mk, choice, source)

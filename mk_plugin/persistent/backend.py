@@ -282,8 +282,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
 
     def prepare(self, batch_sizes: list[int] | None = None) -> None:
         """Build (and for CUDA, compile and upload) the programs of these padded batch sizes now,
-        outside any CUDA-graph capture. Default: 1..max_tokens."""
-        sizes = batch_sizes or range(1, self.max_tokens + 1)
+        outside any CUDA-graph capture. Default (None): 1..max_tokens; [] prepares nothing."""
+        sizes = range(1, self.max_tokens + 1) if batch_sizes is None else batch_sizes
         for b in sizes:
             self._entry(b)
         if self._module is not None:

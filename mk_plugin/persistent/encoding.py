@@ -380,12 +380,24 @@ def encode(records: list[list[int]], queues: list[list[int]], *, batch: int, att
         prog[HEADER_WORDS + i] = off
         off += len(q)
     prog[HEADER_WORDS + nq] = off
-    for slot, idx in enumerate(order):
-        rec = records[idx]
-        if len(rec) != TASK_WORDS:
-            raise ValueError(f"record {idx} has {len(rec)} words, expected {TASK_WORDS}")
-        prog[at + slot * TASK_WORDS: at + (slot + 1) * TASK_WORDS] = rec
+    # One conversion of all records and one gather into queue order (a slice write per record was ~1 us each)
+    try:
+        table = np.array(records, dtype=np.int32) if records else np.zeros((0, TASK_WORDS), dtype=np.int32)
+    except (ValueError, OverflowError):   # ragged records, or a word out of int32's range
+        _check_record_lengths(records, order)
+        raise
+    if table.shape != (len(records), TASK_WORDS):
+        _check_record_lengths(records, order)
+        raise ValueError(f"records must be lists of {TASK_WORDS} ints, got an array of shape {table.shape}")
+    prog[at:] = table[order].reshape(-1)
     return prog
+
+
+def _check_record_lengths(records: list[list[int]], order: list[int]) -> None:
+    """Raise ValueError naming the first record, in queue order, that is not TASK_WORDS words long."""
+    for idx in order:
+        if len(records[idx]) != TASK_WORDS:
+            raise ValueError(f"record {idx} has {len(records[idx])} words, expected {TASK_WORDS}")
 
 
 @dataclass(frozen=True)

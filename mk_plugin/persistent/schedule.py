@@ -12,7 +12,10 @@ each task goes to the SM predicted to finish it first (list_schedule).
 """
 from __future__ import annotations
 
+import gc
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -37,17 +40,22 @@ def list_schedule(tasks: list[Task], num_sms: int,
     SMs without a qkv task and delayed every layer by ~7 us (H200 trace, 1B batch 1).
     `waits` (default: each task's own) are the dependencies kept inside the segment."""
     free = np.zeros(num_sms)
+    finish = np.empty(num_sms)   # reused: two in-place ufuncs and an argmin a task (2x the allocating form)
     done: dict[int, float] = {}  # counter -> predicted time its last signaller finishes
     queues: list[list[int]] = [[] for _ in range(num_sms)]
+    maximum, get = np.maximum, done.get
     for idx, t in enumerate(tasks):
-        ws = t.waits if waits is None else waits[idx]
-        ready = max((done.get(c, 0.0) + SIGNAL_NS for c, _ in ws), default=0.0)
-        finish = np.maximum(free, ready) + t.cost
-        sm = int(np.argmin(finish))
-        free[sm] = finish[sm]
+        ready = 0.0
+        for c, _ in (t.waits if waits is None else waits[idx]):
+            ready = max(ready, get(c, 0.0) + SIGNAL_NS)
+        maximum(free, ready, out=finish)
+        finish += t.cost
+        sm = int(finish.argmin())   # the first SM of the earliest finish: ties (also rounding ties) go low
+        end = float(finish[sm])
+        free[sm] = end
         queues[sm].append(idx)
-        if t.signal is not None:
-            done[t.signal[0]] = max(done.get(t.signal[0], 0.0), float(finish[sm]))
+        if t.signal is not None and end > get(t.signal[0], 0.0):
+            done[t.signal[0]] = end
     return queues, float(free.max(initial=0.0))
 
 
@@ -129,6 +137,21 @@ def _encode_segment(spec: LlamaSpec, batch: int, chunks: int, tasks: list[Task],
     return encode(records, queues, batch=batch, attn_chunks=chunks, spec_hash=spec_hash(spec))
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block. A program is ~10 container objects per task (20k
+    tasks at 8B), all acyclic (reference counting frees them), yet their allocations trigger collections
+    that traverse every live object, the programs built before included: about half of build_program's time
+    on the CPU with the 16 programs of a decoder kept alive."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
                   fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING) -> Program:
     """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
@@ -136,8 +159,13 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
     why = megakernel_supports(spec)
     if why is not None:
         raise ValueError(f"the megakernel cannot run this model: {why}")
+    with _gc_paused():
+        return _build_program(spec, batch, num_sms, lm_head, frozenset(fallback), tuning)
+
+
+def _build_program(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool, fallback: frozenset[str],
+                   tuning: ScheduleTuning) -> Program:
     ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
-    fallback = frozenset(fallback)
     steps: list[Segment | FallbackStep] = []
     for part in split_segments(ts.ops, fallback):
         if isinstance(part, FusedOp):
@@ -146,7 +174,8 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
         keys = {op.key for op in part}
         tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
         # A wait on an op in another segment is dropped: the launch boundary orders it.
-        waits = [[w for w in t.waits if ts.counters[w[0]].producer in keys] for t in tasks]
+        inside = {i for i, c in enumerate(ts.counters) if c.producer in keys}
+        waits = [[w for w in t.waits if w[0] in inside] for t in tasks]
         queues, span = list_schedule(tasks, num_sms, waits)
         steps.append(Segment(part, tasks, waits, queues,
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))

@@ -69,6 +69,7 @@ OP_OPCODE = {"qkv_rope": Opcode.QKV_ROPE, "o_proj": Opcode.O_PROJ, "gate_up": Op
 # A region of a buffer touched by a task: (buffer, row_lo, row_hi, col_lo, col_hi), half-open.
 # "KV<l>" regions: row = request, col = (k|v) * kv_size + head * d + dim. Used by schedule.check_ordering.
 Region = tuple[str, int, int, int, int]
+_NO_WAIT = (-1, 0)   # the (counter, target) words of an unused wait slot
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Counter:
     total: int = 0         # sum of all signal_add (the value once every signaller is done)
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     tid: int               # position in the global topological order of the step
     opcode: Opcode
@@ -101,16 +102,16 @@ class Task:
 
     def record(self, waits: list[tuple[int, int]] | None = None) -> list[int]:
         """The TASK_WORDS int32 words of this task (encoding.TASK_FIELDS order)."""
-        ws = list(self.waits if waits is None else waits)
+        ws = self.waits if waits is None else waits
         if len(ws) > NUM_WAITS:
             raise ValueError(f"task {self.tid} has {len(ws)} waits; the record holds {NUM_WAITS}")
-        ws += [(-1, 0)] * (NUM_WAITS - len(ws))
-        sig = self.signal or (-1, 0)
         rec = [int(self.opcode), self.op.layer, *self.args, int(self.in_buf), int(self.res_buf),
                int(self.out_buf)]
         for c, t in ws:
-            rec += [c, t]
-        rec += [sig[0], sig[1], self.tid, -1 if self.ticket is None else self.ticket]
+            rec += (c, t)
+        rec += _NO_WAIT * (NUM_WAITS - len(ws))
+        sig = self.signal or (-1, 0)
+        rec += (sig[0], sig[1], self.tid, -1 if self.ticket is None else self.ticket)
         assert len(rec) == TASK_WORDS
         return rec
 
@@ -230,24 +231,160 @@ def _row_op(spec: LlamaSpec, op: FusedOp) -> tuple[Buf, int, Buf, Buf, str]:
 
 
 class _Builder:
+    """Tasks and counters of one step, in tid order. Waits are kept as counter ids and given their targets
+    (the counters' totals) once every task exists (finish). Region tuples are immutable and shared between
+    tasks where equal; every task gets its own lists."""
+
     def __init__(self, spec: LlamaSpec, batch: int, num_sms: int):
         self.spec, self.batch, self.num_sms = spec, batch, num_sms
         self.tasks: list[Task] = []
         self.counters: list[Counter] = []
         self.by_name: dict[str, int] = {}
+        self.totals: list[int] = []              # per counter, the sum of its signallers' adds so far
+        self.wait_ids: list[tuple[int, ...]] = []  # per task, the counters it waits on
+        self._costs: dict[tuple[str, int], float] = {}
 
     def counter(self, name: str, producer: str) -> int:
         if name not in self.by_name:
             self.by_name[name] = len(self.counters)
             self.counters.append(Counter(name, producer))
+            self.totals.append(0)
         return self.by_name[name]
 
-    def add(self, task: Task) -> Task:
+    def ids(self, *names: str) -> tuple[int, ...]:
+        """The ids of existing counters (those an op waits on: made by earlier ops)."""
+        return tuple(self.by_name[n] for n in names)
+
+    def add(self, task: Task, wait_ids: tuple[int, ...]) -> None:
+        """Append `task` as the next tid; it waits on counters `wait_ids` (targets: finish)."""
         task.tid = len(self.tasks)
         if task.signal is not None:
-            self.counters[task.signal[0]].total += task.signal[1]
+            self.totals[task.signal[0]] += task.signal[1]
         self.tasks.append(task)
-        return task
+        self.wait_ids.append(wait_ids)
+
+    def matvec_cost(self, name: str, units: int) -> float:
+        """matvec_ns, computed once per (op, units): an op's tasks take one or two unit counts."""
+        key = (name, units)
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = matvec_ns(self.spec, name, units, self.num_sms)
+        return c
+
+    def finish(self) -> None:
+        """Counter totals and every task's (counter, target) waits, once all signallers exist."""
+        for c, total in zip(self.counters, self.totals):
+            c.total = total
+        totals = self.totals
+        for t, ids in zip(self.tasks, self.wait_ids):
+            t.waits = [(i, totals[i]) for i in ids]
+
+
+def _qkv_unit_cols(spec: LlamaSpec) -> list[tuple[bool, int, int]]:
+    """Per qkv unit: (writes Q, else the layer's KV), and the first columns of its two 8-column pieces
+    (Q columns, or KV<l> columns: (k|v) * kv_size + head * d + dim)."""
+    d = spec.head_dim
+    out = []
+    for u in range(op_units(spec, "qkv_rope")):
+        kind, head, s = qkv_unit(spec, u)
+        base = head * d if kind == "q" else (0 if kind == "k" else spec.kv_size) + head * d
+        out.append((kind == "q", base + s * 8, base + d // 2 + s * 8))
+    return out
+
+
+def _qkv_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, unit_cols: list[tuple[bool, int, int]]) -> None:
+    spec, B, L = bld.spec, bld.batch, op.layer
+    nkv, ug = spec.num_kv_heads, qkv_units_per_group(spec)
+    per_group = max(1, round(tuning.tasks_for(op.name, bld.num_sms) / nkv))
+    src = residual_source(L)
+    kv = f"KV{L}"
+    unit_writes = [((("Q" if q else kv), 0, B, a, a + 8), (("Q" if q else kv), 0, B, b, b + 8)) for q, a, b in unit_cols]
+    read = (src.name, 0, B, 0, spec.hidden_size)
+    waits_on = bld.ids(f"L{L - 1}.down") if L > 0 else ()
+    for g in range(nkv):
+        ctr = bld.counter(f"L{L}.qkv.g{g}", op.key)
+        for u0, n in split_units(g * ug, ug, per_group):
+            writes: list[Region] = []
+            for pair in unit_writes[u0:u0 + n]:
+                writes.extend(pair)
+            bld.add(Task(0, Opcode.QKV_ROPE, op, (u0, n, 0), src, Buf.NONE, Buf.Q, [], (ctr, n),
+                         bld.matvec_cost(op.name, n), [read], writes, [], []), waits_on)
+
+
+def _attention_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int) -> None:
+    spec, B, L = bld.spec, bld.batch, op.layer
+    G, d, nkv = spec.gqa_group, spec.head_dim, spec.num_kv_heads
+    merge = C > 1 and tuning.merge_in_partial
+    # C == 1 and merge-in-partial write ATTN_O (the latter: whichever chunk finishes last, after reading
+    # every chunk's partial) and signal attn[l]; else PART and part[l][b][g]
+    to_o = C == 1 or merge
+    out_buf = Buf.ATTN_O if to_o else Buf.PART_O
+    cost = ATTN_PARTIAL_NS + (ATTN_MERGE_NS if merge else 0.0)
+    kv = f"KV{L}"
+    for b in range(B):
+        for g in range(nkv):
+            ticket = bld.counter(f"L{L}.ticket.b{b}.g{g}", op.key) if merge else None
+            sig = (bld.counter(f"L{L}.attn" if to_o else f"L{L}.part.b{b}.g{g}", op.key), 1)
+            o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
+            reads = [("Q", b, b + 1, g * G * d, (g + 1) * G * d), (kv, b, b + 1, g * d, (g + 1) * d),
+                     (kv, b, b + 1, spec.kv_size + g * d, spec.kv_size + (g + 1) * d)]
+            if merge:
+                reads.append(("PART", b, b + 1, g * C, (g + 1) * C))
+            waits_on = bld.ids(f"L{L}.qkv.g{g}")
+            for c in range(C):
+                w = [] if C == 1 else [("PART", b, b + 1, g * C + c, g * C + c + 1)]
+                if to_o:
+                    w.append(o_region)
+                bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), Buf.Q, Buf.NONE, out_buf, [], sig, cost,
+                             list(reads), w, [], [], 0, ticket), waits_on)
+    if C > 1 and not merge:
+        for b in range(B):
+            for g in range(nkv):
+                bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), Buf.PART_O, Buf.NONE, Buf.ATTN_O, [],
+                             (bld.counter(f"L{L}.attn", op.key), 1), ATTN_COMBINE_NS,
+                             [("PART", b, b + 1, g * C, (g + 1) * C)],
+                             [("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)], [], [], 1), bld.ids(f"L{L}.part.b{b}.g{g}"))
+
+
+def _row_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning) -> None:
+    spec, B, L, name = bld.spec, bld.batch, op.layer, op.name
+    in_buf, in_width, res_buf, out_buf, dep = _row_op(spec, op)
+    units = op_units(spec, name)
+    parts = bld.num_sms if name == "final_norm" else tuning.tasks_for(name, bld.num_sms)
+    ks = tuning.ksplit_for(name)   # > 1: each unit range cut into ks tasks over K (KSPLIT_OPS only)
+    # (counter, unit ranges) per piece: one piece (the op's counter) unless tuning.piece_deps cuts gate_up
+    # at down's K parts, each piece with its counter, so down's part p waits for piece p only
+    pieces = [(bld.counter(f"{op.key}.p{i}", op.key), split_units(lo, n, max(1, round(parts * n / units))))
+              for i, (lo, n) in enumerate(gate_up_pieces(spec, tuning))] if name == "gate_up" else []
+    if not pieces:
+        ctr = bld.counter(op.key, op.key)
+        pieces = [(ctr, split_units(0, units, max(1, round(parts / ks))))]
+    # down's part p reads ACT columns [klo, khi): gate_up's piece p wrote exactly those
+    piece_dep = name == "down" and bool(gate_up_pieces(spec, tuning))
+    waits_on = [bld.ids(f"{dep}.p{p}" if piece_dep else dep) for p in range(ks)]
+    kranges = [ksplit_range(in_width, p, ks) if ks > 1 else (0, in_width) for p in range(ks)]
+    opcode, in_name, res_name, out_name = OP_OPCODE[name], in_buf.name, res_buf.name, out_buf.name
+    col_end = spec.vocab_size if name == "lm_head" else 1 << 30
+    for ctr, u0, n in [(c, u0, n) for c, rs in pieces for u0, n in rs]:
+        c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, col_end)
+        ticket = bld.counter(f"L{L}.{name}.ticket.u{u0}", op.key) if ks > 1 else None
+        cost = FINAL_NORM_NS if name == "final_norm" else bld.matvec_cost(name, n)
+        out_read = (res_name, 0, B, c0, c1) if res_buf is not Buf.NONE else None
+        out_write = (out_name, 0, B, c0, c1)
+        if ks > 1:   # PART_K regions: row = part, col = output column (all requests)
+            # a part stores its partial; the residual and the output are the merge's (the last part)
+            cost = TASK_FIXED_NS + (cost - TASK_FIXED_NS) / ks + KSPLIT_MERGE_NS
+            merge_read = ("PART_K", 0, ks, c0, c1)
+        for p in range(ks):
+            read = (in_name, 0, B, *kranges[p])
+            if ks > 1:
+                t = Task(0, opcode, op, (u0, n, ksplit_arg(p, ks)), in_buf, res_buf, out_buf, [], (ctr, n), cost,
+                         [read], [("PART_K", p, p + 1, c0, c1)],
+                         [merge_read] if out_read is None else [merge_read, out_read], [out_write], 0, ticket)
+            else:
+                t = Task(0, opcode, op, (u0, n, 0), in_buf, res_buf, out_buf, [], (ctr, n), cost,
+                         [read] if out_read is None else [read, out_read], [out_write], [], [], 0, ticket)
+            bld.add(t, waits_on[p])
 
 
 def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False,
@@ -263,109 +400,16 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
     bld = _Builder(spec, batch, num_sms)
     ops = decode_graph(spec, lm_head)
     C = tuning.attn_chunks or attention_chunks(batch, spec.num_kv_heads, num_sms)
-    G, d, nkv, B = spec.gqa_group, spec.head_dim, spec.num_kv_heads, batch
+    unit_cols = _qkv_unit_cols(spec)
     op_ranges: dict[str, tuple[int, int]] = {}
-    # (task, [counter names it waits on]) -- resolved to (id, total) at the end
-    pending: list[tuple[Task, list[str]]] = []
-    all_rows = (0, B)
-
     for op in ops:
         first = len(bld.tasks)
-        L = op.layer
-        name = op.name
-        if name == "qkv_rope":
-            ug = qkv_units_per_group(spec)
-            per_group = max(1, round(tuning.tasks_for(name, num_sms) / nkv))
-            src = residual_source(L)
-            for g in range(nkv):
-                ctr = bld.counter(f"L{L}.qkv.g{g}", op.key)
-                for u0, n in split_units(g * ug, ug, per_group):
-                    writes: list[Region] = []
-                    for u in range(u0, u0 + n):
-                        kind, head, s = qkv_unit(spec, u)
-                        if kind == "q":
-                            for c0 in (head * d + s * 8, head * d + d // 2 + s * 8):
-                                writes.append(("Q", 0, B, c0, c0 + 8))
-                        else:  # KV<l> regions: row = request, col = (k|v) * kv_size + head * d + dim
-                            base = (0 if kind == "k" else spec.kv_size) + head * d
-                            for c0 in (base + s * 8, base + d // 2 + s * 8):
-                                writes.append((f"KV{L}", 0, B, c0, c0 + 8))
-                    t = bld.add(Task(0, Opcode.QKV_ROPE, op, (u0, n, 0), in_buf=src, out_buf=Buf.Q,
-                                     signal=(ctr, n), cost=matvec_ns(spec, name, n, num_sms),
-                                     reads=[(src.name, 0, B, 0, spec.hidden_size)], writes=writes))
-                    pending.append((t, [f"L{L - 1}.down"] if L > 0 else []))
-        elif name == "attention":
-            merge = C > 1 and tuning.merge_in_partial
-            for b in range(B):
-                for g in range(nkv):
-                    ticket = bld.counter(f"L{L}.ticket.b{b}.g{g}", op.key) if merge else None
-                    # C == 1 and merge-in-partial write ATTN_O (the latter: whichever chunk finishes last,
-                    # after reading every chunk's partial) and signal attn[l]; else PART and part[l][b][g]
-                    to_o = C == 1 or merge
-                    sig = bld.counter(f"L{L}.attn" if to_o else f"L{L}.part.b{b}.g{g}", op.key)
-                    o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
-                    for c in range(C):
-                        reads = [("Q", b, b + 1, g * G * d, (g + 1) * G * d),
-                                 (f"KV{L}", b, b + 1, g * d, (g + 1) * d),
-                                 (f"KV{L}", b, b + 1, spec.kv_size + g * d, spec.kv_size + (g + 1) * d)]
-                        w = [] if C == 1 else [("PART", b, b + 1, g * C + c, g * C + c + 1)]
-                        if to_o:
-                            w.append(o_region)
-                        if merge:
-                            reads.append(("PART", b, b + 1, g * C, (g + 1) * C))
-                        t = bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), in_buf=Buf.Q,
-                                         out_buf=Buf.ATTN_O if to_o else Buf.PART_O, signal=(sig, 1),
-                                         cost=ATTN_PARTIAL_NS + (ATTN_MERGE_NS if merge else 0.0), reads=reads,
-                                         writes=w, ticket=ticket))
-                        pending.append((t, [f"L{L}.qkv.g{g}"]))
-            if C > 1 and not merge:
-                for b in range(B):
-                    for g in range(nkv):
-                        t = bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), in_buf=Buf.PART_O,
-                                         out_buf=Buf.ATTN_O, signal=(bld.counter(f"L{L}.attn", op.key), 1),
-                                         cost=ATTN_COMBINE_NS, phase=1,
-                                         reads=[("PART", b, b + 1, g * C, (g + 1) * C)],
-                                         writes=[("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)]))
-                        pending.append((t, [f"L{L}.part.b{b}.g{g}"]))
+        if op.name == "qkv_rope":
+            _qkv_tasks(bld, op, tuning, unit_cols)
+        elif op.name == "attention":
+            _attention_tasks(bld, op, tuning, C)
         else:
-            in_buf, in_width, res_buf, out_buf, dep = _row_op(spec, op)
-            units = op_units(spec, name)
-            parts = num_sms if name == "final_norm" else tuning.tasks_for(name, num_sms)
-            ks = tuning.ksplit_for(name)   # > 1: each unit range cut into ks tasks over K (KSPLIT_OPS only)
-            # (counter, unit ranges) per piece: one piece (the op's counter) unless tuning.piece_deps cuts gate_up
-            # at down's K parts, each piece with its counter, so down's part p waits for piece p only
-            pieces = [(bld.counter(f"{op.key}.p{i}", op.key), split_units(lo, n, max(1, round(parts * n / units))))
-                      for i, (lo, n) in enumerate(gate_up_pieces(spec, tuning))] if name == "gate_up" else []
-            if not pieces:
-                ctr = bld.counter(op.key, op.key)
-                pieces = [(ctr, split_units(0, units, max(1, round(parts / ks))))]
-            ranges = [(c, u0, n) for c, rs in pieces for u0, n in rs]
-            # down's part p reads ACT columns [klo, khi): gate_up's piece p wrote exactly those
-            piece_dep = name == "down" and bool(gate_up_pieces(spec, tuning))
-            for ctr, u0, n in ranges:
-                c0, c1 = u0 * UNIT, min((u0 + n) * UNIT, spec.vocab_size if name == "lm_head" else 1 << 30)
-                ticket = bld.counter(f"L{L}.{name}.ticket.u{u0}", op.key) if ks > 1 else None
-                for p in range(ks):
-                    klo, khi = ksplit_range(in_width, p, ks) if ks > 1 else (0, in_width)
-                    reads = [(in_buf.name, *all_rows, klo, khi)]
-                    out_reads = [(res_buf.name, *all_rows, c0, c1)] if res_buf is not Buf.NONE else []
-                    out_writes = [(out_buf.name, *all_rows, c0, c1)]
-                    merge_reads, merge_writes = [], []
-                    cost = FINAL_NORM_NS if name == "final_norm" else matvec_ns(spec, name, n, num_sms)
-                    if ks > 1:   # PART_K regions: row = part, col = output column (all requests)
-                        # a part stores its partial; the residual and the output are the merge's (the last part)
-                        writes = [("PART_K", p, p + 1, c0, c1)]
-                        merge_reads, merge_writes = [("PART_K", 0, ks, c0, c1), *out_reads], out_writes
-                        cost = TASK_FIXED_NS + (cost - TASK_FIXED_NS) / ks + KSPLIT_MERGE_NS
-                    else:
-                        reads += out_reads
-                        writes = out_writes
-                    t = Task(0, OP_OPCODE[name], op, (u0, n, ksplit_arg(p, ks) if ks > 1 else 0), in_buf=in_buf,
-                             res_buf=res_buf, out_buf=out_buf, signal=(ctr, n), reads=reads, writes=writes,
-                             merge_reads=merge_reads, merge_writes=merge_writes, cost=cost, ticket=ticket)
-                    pending.append((bld.add(t), [f"{dep}.p{p}" if piece_dep else dep]))
+            _row_tasks(bld, op, tuning)
         op_ranges[op.key] = (first, len(bld.tasks))
-
-    for t, deps in pending:
-        t.waits = [(bld.by_name[n], bld.counters[bld.by_name[n]].total) for n in deps]
+    bld.finish()
     return TaskSet(spec, batch, num_sms, C, ops, bld.tasks, bld.counters, op_ranges)
