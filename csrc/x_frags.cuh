@@ -94,9 +94,8 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
     }
   } else {
     static_assert(NT == 1, "the one-n-tile fragments");
-#if MK_XFRAG
-    // MK_XFRAG: as smem_x_frags' one-n-tile case, from the swizzled group buffer (row 0 is always copied; a short
-    // group's k-steps past its end read the last copied one). Bitwise the default's fragments.
+    // As smem_x_frags' one-n-tile case, from the swizzled group buffer (row 0 is always copied; a short
+    // group's k-steps past its end read the last copied one).
     const int bi = lane >> 2;
     const bool rowok = bi < B;
     const int bc = rowok ? bi : 0;
@@ -122,29 +121,6 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
       xb[jj][0][0] = ok ? xv[jj][0] : 0u;
       xb[jj][0][1] = ok ? xv[jj][1] : 0u;
     }
-#else
-#pragma unroll
-    for (int jj = 0; jj < JMAX; ++jj) {
-      const int j = warp + jj * CONSUMER_WARPS;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const int bi = n * 8 + (lane >> 2);
-        unsigned v0 = 0, v1 = 0;
-        if (j < nsteps && bi < B) {
-          const unsigned char* row = gb + bi * KC * 2 + (lane & 3) * 4;
-          v0 = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bi & 7)) << 4));
-          v1 = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bi & 7)) << 4));
-          if (norm) {
-            const float r = rstd[bi];
-            v0 = norm_pair(v0, r, wv[jj][0]);
-            v1 = norm_pair(v1, r, wv[jj][1]);
-          }
-        }
-        xb[jj][n][0] = v0;
-        xb[jj][n][1] = v1;
-      }
-    }
-#endif
   }
 }
 
@@ -243,12 +219,11 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
     }
   } else {
     static_assert(NT == 1, "the one-n-tile fragments");
-#if MK_XFRAG
-    // MK_XFRAG (A/B switch, session 23): no branch per k-step. Every lane loads from a staged row (a lane of a
-    // row past B reads row 0; a tail chunk's k-steps past nsteps read the last valid one), all of the chunk's
-    // loads first, then the norm, then a select zeroes what the default leaves zero: the k-steps' loads are in
-    // flight together instead of one divergent branch (BSSY/BSYNC) and one rstd load per k-step (SASS of the
-    // default, session 23). The fragments are bitwise the default's.
+    // No branch per k-step (MK_XFRAG's A/B, session 24: 1B b1 -23 us, 8B b8 -76; bench/NOTES.md). Every lane
+    // loads from a staged row (a lane of a row past B reads row 0; a tail chunk's k-steps past nsteps read the
+    // last valid one), all of the chunk's loads first, then the norm, then a select zeroes the padding: the
+    // k-steps' loads are in flight together instead of one divergent branch (BSSY/BSYNC) and one rstd load per
+    // k-step (the former build's SASS, session 23). Bitwise the former build's fragments.
     const int bi = lane >> 2;
     const bool rowok = bi < B;
     const unsigned char* xr = xs + (rowok ? bi : 0) * rowb;
@@ -276,35 +251,6 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
       xb[jj][0][0] = ok ? xv[jj][0] : 0u;
       xb[jj][0][1] = ok ? xv[jj][1] : 0u;
     }
-#else
-#pragma unroll
-    for (int jj = 0; jj < JMAX; ++jj) {
-      const int j = warp + jj * CONSUMER_WARPS;
-      const int off = (k0 + j * 16 + (lane & 3) * 2) * 2;
-      unsigned w0 = 0, w1 = 0;
-      if (norm && j < nsteps) {
-        w0 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off);
-        w1 = *reinterpret_cast<const unsigned*>(xs + B * rowb + off + 16);
-      }
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const int bi = n * 8 + (lane >> 2);
-        unsigned v0 = 0, v1 = 0;
-        if (j < nsteps && bi < B) {
-          const unsigned char* p = xs + bi * rowb + off;
-          v0 = *reinterpret_cast<const unsigned*>(p);
-          v1 = *reinterpret_cast<const unsigned*>(p + 16);
-          if (norm) {
-            const float r = rstd[bi];
-            v0 = norm_pair(v0, r, w0);
-            v1 = norm_pair(v1, r, w1);
-          }
-        }
-        xb[jj][n][0] = v0;
-        xb[jj][n][1] = v1;
-      }
-    }
-#endif
   }
 }
 

@@ -45,8 +45,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",), ("-DMK_DIAG=8",), ("-DMK_DIAG=16", "-DMK_TRACE_PHASES=1"),
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
             ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128"),
-            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_XFRAG=1",),
-            ("-DMK_XFRAG=1", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")]
+            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2")]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:

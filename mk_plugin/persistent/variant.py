@@ -12,7 +12,8 @@ batch 9..16 lost; session 11: full-width ring chunks at batch 9..16, taken in tw
 half-width chunks; session 12: the chain L2 prefetch, split MMA chains for one-M-tile passes and more
 norm-statistics rows per round all lost; session 18 removed the bulk-copy hand-offs MK_BULK_RELEASE and
 MK_BULK_QKV: they raced, bench/NOTES.md session 17; session 21: a later pass's x copied early or kept staged,
-MK_PASS_PREFETCH, lost at every shape).
+MK_PASS_PREFETCH, lost at every shape; session 24: the branch-free one-n-tile fragment build, MK_XFRAG, won
+and is the code).
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_XFRAG", "xfrag", "xfrag"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -69,10 +69,6 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/producer.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_XFRAG (A/B switch, session 23): the one-n-tile fragment build from a staged x without a branch per
-    # k-step (csrc/x_frags.cuh smem_x_frags): all of a chunk's loads first, rows past the batch zeroed by a select.
-    # Bitwise the default's fragments.
-    xfrag: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -91,7 +87,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "xfrag"):
+        for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
