@@ -176,7 +176,7 @@ def fake_child(mode: str, batches: list[int], spec: Any, prompts: list[int], out
                ) -> dict[str, Any]:
     """--dry-run: plausible numbers without a GPU (checks the parent's tables, CSV and plot)."""
     rnd = random.Random(f"{mode}-{prompts}-{spec.hidden_size}")
-    speed = {"stock": 1.0, "mk-stock": 1.0, "triton": 1.3, "megakernel": 1.8}[mode]
+    speed = {"stock": 1.0, "mk-stock": 1.0, "triton": 1.3, "megakernel": 1.8, "auto": 1.8}[mode]
     res = {}
     for prompt, b in ((p, b) for p in prompts for b in batches):
         floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
@@ -196,14 +196,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="triton,megakernel",
                    help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}")
     p.add_argument("--runs", type=int, default=5, help="measured runs per engine, after one warm-up run")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of engines: each round runs stock, then each plugin mode, each in a fresh engine "
-                        "(stock, plugin, stock, plugin, ...): the host is noisy, so modes are compared side by side "
-                        "and the reported TBT is the median over rounds, with every round shown in the spread table")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of engines (default 3; 1 with --sweep): each round runs stock, then each plugin mode, "
+                        "each in a fresh engine (stock, plugin, stock, plugin, ...): the host is noisy, so modes are "
+                        "compared side by side and the reported TBT is the median over rounds, with every round shown "
+                        "in the spread table. Engines of one mode differ by up to ~1 ms at 1B on the H200 host "
+                        "(bench/NOTES.md session 24): a one-round comparison of host-bound rows says little")
     p.add_argument("--quick", action="store_true", help="1B, prompt 512, batches 1,8, 2 runs, mode triton")
     p.add_argument("--sweep", action="store_true",
-                   help="issue 5's sweep: batches 1,2,4,8,16 x prompts 128,512,2048,8192, 2 runs (models and modes "
-                        "as given)")
+                   help="issue 5's sweep: batches 1,2,4,8,16 x prompts 128,512,2048,8192, 2 runs, one round unless "
+                        "--rounds says more (models and modes as given)")
     p.add_argument("--runner", choices=common.RUNNERS, default="default", help="vLLM model runner (default: V2)")
     p.add_argument("--eager", action="store_true", help="enforce_eager=True (default: CUDA graphs)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
@@ -221,7 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.models, a.prompts, a.batches, a.runs, a.modes, a.rounds = "llama-3.2-1b", "512", "1,8", 2, "triton", 1
     if a.sweep:
-        a.prompts, a.batches, a.runs, a.rounds = "128,512,2048,8192", "1,2,4,8,16", 2, 1
+        a.prompts, a.batches, a.runs = "128,512,2048,8192", "1,2,4,8,16", 2
+    if a.rounds is None:
+        a.rounds = 1 if a.sweep else 3
     a.model_list = [m for m in a.models.split(",") if m]
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]

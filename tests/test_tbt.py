@@ -53,6 +53,21 @@ def test_sweep_runs_every_prompt_in_one_engine_per_mode_and_plots_vs_context(tmp
     assert next(tmp_path.glob("tbt_*_vs_context.png")).stat().st_size > 0
 
 
+def test_sweep_takes_rounds_when_given(tmp_path, monkeypatch):
+    """--sweep runs one round by default; --rounds 2 alternates the modes' engines twice (stock, auto, stock, auto)."""
+    calls = []
+    real = tbt.fake_child
+
+    def spy(mode, batches, spec, prompts, output, runs_per=1):
+        calls.append(mode)
+        return real(mode, batches, spec, prompts, output, runs_per)
+
+    monkeypatch.setattr(tbt, "fake_child", spy)
+    assert tbt.main(["--dry-run", "--sweep", "--rounds", "2", "--modes", "auto", "--models", "llama-3.2-1b-1layer",
+                     "--outdir", str(tmp_path)]) == 0
+    assert calls == ["stock", "auto", "stock", "auto"]
+
+
 def test_child_measures_every_prompt_and_batch_in_one_engine(monkeypatch, capsys):
     """child_main against a fake vllm.LLM: one engine, (runs + 1) generate calls per (prompt, batch),
     prompts of the right length, TBT from the request metrics, results under result_key."""
