@@ -207,6 +207,15 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // the price of building the fragments per chunk, which one-M-tile tasks pay once per 32 KB chunk
     unsigned xb_kept[JMAX][NT][2] = {};
 #endif
+#if MK_XPIPE
+    // MK_XPIPE (A/B switch): a staged pass's next-chunk x loads are issued before this chunk's ring wait and MMAs
+    // (x_load1), the norm and zero-select of a chunk's fragments just before its MMAs (x_finish1): the x loads'
+    // latency hides behind the previous chunk's MMAs instead of preceding them. The pass's first chunk is loaded
+    // here, after stage_x.
+    static_assert(!(MK_DIAG & 16), "MK_XPIPE and MK_DIAG=16 both replace the per-chunk fragment build");
+    unsigned xv_next[JMAX][2];
+    if (staged) x_load1<JMAX>(xv_next, xs, wp.K, 0, min(KC, wp.K) >> 4, B, warp, lane);
+#endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
 #if MK_DIAG & 16
@@ -217,7 +226,12 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       constexpr bool xfrag = true;
 #endif
       if (staged) {
+#if MK_XPIPE
+        x_finish1<JMAX>(xb, xv_next, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
+        if (k0 + KC < wp.K) x_load1<JMAX>(xv_next, xs, wp.K, k0 + KC, min(KC, wp.K - k0 - KC) >> 4, B, warp, lane);
+#else
         if (xfrag) smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
+#endif
       } else {
         unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
 #pragma unroll

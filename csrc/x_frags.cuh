@@ -254,4 +254,58 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
   }
 }
 
+// MK_XPIPE (A/B switch, session 24): smem_x_frags' one-n-tile case in two halves, so that the matvec loop can issue a
+// chunk's x loads before the previous chunk's MMAs and their shared-memory latency hides behind them (matvec.cuh).
+// Only x is carried across (16 registers: the norm weights too spilled 116 bytes at the 168-register cap); a
+// norm-fused op loads its norm weights in x_finish1. x_load1 + x_finish1 are smem_x_frags<1, JMAX> with the x loads
+// moved earlier: bitwise its fragments.
+template <int JMAX>
+__device__ __forceinline__ void x_load1(unsigned (&xv)[JMAX][2], const unsigned char* xs, int K, int k0, int nsteps,
+                                        int B, int warp, int lane) {
+  const int bi = lane >> 2;
+  const unsigned char* xr = xs + (bi < B ? bi : 0) * (K * 2 + 16);
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    const int off = (k0 + min(warp + jj * CONSUMER_WARPS, nsteps - 1) * 16 + (lane & 3) * 2) * 2;
+    xv[jj][0] = *reinterpret_cast<const unsigned*>(xr + off);
+    xv[jj][1] = *reinterpret_cast<const unsigned*>(xr + off + 16);
+  }
+}
+
+template <int JMAX>
+__device__ __forceinline__ void x_finish1(unsigned (&xb)[JMAX][1][2], const unsigned (&xv)[JMAX][2],
+                                          const unsigned char* xs, bool norm, const float* rstd, int K, int k0,
+                                          int nsteps, int B, int warp, int lane) {
+  const int bi = lane >> 2;
+  const bool rowok = bi < B;
+  unsigned v[JMAX][2];
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    v[jj][0] = xv[jj][0];
+    v[jj][1] = xv[jj][1];
+  }
+  if (norm) {   // one (warp-uniform) branch for all k-steps, as smem_x_frags
+    const unsigned char* wr = xs + B * (K * 2 + 16);   // the staged norm weights
+    const float r = rstd[rowok ? bi : 0];
+    unsigned wv[JMAX][2];
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      const int off = (k0 + min(warp + jj * CONSUMER_WARPS, nsteps - 1) * 16 + (lane & 3) * 2) * 2;
+      wv[jj][0] = *reinterpret_cast<const unsigned*>(wr + off);
+      wv[jj][1] = *reinterpret_cast<const unsigned*>(wr + off + 16);
+    }
+#pragma unroll
+    for (int jj = 0; jj < JMAX; ++jj) {
+      v[jj][0] = norm_pair(v[jj][0], r, wv[jj][0]);
+      v[jj][1] = norm_pair(v[jj][1], r, wv[jj][1]);
+    }
+  }
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
+    xb[jj][0][0] = ok ? v[jj][0] : 0u;
+    xb[jj][0][1] = ok ? v[jj][1] : 0u;
+  }
+}
+
 }  // namespace mk

@@ -168,11 +168,15 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         KernelVariant.parse(["MK_ATTN_PREFETCH=1"])   # measured slower in session 8: removed
     # session 9's measured switches left the kernel with their A/B: the winners are the code, the losers gone
     for gone in ("MK_GATE_WORD", "MK_POLL_ACQUIRE", "MK_PTR_EARLY", "MK_GROUP_NONORM", "MK_ROPE_EARLY",
-                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL"):   # measured: removed
+                 "MK_ATTN_OVERLAP", "MK_MERGE_BATCH", "MK_NT2_SLOTS", "MK_ATT_AU", "MK_NT2_FULL",
+                 "MK_XFRAG"):   # measured: removed (MK_XFRAG won in session 24 and is the code)
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
+    assert KernelVariant.parse(["MK_XPIPE=1"]).defines() == ("-DMK_XPIPE=1",) == KernelVariant(xpipe=True).defines()
+    with pytest.raises(ValueError, match="xpipe=True with diag bit 16"):
+        KernelVariant.parse(["MK_XPIPE=1", "MK_DIAG=16"])
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

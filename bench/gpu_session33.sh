@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 25's GPU calls (bench/NOTES.md session 24, "Next"). `bash bench/gpu_session33.sh N $OUT` from the project
+# root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the 64 MiB
+# limit), 3 the third part and unpack.sh; 4 reuses the unpacked tree while the machine stays warm.
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  1) # issue 11: MK_XPIPE (the staged one-n-tile pass's next-chunk x loads before this chunk's MMAs). Its bitwise
+     # GPU test, then the A/B over 2 rounds. Predicted 1B b1 -5..-15 us, 8B b1 -5..-15, b8 0..+10 (its mk_decode
+     # spill where it does not apply). Rule: >= 1% at batch 1 in both rounds, b8 not slower than +0.5%.
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k xpipe 2>&1 | tail -3
+     B="--build default --build MK_XPIPE=1"
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 --rounds 2 $B
+     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B ;;
+  11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  3) vllm_env   # issue 12: 1B TBT with alternation and the GPU busy per step: stock / mk-stock / auto, 3 rounds
+     timeout 580 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes mk-stock,auto \
+       --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -24
+     rm -f "$out"/logs/*payload* ;;
+  4) vllm_env   # issue 12: the 8B batch x context sweep, stock against auto, one engine each (GPU-bound: 8B engines
+     # of one mode agreed within 0.5% in session 22; two rounds would not fit one call)
+     timeout 580 python3 bench/tbt.py --sweep --models llama-3.1-8b --modes auto --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+     rm -f "$out"/logs/*payload* ;;
+  *) echo "no call $n here" ;;
+esac
+} 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
