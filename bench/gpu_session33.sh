@@ -24,6 +24,10 @@ case $n in
      timeout 580 python3 bench/tbt.py --sweep --models llama-3.1-8b --modes auto --outdir "$out" 2>&1 \
        | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
      rm -f "$out"/logs/*payload* ;;
+  5) vllm_env   # issue 12: serve 1B, stock against auto, 2 alternated rounds (session 24's one-run c8 row: 1.02x)
+     timeout 590 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 --prompts 32 \
+       --rounds 2 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20
+     rm -f "$out"/logs/*stock*.json ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

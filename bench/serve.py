@@ -3,14 +3,17 @@ stock vLLM and each plugin mode, at several concurrencies; TPOT / ITL / TTFT / t
 mode, concurrency) as a markdown table, a plot and rows of bench/results/serve.csv.
 
     python bench/serve.py [--models llama-3.2-1b,llama-3.1-8b] [--modes triton,megakernel,auto]
-                          [--concurrency 1,4,8,16] [--input-len 512] [--output-len 128] [--prompts 64]
+                          [--concurrency 1,4,8,16] [--input-len 512] [--output-len 128] [--prompts 64] [--rounds 1]
     python bench/serve.py --dry-run        # CPU: fake results through the table/CSV/plot code
 
 The served folder is a copy of bench/models/<model> (config only; --load-format dummy weights) with a
 generated word-level tokenizer (token i is the word "w<i>", ids 0-2 the special tokens): no hub access, and the random dataset of
 `vllm bench serve` round-trips through it. Each mode gets a fresh server (stock: VLLM_PLUGINS=""; the
 plugin modes: MK_MODE), identical engine arguments, one greedy completion checked to return tokens
-before the benchmark, and a server log that must hold no Python traceback.
+before the benchmark, and a server log that must hold no Python traceback. With --rounds N the servers
+alternate (stock, plugin, stock, plugin, ...: a server's whole run sits higher or lower at random on a
+noisy host, by up to ~0.7 ms per token at 1B on the H200) and the table shows the median over rounds
+with every round's TPOT; the CSV has one row per round.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -125,10 +129,13 @@ def log_traceback(log: Path, upto: int | None = None) -> str | None:
     return None if i < 0 else text[i: i + 2000]
 
 
-def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, stamp: str) -> dict[int, dict]:
-    """Start a server in `mode`, check it, run the benchmark per concurrency; {concurrency: metrics}."""
+def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, stamp: str,
+             tag: str | None = None) -> dict[int, dict]:
+    """Start a server in `mode`, check it, run the benchmark per concurrency; {concurrency: metrics}. `tag`
+    (default: the mode) names its log files: one per round."""
     port = free_port()
-    log = outdir / "logs" / f"serve_{stamp}_{folder.name}_{mode}.log"
+    tag = tag or mode
+    log = outdir / "logs" / f"serve_{stamp}_{folder.name}_{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = common.child_env(mode, args.runner, mk_env=args.mk_env)
     res: dict[int, dict] = {}
@@ -138,7 +145,7 @@ def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, st
             wait_ready(port, proc, args.timeout)
             print(f"[serve] {folder.name} {mode}: greedy completion {greedy_completion(port, folder)[:4]}", flush=True)
             for conc in args.concurrency_list:
-                name = f"serve_{stamp}_{folder.name}_{mode}_c{conc}.json"
+                name = f"serve_{stamp}_{folder.name}_{tag}_c{conc}.json"
                 r = subprocess.run(bench_cmd(folder, port, conc, args, outdir / "logs", name), env=env,
                                    capture_output=True, text=True, timeout=args.timeout, check=False)
                 if r.returncode != 0:
@@ -171,10 +178,29 @@ def fake_mode(mode: str, concs: list[int]) -> dict[int, dict]:
                 "output_throughput": 1000.0 * c / (base + 0.05 * c), "completed": 64} for c in concs}
 
 
+def over_rounds(rounds: list[dict[int, dict]]) -> dict[int, dict]:
+    """Each metric's median over the rounds, per concurrency measured in every round."""
+    concs = [c for c in rounds[0] if all(c in r for r in rounds)]
+    return {c: {k: statistics.median(r[c][k] for r in rounds) for k in METRICS} for c in concs}
+
+
+def spread_table(per_round: dict[tuple[str, str], list[dict[int, dict]]], modes: list[str], concs: list[int]) -> str:
+    """Every round's median TPOT per (model, concurrency, mode), in round order."""
+    rows = []
+    for shape in dict.fromkeys(s for s, _ in per_round):
+        for c in concs:
+            cells = [" / ".join(f"{r[c]['median_tpot_ms']:.2f}" for r in per_round.get((shape, m), []) if c in r) or "n/a"
+                     for m in ["stock"] + modes]
+            rows.append([shape, c] + cells)
+    return ("\nEvery round's median TPOT ms (servers alternating, in round order):\n\n"
+            + common.markdown_table(["model", "concurrency"] + [f"{m} rounds" for m in ["stock"] + modes], rows) + "\n")
+
+
 def render(results: dict[tuple[str, str], dict[int, dict]], modes: list[str], concs: list[int], meta: dict) -> str:
     head = (f"# vllm serve + vllm bench serve ({meta['gpu']}, commit {meta['commit']}, vLLM {meta['vllm']})\n\n"
             f"random dataset, {meta['input']} in / {meta['output']} out, --ignore-eos, dummy weights; median TPOT ms "
-            "(output tok/s); the plugin columns' ratio is against stock at the same concurrency.\n\n")
+            f"(output tok/s){'' if meta.get('rounds', 1) == 1 else ', medians over ' + str(meta['rounds']) + ' rounds'}; "
+            "the plugin columns' ratio is against stock at the same concurrency.\n\n")
     allm = ["stock"] + modes
     rows = []
     for shape in dict.fromkeys(s for s, _ in results):
@@ -224,26 +250,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=common.RUNNERS, default="default")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for a server start or one benchmark")
     ap.add_argument("--outdir", type=Path, default=common.RESULTS)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of servers, modes alternating (stock, plugin, stock, plugin, ...); the table shows "
+                         "the median over rounds and every round's TPOT")
     ap.add_argument("--dry-run", action="store_true")
     common.add_mk_env_arg(ap)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
     modes = [m for m in args.modes.split(",") if m and m != "stock"]
     bad = [m for m in modes if m not in common.MODES]
     if bad or not args.concurrency_list or min(args.concurrency_list) < 1:
         ap.error(f"modes {bad} not in {common.MODES[1:]}, or no valid --concurrency")
     meta = {"date": common.today(), "commit": common.git_commit(), "gpu": "dry-run" if args.dry_run else common.gpu_name(),
-            "vllm": common.vllm_version(), "input": args.input_len, "output": args.output_len}
+            "vllm": common.vllm_version(), "input": args.input_len, "output": args.output_len, "rounds": args.rounds}
     stamp = common.run_stamp() + ("_dryrun" if args.dry_run else "")
-    results: dict[tuple[str, str], dict[int, dict]] = {}
+    results: dict[tuple[str, str], dict[int, dict]] = {}   # the median over the rounds so far
+    per_round: dict[tuple[str, str], list[dict[int, dict]]] = {}
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"mk_serve_{stamp}"
     for name in [m for m in args.models.split(",") if m]:
         mdir = common.model_dir(name)
         folder = mdir if args.dry_run else make_served_folder(mdir, work)
-        for mode in ["stock"] + modes:
+        for rnd, mode in ((r, m) for r in range(args.rounds) for m in ["stock"] + modes):
+            tag = mode if args.rounds == 1 else f"{mode}_r{rnd + 1}"
             per = fake_mode(mode, args.concurrency_list) if args.dry_run else run_mode(folder, mode, args, args.outdir,
-                                                                                       stamp)
-            results[(mdir.name, mode)] = per
+                                                                                       stamp, tag)
+            per_round.setdefault((mdir.name, mode), []).append(per)
+            results[(mdir.name, mode)] = over_rounds(per_round[(mdir.name, mode)])
             rows = [(meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, mode, c,
                      args.input_len, args.output_len, args.prompts, f"{r['median_tpot_ms']:.3f}",
                      f"{r['median_itl_ms']:.3f}", f"{r['median_ttft_ms']:.1f}",
@@ -252,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             common.append_csv(args.outdir / ("serve_dryrun.csv" if args.dry_run else "serve.csv"), CSV_HEADER, rows)
             # table and plot rewritten after every mode: a run cut short (a call's timeout) keeps them
             done = [m for m in modes if any(k[1] == m for k in results)]
-            common.write_record(args.outdir, f"serve_{stamp}.md", render(results, done, args.concurrency_list, meta))
+            text = render(results, done, args.concurrency_list, meta)
+            if args.rounds > 1:
+                text += spread_table(per_round, done, args.concurrency_list)
+            common.write_record(args.outdir, f"serve_{stamp}.md", text)
             png = plot(results, args.outdir / f"serve_{stamp}.png")
     print(f"plot: {png}" if png else "plot: matplotlib not importable")
     return 0

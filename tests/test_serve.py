@@ -70,6 +70,29 @@ def test_dry_run_writes_every_model_mode_and_concurrency(tmp_path):
     assert "| llama-3.2-1b-1layer | 8 |" in md and "x)" in md
 
 
+def test_rounds_alternate_the_servers_and_report_every_round(tmp_path, monkeypatch):
+    """--rounds 2: stock, auto, stock, auto (a server's whole run shifts at random on a noisy host, so modes are
+    compared side by side); the table holds the median over rounds and every round's TPOT, the CSV a row per round."""
+    calls, tpot = [], iter([5.0, 4.0, 6.0, 4.4])
+
+    def fake(mode, concs):
+        calls.append(mode)
+        t = next(tpot)
+        return {c: {"median_tpot_ms": t, "median_itl_ms": t, "median_ttft_ms": 30.0, "output_throughput": 100.0 / t,
+                    "completed": 8} for c in concs}
+
+    monkeypatch.setattr(serve, "fake_mode", fake)
+    assert serve.main(["--dry-run", "--rounds", "2", "--models", "llama-3.2-1b-1layer", "--modes", "auto",
+                       "--concurrency", "1", "--outdir", str(tmp_path)]) == 0
+    assert calls == ["stock", "auto", "stock", "auto"]
+    rows = list(csv.DictReader((tmp_path / "serve_dryrun.csv").read_text().splitlines()))
+    assert [(r["mode"], r["median_tpot_ms"]) for r in rows] == [("stock", "5.000"), ("auto", "4.000"),
+                                                                ("stock", "6.000"), ("auto", "4.400")]
+    md = next(tmp_path.glob("serve_*_dryrun.md")).read_text()
+    assert "medians over 2 rounds" in md and "5.50 (" in md and "4.20 (" in md and "0.76x" in md
+    assert "| llama-3.2-1b-1layer | 1 | 5.00 / 6.00 | 4.00 / 4.40 |" in md
+
+
 def test_random_dataset_prompts_pass_vllms_length_guard(tmp_path):
     """vLLM 0.24 rejects a prompt longer than (max_model_len - max_tokens) x the tokenizer's longest
     token in characters, before tokenizing it (renderers/params.py, _text_len_check): with two-letter
