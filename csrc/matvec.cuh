@@ -261,6 +261,33 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
+#if MK_FULLK
+          // MK_FULLK (A/B switch, session 24): a full chunk (every warp's JMAX k-steps exist: all but a matrix's
+          // last short chunk) without the per-k-step predicate, whose ldmatrix.sync needed a WARPSYNC each, and with
+          // the A fragments in two register quads, so that k-step jj + 1's ldmatrix is in flight during k-step jj's
+          // MMA (the default build reloads one quad: each MMA waits for its ldmatrix; SASS, session 24).
+          if (nsteps == KC / 16 && !(MK_DIAG & 4)) {
+            unsigned a[2][4];
+#if MK_W_TMA
+            ldmatrix_x4(a[0], sb);
+#else
+            ldmatrix_x4(a[0], sb + warp * 32);
+#endif
+#pragma unroll
+            for (int jj = 0; jj < JMAX; ++jj) {
+              if (jj + 1 < JMAX) {
+#if MK_W_TMA
+                ldmatrix_x4(a[(jj + 1) & 1], sb + (jj + 1) * W_JJ_BYTES);
+#else
+                ldmatrix_x4(a[(jj + 1) & 1], sb + (warp + (jj + 1) * CONSUMER_WARPS) * 32);
+#endif
+              }
+#pragma unroll
+              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[jj & 1], xb[jj][n]);
+            }
+          } else
+#endif
+          {
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
@@ -274,6 +301,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
 #pragma unroll
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
+          }
           }
           if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
           ++it;

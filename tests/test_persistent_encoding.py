@@ -177,6 +177,7 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     assert KernelVariant.parse(["MK_XPIPE=1"]).defines() == ("-DMK_XPIPE=1",) == KernelVariant(xpipe=True).defines()
     with pytest.raises(ValueError, match="xpipe=True with diag bit 16"):
         KernelVariant.parse(["MK_XPIPE=1", "MK_DIAG=16"])
+    assert KernelVariant.parse(["MK_FULLK=1", "MK_XPIPE=1"]).label() == "xpipe,fullk"
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

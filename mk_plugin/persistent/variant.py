@@ -31,7 +31,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_XPIPE", "xpipe", "xpipe"))
+                   ("MK_XPIPE", "xpipe", "xpipe"), ("MK_FULLK", "fullk", "fullk"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -74,6 +74,9 @@ class KernelVariant:
     # are issued before the previous chunk's ring wait and MMAs (csrc/x_frags.cuh x_load1 / x_finish1). Bitwise the
     # default's fragments. Not with diag bit 16.
     xpipe: bool = False
+    # MK_FULLK (A/B switch, session 24): at one n-tile, a full weight chunk's k-steps without the per-k-step predicate
+    # (and its WARPSYNC) and with the A fragments in two register quads (csrc/matvec.cuh). Bitwise the default.
+    fullk: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -92,7 +95,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "xpipe"):
+        for name in ("phases", "w_tma", "xpipe", "fullk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if self.xpipe and self.diag & 16:
