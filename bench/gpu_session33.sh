@@ -10,11 +10,11 @@ case $n in
   1) # issue 11: MK_XPIPE (the staged one-n-tile pass's next-chunk x loads before this chunk's MMAs) and MK_FULLK
      # (full chunks without the per-k-step predicate, A fragments in two quads). Their bitwise GPU tests, then the
      # A/B over 2 rounds (NOTES session 24: predictions and rules). XPIPE: 1B b1 -5..-15 us, 8B b1 -5..-15, b8
-     # 0..+10; FULLK: 1B b1 -5..-20, 8B b1 -10..-40, b8 -10..-50.
-     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "xpipe or fullk" 2>&1 | tail -3
+     # 0..+10; FULLK: 1B b1 -5..-20, 8B b1 -10..-40, b8 -10..-50, b16 -20..-80 (one and two n-tiles).
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k "xpipe or fullk" 2>&1 | tail -3
      B="--build default --build MK_XPIPE=1 --build MK_FULLK=1 --build MK_XPIPE=1,MK_FULLK=1"
-     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 --rounds 2 $B
-     timeout 280 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 --rounds 2 $B ;;
+     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
+     timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issue 12: 1B TBT with alternation and the GPU busy per step: stock / mk-stock / auto, 3 rounds
      timeout 580 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes mk-stock,auto \

@@ -104,6 +104,31 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #else
             const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
 #endif
+#if MK_FULLK
+            // MK_FULLK: a full half (every warp's JMAX k-steps exist) without the per-k-step predicate, the A
+            // fragments in two register quads (as matvec_task's one-n-tile loop)
+            if (nsteps == KG / 16 && !(MK_DIAG & 4)) {
+              unsigned a[2][4];
+#if MK_W_TMA
+              ldmatrix_x4(a[0], sb);
+#else
+              ldmatrix_x4(a[0], sb + warp * 32);
+#endif
+#pragma unroll
+              for (int jj = 0; jj < JMAX; ++jj) {
+                if (jj + 1 < JMAX) {
+#if MK_W_TMA
+                  ldmatrix_x4(a[(jj + 1) & 1], sb + (jj + 1) * W_JJ_BYTES);
+#else
+                  ldmatrix_x4(a[(jj + 1) & 1], sb + (warp + (jj + 1) * CONSUMER_WARPS) * 32);
+#endif
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[jj & 1], xb[jj][n]);
+              }
+            } else
+#endif
+            {
 #pragma unroll
             for (int jj = 0; jj < JMAX; ++jj) {
               const int j = warp + jj * CONSUMER_WARPS;
@@ -117,6 +142,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #pragma unroll
                 for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
               }
+            }
             }
             if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
           }

@@ -495,12 +495,14 @@ def test_xpipe_fragments_are_bitwise_the_default(models, name, bsz):
     assert all(torch.equal(a, b) for a, b in zip(c0, c1))
 
 
-@pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("llama-3.2-1b", 1), ("llama-3.2-1b", 8),
-                                      ("llama-3.1-8b", 1), ("llama-3.1-8b", 8)])
+@pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("tiny", 11), ("llama-3.2-1b", 1), ("llama-3.2-1b", 8),
+                                      ("llama-3.2-1b", 16), ("llama-3.1-8b", 1), ("llama-3.1-8b", 8),
+                                      ("llama-3.1-8b", 13)])
 def test_fullk_is_bitwise_the_default(models, name, bsz):
-    """MK_FULLK takes a full weight chunk's k-steps without their predicate and with the A fragments in two register
-    quads: the same MMAs on the same operands in the same order, so the step equals the default build's bit for bit
-    (tiny: K = 256, short chunks only, the default loop; 1B / 8B: full chunks, staged and column-group x)."""
+    """MK_FULLK takes a full weight chunk's (at two n-tiles: half's) k-steps without their predicate and with the A
+    fragments in two register quads: the same MMAs on the same operands in the same order, so the step equals the
+    default build's bit for bit (tiny: K = 256, short chunks only, the default loops; 1B / 8B: full chunks, staged
+    and column-group x, one and two n-tiles)."""
     from mk_plugin.persistent.variant import KernelVariant
 
     spec, w = models(name, 2)
