@@ -41,6 +41,34 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
                                               unsigned (&cs)[4]);
 __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t);
 
+#if MK_FULLK
+// MK_FULLK (A/B switch, session 24): the k-steps of one M-tile over a full chunk (NT = 1) or half (NT = 2), every warp's
+// JMAX k-steps present: no per-k-step predicate (whose ldmatrix.sync needed a WARPSYNC each: the compiler cannot
+// tell the predicate is warp-uniform) and the A fragments in two register quads, so that k-step jj + 1's ldmatrix
+// is in flight during k-step jj's MMAs (the default loops reload one quad: each MMA waits for its own ldmatrix;
+// SASS, session 24). The same MMAs on the same operands in the same order as the default loops.
+__device__ __forceinline__ unsigned kstep_addr(unsigned sb, int jj, int warp) {
+#if MK_W_TMA
+  return sb + jj * W_JJ_BYTES;
+#else
+  return sb + (warp + jj * CONSUMER_WARPS) * 32;
+#endif
+}
+
+template <int NT, int JMAX>
+__device__ __forceinline__ void full_ksteps(float (&acc)[NT][4], unsigned sb, const unsigned (&xb)[JMAX][NT][2],
+                                            int warp) {
+  unsigned a[2][4];
+  ldmatrix_x4(a[0], kstep_addr(sb, 0, warp));
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    if (jj + 1 < JMAX) ldmatrix_x4(a[(jj + 1) & 1], kstep_addr(sb, jj + 1, warp));
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mma_16816(acc[n], a[jj & 1], xb[jj][n]);
+  }
+}
+#endif
+
 // The chunk loop of one pass at NT = 2 (matvec_task's at NT = 1 is the one-part case; the fragment loads
 // are written out in both: a shared helper changed the SASS, +32 instructions, session 10): each chunk of
 // CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns (one column group each), the
@@ -105,27 +133,9 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
             const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
 #endif
 #if MK_FULLK
-            // MK_FULLK: a full half (every warp's JMAX k-steps exist) without the per-k-step predicate, the A
-            // fragments in two register quads (as matvec_task's one-n-tile loop)
+            // MK_FULLK: a full half (every warp's JMAX k-steps exist): full_ksteps
             if (nsteps == KG / 16 && !(MK_DIAG & 4)) {
-              unsigned a[2][4];
-#if MK_W_TMA
-              ldmatrix_x4(a[0], sb);
-#else
-              ldmatrix_x4(a[0], sb + warp * 32);
-#endif
-#pragma unroll
-              for (int jj = 0; jj < JMAX; ++jj) {
-                if (jj + 1 < JMAX) {
-#if MK_W_TMA
-                  ldmatrix_x4(a[(jj + 1) & 1], sb + (jj + 1) * W_JJ_BYTES);
-#else
-                  ldmatrix_x4(a[(jj + 1) & 1], sb + (warp + (jj + 1) * CONSUMER_WARPS) * 32);
-#endif
-                }
-#pragma unroll
-                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[jj & 1], xb[jj][n]);
-              }
+              full_ksteps<NT, JMAX>(acc[m], sb, xb, warp);
             } else
 #endif
             {
@@ -288,29 +298,9 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
 #if MK_FULLK
-          // MK_FULLK (A/B switch, session 24): a full chunk (every warp's JMAX k-steps exist: all but a matrix's
-          // last short chunk) without the per-k-step predicate, whose ldmatrix.sync needed a WARPSYNC each, and with
-          // the A fragments in two register quads, so that k-step jj + 1's ldmatrix is in flight during k-step jj's
-          // MMA (the default build reloads one quad: each MMA waits for its ldmatrix; SASS, session 24).
+          // MK_FULLK: a full chunk (every warp's JMAX k-steps exist: all but a matrix's last short chunk): full_ksteps
           if (nsteps == KC / 16 && !(MK_DIAG & 4)) {
-            unsigned a[2][4];
-#if MK_W_TMA
-            ldmatrix_x4(a[0], sb);
-#else
-            ldmatrix_x4(a[0], sb + warp * 32);
-#endif
-#pragma unroll
-            for (int jj = 0; jj < JMAX; ++jj) {
-              if (jj + 1 < JMAX) {
-#if MK_W_TMA
-                ldmatrix_x4(a[(jj + 1) & 1], sb + (jj + 1) * W_JJ_BYTES);
-#else
-                ldmatrix_x4(a[(jj + 1) & 1], sb + (warp + (jj + 1) * CONSUMER_WARPS) * 32);
-#endif
-              }
-#pragma unroll
-              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[jj & 1], xb[jj][n]);
-            }
+            full_ksteps<NT, JMAX>(acc[m], sb, xb, warp);
           } else
 #endif
           {
