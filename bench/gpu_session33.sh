@@ -19,7 +19,8 @@ case $n in
   3) vllm_env   # issue 12: 1B TBT with alternation and the GPU busy per step: stock / mk-stock / auto, 3 rounds
      timeout 580 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes mk-stock,auto \
        --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -24
-     rm -f "$out"/logs/*payload* ;;
+     # at most 8 files come back: the engines' logs in one archive, the profiles summarised in the table already
+     rm -f "$out"/logs/*payload*; tar czf "$out/logs_call3.tgz" -C "$out" logs && rm -rf "$out/logs" "$out/profiles" ;;
   4) vllm_env   # issue 12: the 8B batch x context sweep, stock against auto, one engine each (GPU-bound: 8B engines
      # of one mode agreed within 0.5% in session 22; two rounds would not fit one call)
      timeout 580 python3 bench/tbt.py --sweep --models llama-3.1-8b --modes auto --outdir "$out" 2>&1 \
@@ -28,7 +29,7 @@ case $n in
   5) vllm_env   # issue 12: serve 1B, stock against auto, 2 alternated rounds (session 24's one-run c8 row: 1.02x)
      timeout 590 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 --prompts 32 \
        --rounds 2 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20
-     rm -f "$out"/logs/*stock*.json ;;
+     tar czf "$out/logs_call5.tgz" -C "$out" logs && rm -rf "$out/logs" ;;   # at most 8 files come back
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
