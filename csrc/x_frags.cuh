@@ -36,6 +36,19 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 #endif
 }
 
+// The one-n-tile fragments from loaded (and normalised) values v: zero where the lane's batch row is past B or its
+// k-step past the chunk's nsteps (those lanes loaded a valid staged row instead, to keep the loads unconditional).
+template <int JMAX>
+__device__ __forceinline__ void zero_padding1(unsigned (&xb)[JMAX][1][2], const unsigned (&v)[JMAX][2], bool rowok,
+                                              int nsteps, int warp) {
+#pragma unroll
+  for (int jj = 0; jj < JMAX; ++jj) {
+    const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
+    xb[jj][0][0] = ok ? v[jj][0] : 0u;
+    xb[jj][0][1] = ok ? v[jj][1] : 0u;
+  }
+}
+
 // ---- Column-group staging: activations that do not fit the scratch whole ---------------------
 // x[:, k0 : k0 + KC] of one column group lands in one of two GROUP_BYTES buffers at the start of the
 // scratch through cp.async (16-byte copies, L2: the data was written during this launch), group
@@ -115,12 +128,7 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
         xv[jj][1] = norm_pair(xv[jj][1], r, wv[jj][1]);
       }
     }
-#pragma unroll
-    for (int jj = 0; jj < JMAX; ++jj) {
-      const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
-      xb[jj][0][0] = ok ? xv[jj][0] : 0u;
-      xb[jj][0][1] = ok ? xv[jj][1] : 0u;
-    }
+    zero_padding1<JMAX>(xb, xv, rowok, nsteps, warp);
   }
 }
 
@@ -245,12 +253,7 @@ __device__ __forceinline__ void smem_x_frags(unsigned (&xb)[JMAX][NT][2], const 
         xv[jj][1] = norm_pair(xv[jj][1], r, wv[jj][1]);
       }
     }
-#pragma unroll
-    for (int jj = 0; jj < JMAX; ++jj) {
-      const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
-      xb[jj][0][0] = ok ? xv[jj][0] : 0u;
-      xb[jj][0][1] = ok ? xv[jj][1] : 0u;
-    }
+    zero_padding1<JMAX>(xb, xv, rowok, nsteps, warp);
   }
 }
 
@@ -300,12 +303,7 @@ __device__ __forceinline__ void x_finish1(unsigned (&xb)[JMAX][1][2], const unsi
       v[jj][1] = norm_pair(v[jj][1], r, wv[jj][1]);
     }
   }
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    const bool ok = rowok && warp + jj * CONSUMER_WARPS < nsteps;
-    xb[jj][0][0] = ok ? v[jj][0] : 0u;
-    xb[jj][0][1] = ok ? v[jj][1] : 0u;
-  }
+  zero_padding1<JMAX>(xb, v, rowok, nsteps, warp);
 }
 
 }  // namespace mk
