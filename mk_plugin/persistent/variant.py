@@ -70,12 +70,13 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/producer.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_XPIPE (A/B switch, session 24): at one n-tile with x staged whole, a chunk's x / norm-weight fragment loads
-    # are issued before the previous chunk's ring wait and MMAs (csrc/x_frags.cuh x_load1 / x_finish1). Bitwise the
-    # default's fragments. Not with diag bit 16.
+    # MK_XPIPE (A/B switch, session 24): at one n-tile with x staged whole, a chunk's x fragment loads are issued
+    # before the previous chunk's ring wait and MMAs (csrc/x_frags.cuh x_load1 / x_finish1; the norm weights are
+    # still loaded with the chunk's own MMAs). Bitwise the default's fragments. Not with diag bit 16.
     xpipe: bool = False
-    # MK_FULLK (A/B switch, session 24): at one n-tile, a full weight chunk's k-steps without the per-k-step predicate
-    # (and its WARPSYNC) and with the A fragments in two register quads (csrc/matvec.cuh). Bitwise the default.
+    # MK_FULLK (A/B switch, session 24): a full weight chunk's (at two n-tiles: half's) k-steps without the per-k-step
+    # predicate (and its WARPSYNC) and with the A fragments in two register quads (csrc/matvec.cuh full_ksteps).
+    # Bitwise the default.
     fullk: bool = False
 
     def __post_init__(self) -> None:
@@ -98,12 +99,12 @@ class KernelVariant:
         for name in ("phases", "w_tma", "xpipe", "fullk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if self.xpipe and self.diag & 16:
-            raise ValueError("xpipe=True with diag bit 16: both replace the per-chunk fragment build; choose one")
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..31 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1)")
+        if self.xpipe and self.diag & 16:
+            raise ValueError("xpipe=True with diag bit 16: both replace the per-chunk fragment build; choose one")
 
     def _changed(self) -> list[tuple[str, str, object]]:
         """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
