@@ -15,6 +15,13 @@ case $n in
      B="--build default --build MK_XPIPE=1 --build MK_FULLK=1 --build MK_XPIPE=1,MK_FULLK=1"
      timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b --batch 1 8 16 --rounds 2 $B
      timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 1 8 16 --rounds 2 $B ;;
+  2) # issue 11, 8B batch 8 (0.907x Triton, bar 0.90x) and 16 on the XFRAG kernel: the release-gate masks of session
+     # 21's call 9 (96: b8 -13; 114: b8 -38, b16 +99, on the older kernel), a 5-slot ring, the in-flight cap at 3
+     # (b16 only: b8's entry sets 2). Carries part 0 of the vLLM bundle for call 3. Rule: a build that wins >= 0.7%
+     # at b8 in both rounds becomes b8's tuning (release_gate is not a tuning field yet: it would become one).
+     mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts
+     B="--build default --build MK_RELEASE_GATE=96 --build MK_RELEASE_GATE=114 --build MK_NUM_STAGES=5 --build MK_INFLIGHT=3"
+     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b --batch 8 16 --rounds 2 $B ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issue 12: 1B TBT with alternation and the GPU busy per step: stock / mk-stock / auto, 3 rounds
      timeout 580 python3 bench/tbt.py --models llama-3.2-1b --batches 1,8 --prompts 512 --modes mk-stock,auto \
@@ -30,6 +37,11 @@ case $n in
      timeout 590 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 --prompts 32 \
        --rounds 2 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20
      tar czf "$out/logs_call5.tgz" -C "$out" logs && rm -rf "$out/logs" ;;   # at most 8 files come back
+  6) vllm_env   # ad hoc after call 4 (8B auto slower than stock at long contexts): which path loses there. Run as
+     # `n=6; out=$OUT; source bench/gpu_lib.sh; vllm_env; timeout 330 python3 bench/tbt.py ...` (this line's command; the
+     # default 3 rounds did not fit: cut in round 2)
+     timeout 330 python3 bench/tbt.py --models llama-3.1-8b --batches 2,8,16 --prompts 2048,8192 --modes triton,megakernel \
+       --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -22; rm -rf "$out/logs" ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
