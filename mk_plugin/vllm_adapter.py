@@ -15,7 +15,8 @@ Backends of the decode path: MK_MODE=triton runs ``triton_ops.decode_step``;
 MK_MODE=megakernel runs ``persistent.backend.MegakernelDecoder`` (built on the first forward call with MK_FALLBACK's ops
 on the Triton kernels, its programs prepared before any capture); if that import or construction fails, ONE
 warning names the reason and the Triton path is used. MK_MODE=auto (the default) holds both and runs, per padded
-batch size, the one measured faster here (adapter/auto.py).
+batch size, the one measured faster here (adapter/auto.py), or stock vLLM's forward where that was measured no
+slower inside vLLM.
 
 Which path a step takes (``decide``; stock = ``LlamaForCausalLM.forward``)
 - MK_MODE=stock: the class is still registered (so MK_DUMP_LOGITS works) but every step is stock.
@@ -72,7 +73,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .adapter.auto import describe
+from .adapter.auto import STOCK, describe
 from .adapter.debug import DebugHooksMixin
 from .adapter.decide import (  # noqa: F401 (public names of this module)
     MAX_DECODE_TOKENS,
@@ -142,7 +143,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         # decode call it made, the calls captured into CUDA graphs (by token count), the hang seen.
         self._mk_py_step = False
         self._mk_last_call: _DecodeCall | None = None
-        self._mk_graph_calls: dict[int, _DecodeCall] = {}
+        self._mk_graph_calls: dict[int, _DecodeCall | None] = {}   # None: a stock graph (auto chose stock)
         self._mk_hang: Any = None        # the MegakernelHang that switched the run to Triton
         self._mk_megakernel: Any = None  # the MegakernelDecoder it came from (its record stays set)
 
@@ -232,6 +233,8 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
                 self._mk_log.note("stock:" + d.reason.split(" (")[0], f"stock path: {d.reason}")
             return None
         md = raw[st.layer_name] if isinstance(raw, Mapping) else raw
+        if st.backend == "auto" and st.decoder.path_for(md.seq_lens.shape[0]) == STOCK:
+            return self._mk_auto_stock(num_tokens)
         kv = [a.kv_cache for a in st.attn_layers]
         key = tuple(t.data_ptr() if hasattr(t, "data_ptr") else id(t) for t in kv)
         if key != st.kv_key:
@@ -244,6 +247,19 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         if slot is None:
             slot = md.slot_mapping
         return self._mk_run(st, md, kv, slot, input_ids, positions, inputs_embeds, num_tokens)
+
+    def _mk_auto_stock(self, num_tokens: int) -> None:
+        """MK_MODE=auto chose stock vLLM for this batch size (adapter/auto.py pick): the step runs the inherited
+        forward. A FULL-graph capture of it is marked so that compute_logits never takes a replay of this stock
+        graph for one of the decode path's (hangs.py _mk_graph_call)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._mk_graph_calls[num_tokens] = None
+        if self._mk_cfg.verbose:
+            self._mk_log.note(f"auto_stock:{num_tokens}", f"MK_MODE=auto: stock path for {num_tokens} token rows "
+                              "(measured no slower than the plugin's paths at this batch size)")
+        return None
 
     def _mk_run(self, st: DecodeState, md: Any, kv: list[Any], slot: Any, input_ids: Any, positions: Any,
                 inputs_embeds: Any, num_tokens: int) -> Any:

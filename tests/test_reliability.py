@@ -297,3 +297,10 @@ def test_adapter_switches_to_triton_and_recomputes_after_a_hang(monkeypatch, uns
         for slot in b2.slot_mapping[:2].tolist():
             assert_matches(got[slot // 16, :, slot % 16], want[slot // 16, :, slot % 16], SPEC.torch_dtype, "op")
     assert model._mk_counts["recomputed"] == 2 and len(warned) == 1
+
+    # a replay of a graph that MK_MODE=auto captured stock (marked None, a larger size than the megakernel's 4):
+    # stock computed its rows, so nothing is recomputed
+    model._mk_graph_calls[8] = None
+    hidden = torch.ones(6, SPEC.hidden_size, dtype=SPEC.torch_dtype)
+    assert torch.equal(model.compute_logits(hidden), hidden.float() @ w.lm_head.float().t())
+    assert model._mk_counts["recomputed"] == 2

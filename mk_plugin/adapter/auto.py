@@ -8,7 +8,11 @@ more than AUTO_MIN_GAIN: replay noise must not flip a choice.
 A table entry may also carry `vllm_tbt` (TBT of both paths measured inside vLLM by bench/tbt.py, GPU-bound,
 in one job): it then decides instead of the kernel-only steps, because what a user gets is the step inside
 vLLM, and there the two paths have differed by more than their kernel-only steps (8B batch 1: 1% apart
-kernel-only, 7% inside vLLM in two sessions; bench/NOTES.md session 12)."""
+kernel-only, 7% inside vLLM in two sessions; bench/NOTES.md session 12). Where it also has stock vLLM's TBT
+(`stock_ms`, same job), stock is a third choice: a plugin path is taken only when it beat stock by more than
+AUTO_MIN_GAIN, else that batch size's decode steps run (and are captured) stock -- the plugin must never make
+serving slower (8B batch 16: Triton level with stock at 512 tokens of context, 4% slower at 8192;
+bench/NOTES.md session 25)."""
 from __future__ import annotations
 
 import json
@@ -34,16 +38,22 @@ def paths_file(gpu_slug: str) -> Path:
 KERNEL_ONLY = "kernel-only step"
 
 
+STOCK = "stock"
+
+
 class PathTimes(NamedTuple):
-    """One batch size's measured times of the two paths (us) and what was measured."""
+    """One batch size's measured times of the two paths (us) and what was measured; stock_us: stock vLLM's
+    TBT in the same job, where measured (then stock is a choice too)."""
     triton_us: float
     megakernel_us: float
     what: str = KERNEL_ONLY
+    stock_us: float | None = None
 
 
 def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]:
     """batch -> PathTimes of the table's entries for this model and SM count: the in-vLLM TBT of both paths
-    where the entry has one (`vllm_tbt`: triton_ms, megakernel_ms), else the kernel-only steps."""
+    where the entry has one (`vllm_tbt`: triton_ms, megakernel_ms and optionally stock_ms), else the kernel-only
+    steps."""
     if not path.is_file():
         return {}
     out = {}
@@ -51,7 +61,9 @@ def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]
         if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms:
             v = e.get("vllm_tbt")
             if v:
-                t = PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]), "TBT in vLLM")
+                stock = v.get("stock_ms")
+                t = PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]), "TBT in vLLM",
+                              None if stock is None else 1000.0 * float(stock))
             else:
                 t = PathTimes(float(e["triton_us"]), float(e["megakernel_us"]))
             out[int(e["batch"])] = t
@@ -65,17 +77,28 @@ def _what(t: tuple[float, float]) -> str:
 
 
 def pick(times: tuple[float, float]) -> str:
-    """"megakernel" when it beat Triton by more than AUTO_MIN_GAIN, else "triton"."""
+    """"megakernel" when it beat Triton by more than AUTO_MIN_GAIN, else "triton"; with stock's time measured
+    alongside (PathTimes.stock_us), "stock" unless that path also beat stock by more than AUTO_MIN_GAIN."""
     triton_us, mk_us = times[0], times[1]   # a PathTimes also carries what was measured
-    return "megakernel" if mk_us < triton_us * (1.0 - AUTO_MIN_GAIN) else "triton"
+    path, us = ("megakernel", mk_us) if mk_us < triton_us * (1.0 - AUTO_MIN_GAIN) else ("triton", triton_us)
+    stock_us = getattr(times, "stock_us", None)
+    if stock_us is not None and not us < stock_us * (1.0 - AUTO_MIN_GAIN):
+        return STOCK
+    return path
+
+
+def _times_text(t: tuple[float, float]) -> str:
+    stock_us = getattr(t, "stock_us", None)
+    return f"triton {t[0]:.0f} us, megakernel {t[1]:.0f} us" + ("" if stock_us is None else f", stock {stock_us:.0f} us")
 
 
 def choose(max_tokens: int, table: Mapping[int, tuple[float, float]], table_name: str,
            measure: Callable[[int], tuple[float, float]] | None) -> tuple[dict[int, str], dict[int, str]]:
-    """(choice, source) per batch size 1..max_tokens. A size takes the entry of the smallest table (or
-    measured) size >= it (vLLM pads a decode batch up to its next capture size), else of the largest."""
+    """(choice, source) per batch size 1..max_tokens: "megakernel", "triton" or "stock" (pick). A size takes the
+    entry of the smallest table (or measured) size >= it (vLLM pads a decode batch up to its next capture size),
+    else of the largest."""
     known: dict[int, tuple[tuple[float, float], str]] = {
-        b: (t, f"table {table_name}{_what(t)}: triton {t[0]:.0f} us, megakernel {t[1]:.0f} us")
+        b: (t, f"table {table_name}{_what(t)}: {_times_text(t)}")
         for b, t in table.items()}
     if measure is not None:
         for b in MEASURE_SIZES:
@@ -96,7 +119,8 @@ def choose(max_tokens: int, table: Mapping[int, tuple[float, float]], table_name
 
 @dataclass
 class AutoDecoder:
-    """The Decoder of MK_MODE=auto: the chosen path per batch size (inputs.batch)."""
+    """The Decoder of MK_MODE=auto: the chosen path per batch size (inputs.batch). A size chosen "stock" never
+    reaches decode(): the adapter runs vLLM's own forward for it (path_for first)."""
     triton: Any                      # TritonDecoder
     megakernel: Any                  # MegakernelDecoder
     choice: dict[int, str]
@@ -107,6 +131,8 @@ class AutoDecoder:
         return self.choice.get(batch, "triton")
 
     def decode(self, inputs: DecodeInputs, out: torch.Tensor) -> torch.Tensor:
+        # "stock" sizes do not come here (the adapter checks path_for); were one called directly, Triton computes
+        # the same step (it is the verified reference path)
         dec = self.megakernel if self.path_for(inputs.batch) == "megakernel" else self.triton
         return dec.decode(inputs, out)
 
