@@ -85,6 +85,28 @@ def test_workspace_rejects_bad_batch():
         T.DecodeWorkspace.allocate(LlamaSpec.tiny(), 17, 4, 16, "cpu")
 
 
+def test_workspace_splits_the_attention_per_batch_size():
+    """The KV splits follow the step's own batch (a small batch of a 16-token workspace still covers the SMs), and a
+    smaller batch run through the larger workspace (partials poisoned first) matches the reference."""
+    spec = dataclasses.replace(LlamaSpec.tiny(), num_layers=2)
+    ws = T.DecodeWorkspace.allocate(spec, 16, 64, 16, "cpu")   # 1024 tokens a request: room for many splits
+    sp = ws.splits_by_batch
+    assert len(sp) == 16 and sp[1] > sp[15] and list(sp) == sorted(sp, reverse=True)
+    rows = ws.attn_ws.numel() // (spec.num_q_heads * (spec.head_dim + 2))
+    assert all(b * s <= rows for b, s in enumerate(sp, start=1))
+    w = random_weights(spec, seed=3)
+    batch = make_decode_batch(spec, [100, 0, 37], seed=4)
+    cos_sin = ref.rope_cos_sin_cache(spec, 128)
+    ws.attn_ws.fill_(float("nan"))
+    caches_r = [c.float() for c in batch.kv_caches]
+    hn = T.decode_step(spec, w, w.embed[batch.input_ids], batch.positions, batch.clone_caches(), batch.block_table,
+                       batch.seq_lens, batch.slot_mapping, cos_sin, workspace=ws)
+    hn_r, _ = ref.decode_step(spec, w, batch.input_ids, batch.positions, caches_r, batch.block_table, batch.seq_lens,
+                              batch.slot_mapping, cos_sin, round_dtype=spec.torch_dtype)
+    live = batch.seq_lens > 0
+    assert_matches(hn[live], hn_r[live], spec.torch_dtype, "step")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["llama-3.2-1b", "llama-3.1-8b"])
 @pytest.mark.parametrize("seq_lens", [[513], [4000, 1, 0, 700, 33, 2047, 17, 129]])

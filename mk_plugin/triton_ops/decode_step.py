@@ -17,6 +17,7 @@ from ..ops import LAYER_OPS
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
 from ._checks import check_device, check_shape, check_tensor, check_tokens
+from ._device import device_sms
 from .paged_attention import choose_num_splits, paged_attention_workspace_size
 from .step_ops import TRITON_OPS, OpBuffers
 
@@ -26,7 +27,10 @@ class DecodeWorkspace:
     """Every intermediate of a step for up to max_tokens tokens. h/h2 ping-pong the residual stream
     so no kernel reads and writes the same buffer."""
     max_tokens: int
-    num_splits: int
+    # KV splits of the attention per batch size (index b - 1): chosen for the step's own batch, so that a small batch
+    # still spreads over the SMs (one count for max_tokens gave batch 2 of Llama-3.1-8B 32 programs on 132 SMs: its
+    # attention at 8K tokens of context ran ~8x vLLM's, bench/NOTES.md session 25)
+    splits_by_batch: tuple[int, ...]
     h: torch.Tensor
     h2: torch.Tensor
     qkv: torch.Tensor
@@ -41,12 +45,16 @@ class DecodeWorkspace:
         if not 1 <= max_tokens <= 16:
             raise ValueError(f"max_tokens={max_tokens}; the decode path supports 1..16 tokens")
         dt = spec.torch_dtype
-        splits = choose_num_splits(max_tokens, spec.num_kv_heads, max_blocks_per_seq * block_size, block_size)
+        sms = device_sms(torch.device(device))
+        splits = tuple(choose_num_splits(b, spec.num_kv_heads, max_blocks_per_seq * block_size, block_size, sms)
+                       for b in range(1, max_tokens + 1))
 
         def buf(n: int) -> torch.Tensor:
             return torch.empty(max_tokens, n, dtype=dt, device=device)
 
-        ws_elems = paged_attention_workspace_size(max_tokens, spec.num_q_heads, spec.head_dim, splits)
+        # one buffer serves every batch size: a (b, S) call uses its first b * S rows of partials
+        rows = max(b * sp for b, sp in enumerate(splits, start=1))
+        ws_elems = paged_attention_workspace_size(rows, spec.num_q_heads, spec.head_dim, 1)
         return cls(max_tokens, splits, buf(spec.hidden_size), buf(spec.hidden_size), buf(spec.qkv_size),
                    buf(spec.q_size), buf(spec.q_size), buf(spec.intermediate_size),
                    torch.empty(ws_elems, dtype=torch.float32, device=device))
@@ -103,7 +111,7 @@ def decode_step(spec: LlamaSpec, weights: ModelWeights, hidden: torch.Tensor, po
     # The residual stream ping-pongs: layer input h, after o_proj h2, after down h again.
     bufs = OpBuffers(DecodeInputs(hidden, positions, kv_caches, block_table, seq_lens, slot_mapping, cos_sin_cache),
                      h_src=lambda _layer: h, h_mid=h2, h_out=h, qkv=ws.qkv[:b], q=ws.q[:b], attn=ws.attn[:b],
-                     act=ws.act[:b], attn_ws=ws.attn_ws, out=o, num_splits=ws.num_splits)
+                     act=ws.act[:b], attn_ws=ws.attn_ws, out=o, num_splits=ws.splits_by_batch[b - 1])
     for i in range(spec.num_layers):
         for op in LAYER_OPS:
             TRITON_OPS[op](spec, weights, i, bufs)
