@@ -41,34 +41,6 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
                                               unsigned (&cs)[4]);
 __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t);
 
-#if MK_FULLK
-// MK_FULLK (A/B switch, session 24): the k-steps of one M-tile over a full chunk (NT = 1) or half (NT = 2), every warp's
-// JMAX k-steps present: no per-k-step predicate (whose ldmatrix.sync needed a WARPSYNC each: the compiler cannot
-// tell the predicate is warp-uniform) and the A fragments in two register quads, so that k-step jj + 1's ldmatrix
-// is in flight during k-step jj's MMAs (the default loops reload one quad: each MMA waits for its own ldmatrix;
-// SASS, session 24). The same MMAs on the same operands in the same order as the default loops.
-__device__ __forceinline__ unsigned kstep_addr(unsigned sb, int jj, int warp) {
-#if MK_W_TMA
-  return sb + jj * W_JJ_BYTES;
-#else
-  return sb + (warp + jj * CONSUMER_WARPS) * 32;
-#endif
-}
-
-template <int NT, int JMAX>
-__device__ __forceinline__ void full_ksteps(float (&acc)[NT][4], unsigned sb, const unsigned (&xb)[JMAX][NT][2],
-                                            int warp) {
-  unsigned a[2][4];
-  ldmatrix_x4(a[0], kstep_addr(sb, 0, warp));
-#pragma unroll
-  for (int jj = 0; jj < JMAX; ++jj) {
-    if (jj + 1 < JMAX) ldmatrix_x4(a[(jj + 1) & 1], kstep_addr(sb, jj + 1, warp));
-#pragma unroll
-    for (int n = 0; n < NT; ++n) mma_16816(acc[n], a[jj & 1], xb[jj][n]);
-  }
-}
-#endif
-
 // The chunk loop of one pass at NT = 2 (matvec_task's at NT = 1 is the one-part case; the fragment loads
 // are written out in both: a shared helper changed the SASS, +32 instructions, session 10): each chunk of
 // CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns (one column group each), the
@@ -132,13 +104,6 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #else
             const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
 #endif
-#if MK_FULLK
-            // MK_FULLK: a full half (every warp's JMAX k-steps exist): full_ksteps
-            if (nsteps == KG / 16 && !(MK_DIAG & 4)) {
-              full_ksteps<NT, JMAX>(acc[m], sb, xb, warp);
-            } else
-#endif
-            {
 #pragma unroll
             for (int jj = 0; jj < JMAX; ++jj) {
               const int j = warp + jj * CONSUMER_WARPS;
@@ -152,7 +117,6 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #pragma unroll
                 for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
               }
-            }
             }
             if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
           }
@@ -243,15 +207,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // the price of building the fragments per chunk, which one-M-tile tasks pay once per 32 KB chunk
     unsigned xb_kept[JMAX][NT][2] = {};
 #endif
-#if MK_XPIPE
-    // MK_XPIPE (A/B switch): a staged pass's next-chunk x loads are issued before this chunk's ring wait and MMAs
-    // (x_load1), the norm and zero-select of a chunk's fragments just before its MMAs (x_finish1): the x loads'
-    // latency hides behind the previous chunk's MMAs instead of preceding them. The pass's first chunk is loaded
-    // here, after stage_x.
-    static_assert(!(MK_DIAG & 16), "MK_XPIPE and MK_DIAG=16 both replace the per-chunk fragment build");
-    unsigned xv_next[JMAX][2];
-    if (staged) x_load1<JMAX>(xv_next, xs, wp.K, 0, min(KC, wp.K) >> 4, B, warp, lane);
-#endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;
 #if MK_DIAG & 16
@@ -262,12 +217,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       constexpr bool xfrag = true;
 #endif
       if (staged) {
-#if MK_XPIPE
-        x_finish1<JMAX>(xb, xv_next, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
-        if (k0 + KC < wp.K) x_load1<JMAX>(xv_next, xs, wp.K, k0 + KC, min(KC, wp.K - k0 - KC) >> 4, B, warp, lane);
-#else
         if (xfrag) smem_x_frags<NT, JMAX>(xb, xs, nw != nullptr, rstd, wp.K, k0, nsteps, B, warp, lane);
-#endif
       } else {
         unsigned wv[JMAX][2];  // norm weights: immutable, loaded before the barrier so the two overlap
 #pragma unroll
@@ -297,13 +247,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
-#if MK_FULLK
-          // MK_FULLK: a full chunk (every warp's JMAX k-steps exist: all but a matrix's last short chunk): full_ksteps
-          if (nsteps == KC / 16 && !(MK_DIAG & 4)) {
-            full_ksteps<NT, JMAX>(acc[m], sb, xb, warp);
-          } else
-#endif
-          {
 #pragma unroll
           for (int jj = 0; jj < JMAX; ++jj) {
             const int j = warp + jj * CONSUMER_WARPS;
@@ -317,7 +260,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
 #pragma unroll
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
-          }
           }
           if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
           ++it;

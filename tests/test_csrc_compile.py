@@ -45,13 +45,7 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",), ("-DMK_DIAG=8",), ("-DMK_DIAG=16", "-DMK_TRACE_PHASES=1"),
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
             ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128"),
-            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
-            ("-DMK_XPIPE=1",), ("-DMK_FULLK=1",), ("-DMK_FULLK=1", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
-            ("-DMK_XPIPE=1", "-DMK_FULLK=1"), ("-DMK_FULLK=1", "-DMK_ATT_TMA=128")]
-# A/B builds that spill, as built (1B shape): (spill stores, spill loads) bytes summed over the kernel's functions.
-# MK_XPIPE's 16 carried registers: mk_decode 48 / 48 and matvec_task<1|2> 0 / 4 each (60 / 72 with MK_FULLK); none in
-# the chunk loops (bench/sass.py, session 24). Listed so that a change is seen either way; the GPU A/B decides.
-KNOWN_VARIANT_SPILLS = {("-DMK_XPIPE=1",): (48, 56), ("-DMK_XPIPE=1", "-DMK_FULLK=1"): (60, 72)}
+            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2")]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -84,10 +78,6 @@ def test_megakernel_compiles_without_spills(tmp_path):
         assert rc == 0, f"{name}: nvcc failed:\n{log[-4000:]}"
         spills = _spills(log)
         assert spills, f"{name}: no ptxas resource report:\n{log[-2000:]}"
-        if spec.name == one_b.name and extra in KNOWN_VARIANT_SPILLS:
-            total = (sum(a for a, _ in spills), sum(b for _, b in spills))
-            assert total == KNOWN_VARIANT_SPILLS[extra], f"{name}: spills {total}, listed {KNOWN_VARIANT_SPILLS[extra]}"
-            continue
         bad = [s for s in spills if s != (0, 0)]
         assert not bad, f"{name}: register spills {bad}:\n{log[-4000:]}"
         assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]

@@ -174,10 +174,6 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
-    assert KernelVariant.parse(["MK_XPIPE=1"]).defines() == ("-DMK_XPIPE=1",) == KernelVariant(xpipe=True).defines()
-    with pytest.raises(ValueError, match="xpipe=True with diag bit 16"):
-        KernelVariant.parse(["MK_XPIPE=1", "MK_DIAG=16"])
-    assert KernelVariant.parse(["MK_FULLK=1", "MK_XPIPE=1"]).label() == "xpipe,fullk"
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
@@ -190,6 +186,11 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     for gone in ("MK_BULK_RELEASE", "MK_BULK_QKV"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
+    # session 25's A/B: both switches measured slower and left (bench/NOTES.md session 25)
+    for gone in ("MK_XPIPE", "MK_FULLK"):
+        with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
+            KernelVariant.parse([f"{gone}=1"])
+        assert gone not in (ROOT / "csrc" / "tasks.h").read_text()
     b = KernelVariant.parse(["MK_RELEASE_GATE=0"])
     assert b.defines() == ("-DMK_RELEASE_GATE=0",) and b.label() == "release_gate=0"
     assert KernelVariant().layout == enc.LAYOUT and KernelVariant(num_stages=5).layout.smem_bytes == enc.LAYOUT.smem_bytes

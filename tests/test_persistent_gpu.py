@@ -476,47 +476,6 @@ def test_one_ntile_fragments_match_the_reference(models, name, bsz):
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
 
 
-@pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("llama-3.2-1b", 1), ("llama-3.2-1b", 5),
-                                      ("llama-3.1-8b", 1), ("llama-3.1-8b", 2)])
-def test_xpipe_fragments_are_bitwise_the_default(models, name, bsz):
-    """MK_XPIPE issues a staged pass's next-chunk x loads before this chunk's MMAs and normalises them after: the
-    MMAs see the same operands in the same order, so the step equals the default build's bit for bit (tiny: one
-    short chunk; 1B batch 1..5 and 8B batch 1..2: every linear op stages its activations whole)."""
-    from mk_plugin.persistent.variant import KernelVariant
-
-    spec, w = models(name, 2)
-    seq_lens = [(61 * i + 7) % 600 + 1 for i in range(bsz)]
-    batch = gpu_batch(spec, seq_lens, seed=bsz + 41)
-    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
-    runs = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning="off"), spec, w, batch, cs)
-            for v in (KernelVariant(), KernelVariant(xpipe=True))]
-    (o0, l0, c0), (o1, l1, c1) = runs
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-
-
-@pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("tiny", 11), ("llama-3.2-1b", 1), ("llama-3.2-1b", 8),
-                                      ("llama-3.2-1b", 16), ("llama-3.1-8b", 1), ("llama-3.1-8b", 8),
-                                      ("llama-3.1-8b", 13)])
-def test_fullk_is_bitwise_the_default(models, name, bsz):
-    """MK_FULLK takes a full weight chunk's (at two n-tiles: half's) k-steps without their predicate and with the A
-    fragments in two register quads: the same MMAs on the same operands in the same order, so the step equals the
-    default build's bit for bit (tiny: K = 256, short chunks only, the default loops; 1B / 8B: full chunks, staged
-    and column-group x, one and two n-tiles)."""
-    from mk_plugin.persistent.variant import KernelVariant
-
-    spec, w = models(name, 2)
-    seq_lens = [(47 * i + 5) % 600 + 1 for i in range(bsz)]
-    batch = gpu_batch(spec, seq_lens, seed=bsz + 53)
-    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
-    runs = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning="off"), spec, w, batch, cs)
-            for v in (KernelVariant(), KernelVariant(fullk=True), KernelVariant(fullk=True, xpipe=True))]
-    (o0, l0, c0) = runs[0]
-    for o1, l1, c1 in runs[1:]:
-        assert torch.equal(o0, o1) and torch.equal(l0, l1)
-        assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-
-
 @pytest.mark.parametrize("name,parts", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
     """tuning.piece_deps only changes which gate_up tasks each down part waits for (and gate_up's cut at the parts'

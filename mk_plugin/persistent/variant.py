@@ -30,8 +30,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_XPIPE", "xpipe", "xpipe"), ("MK_FULLK", "fullk", "fullk"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -70,14 +69,6 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/producer.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_XPIPE (A/B switch, session 24): at one n-tile with x staged whole, a chunk's x fragment loads are issued
-    # before the previous chunk's ring wait and MMAs (csrc/x_frags.cuh x_load1 / x_finish1; the norm weights are
-    # still loaded with the chunk's own MMAs). Bitwise the default's fragments. Not with diag bit 16.
-    xpipe: bool = False
-    # MK_FULLK (A/B switch, session 24): a full weight chunk's (at two n-tiles: half's) k-steps without the per-k-step
-    # predicate (and its WARPSYNC) and with the A fragments in two register quads (csrc/matvec.cuh full_ksteps).
-    # Bitwise the default.
-    fullk: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -96,15 +87,13 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "xpipe", "fullk"):
+        for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
             raise ValueError(f"diag={self.diag!r}: a mask in 0..31 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1)")
-        if self.xpipe and self.diag & 16:
-            raise ValueError("xpipe=True with diag bit 16: both replace the per-chunk fragment build; choose one")
 
     def _changed(self) -> list[tuple[str, str, object]]:
         """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
