@@ -42,6 +42,11 @@ case $n in
      # default 3 rounds did not fit: cut in round 2)
      timeout 330 python3 bench/tbt.py --models llama-3.1-8b --batches 2,8,16 --prompts 2048,8192 --modes triton,megakernel \
        --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -22; rm -rf "$out/logs" ;;
+  7) # is the long-context attention bound by its consumers or by its copies? MK_DIAG=2 drops every weight / KV ring
+     # copy (wrong results, timing only): if 8B b8 / b16 at ctx 8192 stay far above the no-copy matvec time, the
+     # ring-fed attention's CUDA-core consumer loop is the bound (NOTES session 25)
+     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx8192 \
+       --ctx 8192 --batch 8 16 --rounds 1 --reps 30 --build default --build MK_DIAG=2 ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -259,7 +259,6 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         if self._mk_cfg.verbose:
             self._mk_log.note(f"auto_stock:{num_tokens}", f"MK_MODE=auto: stock path for {num_tokens} token rows "
                               "(measured no slower than the plugin's paths at this batch size)")
-        return None
 
     def _mk_run(self, st: DecodeState, md: Any, kv: list[Any], slot: Any, input_ids: Any, positions: Any,
                 inputs_embeds: Any, num_tokens: int) -> Any:

@@ -20,7 +20,7 @@ def test_pick_needs_a_gain_above_noise():
 
 def test_pick_takes_stock_unless_a_plugin_path_beat_it():
     """Issue 12: with stock vLLM's TBT measured alongside, a plugin path must beat it by more than the noise."""
-    t = lambda tr, mk, st: auto.PathTimes(tr, mk, "TBT in vLLM", st)   # noqa: E731
+    t = lambda tr, mk, st: auto.PathTimes(tr, mk, "TBT in vLLM", st)
     assert auto.pick(t(1000.0, 800.0, 1000.0)) == "megakernel" and auto.pick(t(900.0, 1200.0, 1000.0)) == "triton"
     assert auto.pick(t(1000.0, 985.0, 1000.0)) == "stock"   # the megakernel only 1.5% faster than stock
     assert auto.pick(t(1010.0, 1300.0, 1000.0)) == "stock" and auto.pick(t(1000.0, 800.0, None)) == "megakernel"
@@ -102,7 +102,7 @@ def test_auto_is_the_default_mode(monkeypatch, tmp_path):
     path.write_text(json.dumps({"format": 1, "entries": [
         {"spec_hash": spec_hash(SPEC), "num_sms": 132, "batch": 4, "triton_us": 1000.0, "megakernel_us": 1500.0}]}))
     monkeypatch.setattr(auto, "paths_file", lambda slug: path)
-    model, w = make_model(monkeypatch, "")   # MK_MODE set to "" = unset (config.get_config strips it)
+    model, _w = make_model(monkeypatch, "")   # MK_MODE set to "" = unset (config.get_config strips it)
     profile_run(model)
     assert model.mk_status()["mode"] == "auto" and model._mk_state.backend == "auto"
 

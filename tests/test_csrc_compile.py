@@ -45,7 +45,11 @@ def nvcc_options(spec: LlamaSpec) -> list[str]:
 VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",), ("-DMK_DIAG=7",), ("-DMK_DIAG=8",), ("-DMK_DIAG=16", "-DMK_TRACE_PHASES=1"),
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
             ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128"),
-            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2")]
+            ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
+            ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1"), ("-DMK_ATT_TMA=1", "-DMK_ATT_MMA=1", "-DMK_NUM_STAGES=5"),
+            ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")]
+# MK_ATT_MMA (the ring-fed attention's consumers on the tensor cores) on every shape it serves (head_dim % 32 == 0)
+MMA = ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -70,7 +74,9 @@ def test_megakernel_compiles_without_spills(tmp_path):
     # MK_ATT_TMA (a tuning's ring-fed attention) on every shape too: a model with G != ATT_HG compiles the path out
     jobs = [(s, ()) for s in _specs()] + [(one_b, v) for v in VARIANTS] + \
         [(s, ("-DMK_ATT_TMA=128",)) for s in _specs() if s.name != one_b.name] + \
-        [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"]   # K % 64 == 0 models only
+        [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"] + \
+        [(s, MMA) for s in _specs() if s.name != one_b.name and s.head_dim % 32 == 0] + \
+        [(s, (*MMA, "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs() if s.name == "llama-3.1-8b"]
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):
@@ -90,6 +96,7 @@ def test_nvrtc_compiles_the_runtime_source():
     # compiles them with NVRTC too, through CuPy)
     builds = [(spec, ()) for spec in _specs()[:2]]
     builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5")))
+    builds.append((_specs()[2], ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")))   # the tensor-core attention's inline PTX
     for spec, extra in builds:
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
         assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"
