@@ -47,6 +47,12 @@ case $n in
      # ring-fed attention's CUDA-core consumer loop is the bound (NOTES session 25)
      timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx8192 \
        --ctx 8192 --batch 8 16 --rounds 1 --reps 30 --build default --build MK_DIAG=2 ;;
+  8) # MK_RING_MMA (built after call 7): its GPU test against the reference, then 8B ctx 8192 b8 / b16 against the
+     # default (both on their tuned entries: ring-fed attention at 128 tokens). Predicted (NOTES session 25): the
+     # attention consumers 5-10x fewer instructions, the step -1..-2.5 ms at b16, -0.5..-1.1 at b8
+     timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k tensor_core -x 2>&1 | tail -4
+     timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx8192 \
+       --ctx 8192 --batch 16 8 --rounds 1 --reps 20 --build default --build MK_RING_MMA=1 ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s33_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -28,15 +28,15 @@ constexpr int ATT_TMA_MIN_TOKENS = G == ATT_HG ? MK_ATT_TMA : 0;
 static_assert(2 * ATT_TMA_BPS * ATT_TILE_BYTES <= SLOT_BYTES && ATT_TMA_BPS >= 1, "MK_ATT_TMA: slot size");
 static_assert(SLOT_BYTES % 128 == 0 && ATT_TILE_BYTES % 128 == 0, "MK_ATT_TMA: 128-byte aligned tiles");
 
-// Where a slot's KV tiles start: the slot itself, or under MK_ATT_MMA (64-byte swizzled tiles, whose swizzle atom is
+// Where a slot's KV tiles start: the slot itself, or under MK_RING_MMA (64-byte swizzled tiles, whose swizzle atom is
 // 512 bytes) the slot rounded up to 512 bytes. A default-layout slot is 33024 bytes (256 more than its tiles) and
 // 256-byte aligned from the 1024-aligned shared base, so the shift is 0 or 256 and the tiles stay inside it.
-#if MK_ATT_MMA
+#if MK_RING_MMA
 static_assert(RING_STRIDE % 512 == 0 || (RING_STRIDE % 256 == 0 && RING_STRIDE - 2 * ATT_TMA_BPS * ATT_TILE_BYTES >= 256),
-              "MK_ATT_MMA: a slot's tiles must fit after rounding its start up to 512 bytes");
+              "MK_RING_MMA: a slot's tiles must fit after rounding its start up to 512 bytes");
 #endif
 __device__ __forceinline__ unsigned att_tiles(const Smem& S, int slot) {
-  return MK_ATT_MMA ? (S.ring(slot) + 511u) & ~511u : S.ring(slot);
+  return MK_RING_MMA ? (S.ring(slot) + 511u) & ~511u : S.ring(slot);
 }
 
 // Blocks of a task over tokens [lo, hi), and its ring slots: ATT_TMA_BPS blocks each (producer and consumers
@@ -81,7 +81,7 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
     } else if (lane < n) {
       const int blk = ld_nc_s32(bt + blk0 + si * ATT_TMA_BPS + lane);
       const unsigned dst = att_tiles(S, slot) + (unsigned)(lane * 2 * ATT_TILE_BYTES);
-#if MK_ATT_MMA   // the swizzled 4-D view (32 columns, rows, D / 32 parts, heads): attention_mma.cuh
+#if MK_RING_MMA   // the swizzled 4-D view (32 columns, rows, D / 32 parts, heads): attention_ring_mma.cuh
       tma_4d_g2s(dst, map, blk * 2 * ATT_TMA_ROWS, 0, g, S.full_bar(slot));
       tma_4d_g2s(dst + ATT_TILE_BYTES, map, (blk * 2 + 1) * ATT_TMA_ROWS, 0, g, S.full_bar(slot));
 #else

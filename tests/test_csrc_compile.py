@@ -46,10 +46,10 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_TRACE_PHASES=1",), ("-DMK_RELEASE_GATE=96",), ("-DMK_RELEASE_GATE=0",),
             ("-DMK_ATT_TMA=128",), ("-DMK_ATT_TMA=1",), ("-DMK_W_TMA=1",), ("-DMK_W_TMA=1", "-DMK_ATT_TMA=128"),
             ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
-            ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1"), ("-DMK_ATT_TMA=1", "-DMK_ATT_MMA=1", "-DMK_NUM_STAGES=5"),
-            ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")]
-# MK_ATT_MMA (the ring-fed attention's consumers on the tensor cores) on every shape it serves (head_dim % 32 == 0)
-MMA = ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")
+            ("-DMK_ATT_TMA=128", "-DMK_RING_MMA=1"), ("-DMK_ATT_TMA=1", "-DMK_RING_MMA=1", "-DMK_NUM_STAGES=5"),
+            ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128", "-DMK_RING_MMA=1")]
+# MK_RING_MMA (the ring-fed attention's consumers on the tensor cores) on every shape it serves (head_dim % 32 == 0)
+MMA = ("-DMK_ATT_TMA=128", "-DMK_RING_MMA=1")
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -96,7 +96,7 @@ def test_nvrtc_compiles_the_runtime_source():
     # compiles them with NVRTC too, through CuPy)
     builds = [(spec, ()) for spec in _specs()[:2]]
     builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5")))
-    builds.append((_specs()[2], ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1")))   # the tensor-core attention's inline PTX
+    builds.append((_specs()[2], ("-DMK_ATT_TMA=128", "-DMK_RING_MMA=1")))   # the tensor-core attention's inline PTX
     for spec, extra in builds:
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
         assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"

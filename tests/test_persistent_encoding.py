@@ -179,7 +179,7 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     # session 15's A/B: both switches lost and left
-    for gone in ("MK_ACT_LL", "MK_ATT_MMA", "MK_RSTD_PARTS"):
+    for gone in ("MK_ACT_LL", "MK_ATT_MMA", "MK_RSTD_PARTS"):   # (session 25's ring-fed MMAs are MK_RING_MMA)
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     # session 16's bulk-copy hand-offs raced (session 17's race detector) and left in session 18

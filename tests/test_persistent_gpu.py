@@ -532,7 +532,7 @@ def _nan_past_lengths(batch) -> None:
     ([7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2], 0),
 ])
 def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks):
-    """MK_ATT_MMA (csrc/attention_mma.cuh): the ring-fed attention's scores and P V on the tensor cores, every
+    """MK_RING_MMA (csrc/attention_ring_mma.cuh): the ring-fed attention's scores and P V on the tensor cores, every
     attention task through the ring (att_tma 1), the newest token (written during the launch) in every position of
     an 8-token group across the requests, NaN in every cache row past a request's length. Against the fp32 reference
     and the CUDA-core ring build within the step tolerance."""
@@ -545,8 +545,8 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     bsz = len(seq_lens)
     tun = {bsz: ScheduleTuning(att_tma=1, attn_chunks=chunks)}
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(att_mma=True), tuning=tun)
-    assert dec.variant_for(bsz).att_tma == 1 and dec.variant_for(bsz).att_mma
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(ring_mma=True), tuning=tun)
+    assert dec.variant_for(bsz).att_tma == 1 and dec.variant_for(bsz).ring_mma
     out, logits, caches = _run_mk(dec, spec, w, batch, cs)
     base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun), spec, w, batch, cs)
     rcaches = [c.clone() for c in batch.kv_caches]

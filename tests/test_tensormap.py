@@ -34,17 +34,17 @@ def test_map_args_view_the_cache_as_rows_of_heads(nkv, d):
 
 @pytest.mark.parametrize("nkv,d", [(8, 64), (8, 128), (2, 96)])
 def test_swizzled_map_args_stack_each_parts_rows(nkv, d):
-    """MK_ATT_MMA's view: (32 columns, rows, D / 32 parts, heads) with the 64-byte swizzle, so a box of one head's
-    16 tokens lands as [part][16 rows][64 bytes] (csrc/attention_mma.cuh am_addr), the same 16 * D * 2 bytes."""
+    """MK_RING_MMA's view: (32 columns, rows, D / 32 parts, heads) with the 64-byte swizzle, so a box of one head's
+    16 tokens lands as [part][16 rows][64 bytes] (csrc/attention_ring_mma.cuh am_addr), the same 16 * D * 2 bytes."""
     c = _cache(37, 16, nkv, d)
     a = tm.kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size(), swizzled=True)
     assert a.dims == (32, 37 * 2 * 16, d // 32, nkv) and a.box == (32, 16, d // 32, 1)
     assert a.strides == (2 * nkv * d, 64, 2 * d) and a.swizzle == tm._SWIZZLE_64B
     assert 2 * a.box[0] * a.box[1] * a.box[2] == 16 * d * 2
-    with pytest.raises(ValueError, match="head_dim 80: MK_ATT_MMA's swizzled tiles need a multiple of 32"):
+    with pytest.raises(ValueError, match="head_dim 80: MK_RING_MMA's swizzled tiles need a multiple of 32"):
         b = _cache(4, 16, 8, 80)
         tm.kv_tile_map_args(tuple(b.shape), b.stride(), b.element_size(), swizzled=True)
-    src = (ROOT / "csrc" / "attention_mma.cuh").read_text()
+    src = (ROOT / "csrc" / "attention_ring_mma.cuh").read_text()
     assert "(c >> 2) * (ATT_TMA_ROWS * 64) + r * 64" in src   # part stride 16 rows x 64 bytes, row stride 64 bytes
 
 
@@ -77,12 +77,12 @@ def test_the_tensor_core_attention_needs_head_dims_of_32():
     # LlamaSpec takes head_dim 64 / 128 only (both fine); the check stands for any other spec-like config
     odd = __import__("types").SimpleNamespace(name="odd", num_q_heads=32, num_kv_heads=8, head_dim=80)
     tm.check_model(odd)
-    with pytest.raises(ValueError, match="MK_ATT_MMA needs a head_dim that is a multiple of 32; .* has 80"):
+    with pytest.raises(ValueError, match="MK_RING_MMA needs a head_dim that is a multiple of 32; .* has 80"):
         tm.check_model(odd, mma=True)
-    v = KernelVariant.parse(["MK_ATT_MMA=1", "MK_ATT_TMA=128"])
-    assert v.att_mma and v.defines() == ("-DMK_ATT_TMA=128", "-DMK_ATT_MMA=1") and v.label() == "att_tma=128,att_mma"
-    with pytest.raises(ValueError, match="att_mma=2 must be true or false"):
-        KernelVariant(att_mma=2)  # type: ignore[arg-type]
+    v = KernelVariant.parse(["MK_RING_MMA=1", "MK_ATT_TMA=128"])
+    assert v.ring_mma and v.defines() == ("-DMK_ATT_TMA=128", "-DMK_RING_MMA=1") and v.label() == "att_tma=128,ring_mma"
+    with pytest.raises(ValueError, match="ring_mma=2 must be true or false"):
+        KernelVariant(ring_mma=2)  # type: ignore[arg-type]
 
 
 def test_the_switch_is_a_kernel_variant():

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 TILE_ROWS = 16                 # tokens per box: csrc/attention_tma.cuh ATT_TMA_ROWS (a block of block_size 16)
 MAP_BYTES = 128                # sizeof(CUtensorMap)
-KV_PART = 32                   # MK_ATT_MMA: head-dim columns per 64-byte swizzle line (csrc/attention_mma.cuh)
+KV_PART = 32                   # MK_RING_MMA: head-dim columns per 64-byte swizzle line (csrc/attention_ring_mma.cuh)
 # CUtensorMapDataType / Interleave / Swizzle / L2promotion / FloatOOBfill (cuda.h)
 _DTYPE_UINT16 = 1              # 2-byte elements: bf16 and fp16 alike (the copy moves bytes)
 _INTERLEAVE_NONE = 0
@@ -53,7 +53,7 @@ def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size:
     Raises ValueError naming what is unsupported: another layout, block size or element size, a
     non-contiguous cache.
 
-    swizzled (MK_ATT_MMA, csrc/attention_mma.cuh): the same 16-token tile of one head, landing as [D / 32 parts][16
+    swizzled (MK_RING_MMA, csrc/attention_ring_mma.cuh): the same 16-token tile of one head, landing as [D / 32 parts][16
     rows][32 columns] with the 64-byte swizzle, so that the 8 token rows of one ldmatrix read sit in 8 different
     bank groups (the plain tile's rows are D * 2 bytes apart: every row in the same banks). A 4-D view, innermost
     first (32, rows, D / 32, NKV) with strides (row, 64 bytes, D * 2 bytes): the part's dimension has the smallest
@@ -72,7 +72,7 @@ def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size:
         raise ValueError(f"head_dim {d}: a box row must be a multiple of 16 bytes and at most 256 elements")
     if swizzled:
         if d % KV_PART:
-            raise ValueError(f"head_dim {d}: MK_ATT_MMA's swizzled tiles need a multiple of {KV_PART}")
+            raise ValueError(f"head_dim {d}: MK_RING_MMA's swizzled tiles need a multiple of {KV_PART}")
         return TileMapArgs(dims=(KV_PART, nb * 2 * bs, d // KV_PART, nkv),
                            strides=(nkv * d * elem_size, KV_PART * elem_size, d * elem_size),
                            box=(KV_PART, TILE_ROWS, d // KV_PART, 1), swizzle=_SWIZZLE_64B)
@@ -118,18 +118,18 @@ def encode_tile_map(address: int, args: TileMapArgs) -> bytes:
 def check_model(spec: LlamaSpec, mma: bool = False) -> None:
     """MK_ATT_TMA's kernel reads each ring slot once: one head pass of the kv group (csrc/attention.cuh ATT_HG:
     4 heads, or 3 / 2 / 1 when G is not a multiple of 4), i.e. G = num_q_heads / num_kv_heads of 1, 2, 3 or 4.
-    mma (MK_ATT_MMA): also a head_dim that is a multiple of 32 (its swizzled tiles)."""
+    mma (MK_RING_MMA): also a head_dim that is a multiple of 32 (its swizzled tiles)."""
     g = spec.num_q_heads // spec.num_kv_heads
     if g not in (1, 2, 3, 4):
         raise ValueError(f"MK_ATT_TMA supports 1-4 query heads per kv head; {spec.name} has {g} "
                          f"({spec.num_q_heads} / {spec.num_kv_heads})")
     if mma and spec.head_dim % KV_PART:
-        raise ValueError(f"MK_ATT_MMA needs a head_dim that is a multiple of {KV_PART}; {spec.name} has {spec.head_dim}")
+        raise ValueError(f"MK_RING_MMA needs a head_dim that is a multiple of {KV_PART}; {spec.name} has {spec.head_dim}")
 
 
 def device_maps(kv_caches: list[torch.Tensor], device: torch.device, swizzled: bool = False) -> torch.Tensor:
     """The caches' tensor maps, MAP_BYTES each in layer order, as one uint8 tensor on `device` (torch's
-    allocations are 512-byte aligned, so every map is 128-byte aligned). swizzled: MK_ATT_MMA's tiles."""
+    allocations are 512-byte aligned, so every map is 128-byte aligned). swizzled: MK_RING_MMA's tiles."""
     import torch
 
     maps = b"".join(encode_tile_map(c.data_ptr(), kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size(),

@@ -1,9 +1,11 @@
-// MK_ATT_MMA = 1 (A/B switch, default 0, session 25; variant.KernelVariant.att_mma): the consumers of a ring-fed
+// MK_RING_MMA = 1 (A/B switch, default 0, session 25; variant.KernelVariant.ring_mma): the consumers of a ring-fed
 // attention task (attention_tma.cuh: its K/V tiles streamed through the weight ring) on the tensor cores.
 //
 // Why: the CUDA-core loop (attention.cuh attn_token) spends per token and lane group 4 x 8 FMAs, 4 x 4 dependent
-// shuffles and an online-softmax update per head; at 8B ctx 8192 a step without any copies (MK_DIAG=2) kept 92%
-// of its time (bench/NOTES.md session 25): its consumers, not the ring, bound long contexts.
+// shuffles and an online-softmax update per head; at 8B ctx 8192 a step without any copies (MK_DIAG=2) kept 84-92%
+// of its time (bench/NOTES.md session 25): with the ring feeding them, the consumers bound long contexts.
+// (Session 15's MK_ATT_MMA put the register-fed loop on tensor cores and gained 1%: that loop was bound by its
+// loads in flight, which the ring has since removed. Its layout was K . q^T with movmatrix; this one is Q K^T.)
 //
 // Layout: the tiles land 64-byte swizzled (tensormap.kv_tile_map_args(swizzled=True)): a block's K (then V) of
 // head g as [D / 32 parts][16 token rows][32 columns = 64 bytes], the 16-byte chunk c of a row at chunk
@@ -29,16 +31,16 @@
 
 namespace mk {
 
-#if MK_ATT_MMA
-// (the decoder builds MK_ATT_MMA only for models tensormap.check_model(mma=True) accepts: G 1..4, D % 32 == 0)
-static_assert(D % 32 == 0, "MK_ATT_MMA: head_dim a multiple of 32 (one 64-byte swizzle line per 32 columns)");
-static_assert(G <= 8, "MK_ATT_MMA: the group's q heads are A rows 0..G-1 of one 8-row half");
-static_assert(ATT_TMA_ROWS == 16 && ATT_TILE_BYTES == (D / 32) * ATT_TMA_ROWS * 64, "MK_ATT_MMA: tile layout");
+#if MK_RING_MMA
+// (the decoder builds MK_RING_MMA only for models tensormap.check_model(mma=True) accepts: G 1..4, D % 32 == 0)
+static_assert(D % 32 == 0, "MK_RING_MMA: head_dim a multiple of 32 (one 64-byte swizzle line per 32 columns)");
+static_assert(G <= 8, "MK_RING_MMA: the group's q heads are A rows 0..G-1 of one 8-row half");
+static_assert(ATT_TMA_ROWS == 16 && ATT_TILE_BYTES == (D / 32) * ATT_TMA_ROWS * 64, "MK_RING_MMA: tile layout");
 constexpr int AM_KSTEPS = D / 16;                              // score k-steps (16 dims each)
 constexpr int AM_NT = D / 8;                                   // P V n-tiles (8 dims each)
 constexpr int AM_GROUPS = ATT_TMA_BPS * ATT_TMA_ROWS / 8;      // 8-token groups per ring slot (8 at D = 128)
 constexpr int AM_CHUNKS = D / 8;                               // 16-byte chunks per token row
-static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_MMA: ldmatrix.x4 covers 32 columns (one part)");
+static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_RING_MMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
