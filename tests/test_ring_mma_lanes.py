@@ -82,7 +82,7 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
     qscale = 1.0 / np.sqrt(D) * np.log2(np.e)
     bps = 32768 // (2 * ROWS * D * 2)
     tile_bytes = ROWS * D * 2
-    warps = [dict(m=np.full(32, -np.inf), l=np.zeros(32), o=np.zeros((32, D // 8, 2))) for _ in range(8)]
+    warps = [{"m": np.full(32, -np.inf), "l": np.zeros(32), "o": np.zeros((32, D // 8, 2))} for _ in range(8)]
     qa = np.zeros((32, D // 16, 2, 2))   # Q's A fragments: rows gid < G
     for t in range(32):
         g, tq = t // 4, t % 4
@@ -196,14 +196,14 @@ def test_the_emulated_steps_are_the_kernels():
                  "return row + ((((unsigned)c & 3u) ^ ((row >> 7) & 3u)) << 4);",
                  "const int lr = r0 + (lane & 7), mi = lane >> 3, tq = lane & 3;",
                  "ldmatrix_x4(kb, am_addr(kt, lr, 4 * q + mi));",
-                 "const unsigned a0[4] = {qa[2 * q][0], 0u, qa[2 * q][1], 0u}, a1[4] = {qa[2 * q + 1][0], 0u, "
-                 "qa[2 * q + 1][1], 0u};",
+                 ("const unsigned a0[4] = {qa[2 * q][0], 0u, qa[2 * q][1], 0u}, a1[4] = {qa[2 * q + 1][0], 0u, "
+                  "qa[2 * q + 1][1], 0u};"),
                  "const unsigned b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};",
                  "ldmatrix_x4_trans(vb, am_addr(vt, lr, 4 * q + mi));",
                  "mma_1688_top(o[4 * q + u][0], o[4 * q + u][1], pa, vb[u]);",
                  "qa[j][0] = qrow ? ld_cg_u32(qp + 16 * j) : 0u;",
                  "qa[j][1] = qrow ? ld_cg_u32(qp + 16 * j + 8) : 0u;",
-                 "const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + "
-                 "ATT_TILE_BYTES;",
+                 ("const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + "
+                  "ATT_TILE_BYTES;"),
                  "const int r0 = (gi & 1) * 8;"):
         assert line in src, line
