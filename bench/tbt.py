@@ -14,6 +14,9 @@ warm-up run, each run with fresh random prompt ids (prefix caching cannot skip p
 TBT is the median over --rounds rounds, each round a fresh engine per mode, the modes alternating
 (stock, plugin, stock, plugin, ...), because runs of one engine on this host differ by up to 0.7 ms.
 Floor = (weight bytes + KV bytes of one step) / 4.8 TB/s, KV at the mean context prompt + output/2.
+The steady-state table (batches > 1) gives the TBT of the request whose first token came last (steady_tbt_ms):
+with long prompts chunked prefill puts other requests' prefill chunks into the first decode steps of the earlier
+ones, which the per-request TBT counts.
 
 Outputs: bench/results/tbt_<date>_<commit>.md (table), tbt_<date>_<commit>.png (if matplotlib imports), rows
 appended to bench/results/tbt.csv, child logs under bench/results/logs/.
@@ -70,7 +73,7 @@ def child_main(payload: dict[str, Any]) -> None:
     rng = random.Random(payload["seed"])
     results: dict[str, Any] = {}
     for prompt, b in ((p, b) for p in payload["prompts"] for b in payload["batches"]):
-        runs_ms = []
+        runs_ms, steady_ms = [], []
         for run in range(payload["runs"] + 1):  # run 0 is the warm-up
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(prompt)]} for _ in range(b)]
             outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -83,7 +86,9 @@ def child_main(payload: dict[str, Any]) -> None:
                 tbts.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
             if run > 0:
                 runs_ms.append(common.median(tbts))
-        results[result_key(prompt, b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms)}
+                steady_ms.append(steady_tbt_ms(outs))
+        results[result_key(prompt, b)] = {"runs_ms": runs_ms, "tbt_ms": common.median(runs_ms),
+                                          "steady_ms": common.median(steady_ms)}
     if payload.get("profile_dir"):
         # One extra, profiled run per batch after the timed ones, at the first prompt length (profiling
         # slows the host; the table keeps the unprofiled TBTs). bench/host_gap.py reads the traces.
@@ -101,6 +106,16 @@ def child_main(payload: dict[str, Any]) -> None:
                         "engine_args": engine_args})
     del llm  # shuts the engine core down: the next child needs the GPU memory
     gc.collect()
+
+
+def steady_tbt_ms(outs: list[Any]) -> float:
+    """The TBT of the request whose first token came last: once it has its first token no prompt is left to
+    prefill, so its steps are decode steps only, where a request that started earlier also spent decode steps
+    beside other requests' prefill chunks (long prompts x batch: chunked prefill). Its last few steps may run
+    at a smaller batch, after the earlier requests finished."""
+    last = max(outs, key=lambda o: o.metrics.first_token_ts)
+    m, n = last.metrics, len(last.outputs[0].token_ids)
+    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3
 
 
 def name_new_traces(pdir: Path, tag: str, batch: int, before: set[Path], wait_s: float = 60.0) -> list[Path]:
@@ -181,7 +196,8 @@ def fake_child(mode: str, batches: list[int], spec: Any, prompts: list[int], out
     for prompt, b in ((p, b) for p in prompts for b in batches):
         floor_ms = floor_bytes(spec, b, prompt, output) / common.HBM_BYTES_PER_S * 1e3
         runs = [floor_ms * 2.2 / speed * (1 + 0.05 * rnd.random()) for _ in range(runs_per)]
-        res[result_key(prompt, b)] = {"runs_ms": runs, "tbt_ms": common.median(runs)}
+        res[result_key(prompt, b)] = {"runs_ms": runs, "tbt_ms": common.median(runs),
+                                      "steady_ms": 0.95 * common.median(runs)}
     st = {"stock": {"class": "LlamaForCausalLM"}}.get(mode, {"class": "MkLlamaForCausalLM", "backend": mode,
                                                            "counts": {"decode:1": 1}, "unsupported": None})
     return {"results": res, "status": [st], "gpu": "dry-run", "startup_s": 0.0}
@@ -258,8 +274,28 @@ def render(rows: list[dict[str, Any]], modes: list[str], meta: dict[str, str], n
             f"output {meta['output']} tokens, median over {meta.get('rounds', '1')} round(s) of fresh engines (modes "
             f"alternating) of each engine's median of {meta['runs']} runs after a warm-up; dummy weights.\n"
             f"% floor = (weight + KV bytes per step) / 4.8 TB/s divided by the TBT (100% = at the HBM floor).\n")
-    return (head + "\n" + common.markdown_table(header, body) + "\n" + bound_table(rows, modes)
-            + spread_table(rows, modes) + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+    return (head + "\n" + common.markdown_table(header, body) + "\n" + steady_table(rows, modes)
+            + bound_table(rows, modes) + spread_table(rows, modes) + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+
+
+def steady_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
+    """The steady-state decode TBT (steady_tbt_ms) per mode, medians over rounds; only for batches > 1, where it
+    can differ from the per-request TBT."""
+    allm = ["stock"] + modes
+    rs = [r for r in rows if r["batch"] > 1 and r.get("steady")]
+    if not rs:
+        return ""
+
+    def cell(r: dict[str, Any], m: str) -> str:
+        ms, st = r["steady"].get(m), r["steady"].get("stock")
+        if ms is None:
+            return "n/a"
+        return f"{ms:.3f}" + ("" if m == "stock" or st is None else f" ({st / ms:.2f}x)")
+    body = [[r["shape"], r["batch"], r["prompt"]] + [cell(r, m) for m in allm] for r in rs]
+    return ("\nSteady-state decode TBT (ms; the request whose first token came last, every one of its steps a "
+            "decode step: the TBT above also counts decode steps that shared the GPU with other requests' prefill "
+            "chunks; speed-up against stock):\n\n"
+            + common.markdown_table(["shape", "batch", "prompt"] + [f"{m} steady" for m in allm], body) + "\n")
 
 
 def spread_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
@@ -413,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                     r.setdefault("rounds", {}).setdefault(mode, []).append(ms)
                     r["tbt"][mode] = common.median(r["rounds"][mode])
                     r.setdefault("runs", {}).setdefault(mode, []).extend(got["runs_ms"])
+                    if "steady_ms" in got:
+                        r.setdefault("steady_rounds", {}).setdefault(mode, []).append(got["steady_ms"])
+                        r.setdefault("steady", {})[mode] = common.median(r["steady_rounds"][mode])
                     csv_rows.append([meta["date"], meta["gpu"], meta["commit"], meta["vllm"], mdir.name, b, prompt,
                                      a.output_len, mode, f"{ms:.4f}", f"{r['bytes'] / (ms * 1e-3) / 1e9:.1f}"])
                     print(f"[tbt]   prompt {prompt} batch {b}: {ms:.3f} ms  runs "

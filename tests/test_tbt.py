@@ -29,6 +29,7 @@ def test_dry_run_writes_table_spread_and_csv(tmp_path):
     assert rc == 0
     md = next(tmp_path.glob("tbt_*_dryrun.md")).read_text()
     assert "| llama-3.2-1b-1layer | 8 | 512 |" in md and "Run-to-run spread" in md and "Round-to-round spread" in md
+    assert "Steady-state decode TBT" in md and md.count("| llama-3.2-1b-1layer | 1 | 512 |") == 3   # batch 1: no row
     rows = list(csv.DictReader(next(tmp_path.glob("tbt*.csv")).read_text().splitlines()))
     # one row per (round, mode, batch), rounds alternating the modes
     assert [r["mode"] for r in rows][::2] == ["stock", "triton", "megakernel"] * 3 and len(rows) == 18
@@ -105,6 +106,18 @@ def test_child_measures_every_prompt_and_batch_in_one_engine(monkeypatch, capsys
     assert calls == [(b, {p}) for p in (7, 20) for b in (1, 3) for _ in range(3)]
     assert set(res["results"]) == {tbt.result_key(p, b) for p in (7, 20) for b in (1, 3)}
     assert all(abs(r["tbt_ms"] - 2.0) < 1e-9 and len(r["runs_ms"]) == 2 for r in res["results"].values())
+    assert all(abs(r["steady_ms"] - 2.0) < 1e-9 for r in res["results"].values())
+
+
+def test_steady_tbt_is_the_request_that_started_last():
+    """Requests that started early decode beside later prefills (slower steps); the last to start does not."""
+    from types import SimpleNamespace
+
+    def out(first, last, n):
+        return SimpleNamespace(metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last),
+                               outputs=[SimpleNamespace(token_ids=[0] * n)])
+    outs = [out(1.0, 1.0 + 0.010 * 100, 101), out(1.5, 1.5 + 0.004 * 100, 101), out(1.2, 2.0, 101)]
+    assert abs(tbt.steady_tbt_ms(outs) - 4.0) < 1e-9
 
 
 def test_gpu_busy_from_a_profiled_trace_and_the_bound_table(tmp_path):
