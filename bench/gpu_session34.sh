@@ -11,7 +11,7 @@ case $n in
      # reference first (NaN past every length, att_tma 1, 3 chunks), then the A/B at 8B ctx 8192, batch 8 and 16 on
      # their tuned entries (ring-fed attention for tasks of >= 128 tokens). Predictions and the rule: NOTES session 25.
      # (Each build compiles once per batch variant, ~20-30 s at 8B: four here.)
-     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k tensor_core 2>&1 | tail -4
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
      timeout 330 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx8192 \
        --ctx 8192 --batch 8 16 --rounds 2 --reps 30 --build default --build MK_RING_MMA=1 ;;
   2) # the rest of MK_RING_MMA's A/B: short contexts must not lose (8B ctx 512 b8 / b16, whose 512-token tasks go
