@@ -79,21 +79,19 @@ __device__ __forceinline__ unsigned am_addr(unsigned tile, int r, int c) {
 
 // The rows of group `t0` (8 tokens at tile rows r0..r0+7 of the tiles kt / vt) that the MMAs must not read as they
 // landed: V of tokens outside [s_lo, s_hi) zeroed, K and V of the newest token from global memory. The warp's
-// lanes take its 8 rows x (K, V) x D / 8 chunks in turn.
+// lanes take its 8 rows x D / 8 chunks in turn, K and V together.
 __device__ __forceinline__ void am_patch(const Params& P, const Task& t, unsigned kt, unsigned vt, int r0, int t0,
                                          int s_lo, int s_hi, int newest, int lane) {
-  const int b = t.arg0, g = t.arg1;
-  for (int i = lane; i < 8 * 2 * AM_CHUNKS; i += 32) {
-    const int rr = i / (2 * AM_CHUNKS), kv = (i / AM_CHUNKS) & 1, ch = i % AM_CHUNKS;
+  for (int i = lane; i < 8 * AM_CHUNKS; i += 32) {
+    const int rr = i / AM_CHUNKS, ch = i % AM_CHUNKS;
     const int tok = t0 + rr;
     const bool valid = tok >= s_lo && tok < s_hi;
     if (valid && tok == newest) {
-      const int bi = tok / P.block_size;
-      const long long blk = ld_nc_s32(P.block_table + (size_t)b * P.bt_stride + bi);
-      const elem_t* row = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]) +
-                          ((blk * 2 + kv) * P.block_size + (tok - bi * P.block_size)) * KVS + g * D + ch * 8;
-      st_shared_v4(am_addr(kv ? vt : kt, r0 + rr, ch), ld_cg_v4(row));
-    } else if (!valid && kv == 1) {
+      uint4 kr, vr;
+      att_newest_row(P, t, tok, ch, kr, vr);
+      st_shared_v4(am_addr(kt, r0 + rr, ch), kr);
+      st_shared_v4(am_addr(vt, r0 + rr, ch), vr);
+    } else if (!valid) {
       st_shared_v4(am_addr(vt, r0 + rr, ch), make_uint4(0u, 0u, 0u, 0u));
     }
   }
@@ -175,13 +173,10 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
 #pragma unroll
   for (int n = 0; n < AM_NT; ++n) o[n][0] = o[n][1] = 0.f;
   const int nslots = att_tma_slots(lo, hi);
-  const int blk0 = lo / ATT_TMA_ROWS;
   for (int si = 0; si < nslots; ++si) {
     const int slot = it % NUM_STAGES;
-    // Not OK (this CTA is stopping): compute on whatever the slot holds (the step is discarded) and do not free it.
-    const int ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
-    const int sb = blk0 + si * ATT_TMA_BPS;                              // the slot's first block
-    const int s_lo = max(lo, sb * ATT_TMA_ROWS), s_hi = min(hi, (sb + ATT_TMA_BPS) * ATT_TMA_ROWS);
+    const AttSlot a = att_slot_wait(S, P, it, lo, hi, si);
+    const int sb = a.sb, s_lo = a.s_lo, s_hi = a.s_hi;
     bool patched = false;
     for (int gi = warp; gi < AM_GROUPS; gi += CONSUMER_WARPS) {
       const int t0 = sb * ATT_TMA_ROWS + gi * 8;
@@ -195,7 +190,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       am_group(qa, kt, vt, r0, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);
     }
     if (patched) fence_proxy_async_smem();
-    if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
+    if (a.ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
     ++it;
   }
   if (ph_on) phase_lap(ph_t, ph_chunks);

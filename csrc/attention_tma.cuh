@@ -94,6 +94,28 @@ __device__ __forceinline__ bool att_tma_produce(const Smem& S, const Params& P, 
   return true;
 }
 
+// Consumers of a ring-fed task over tokens [lo, hi) (this loop's and MK_RING_MMA's): ring slot si's wait, its first
+// block sb and the task's tokens [s_lo, s_hi) it holds. ws not OK (this CTA is stopping): compute on whatever the
+// slot holds (the step is discarded) and do not free it.
+struct AttSlot {
+  int ws, sb, s_lo, s_hi;
+};
+__device__ __forceinline__ AttSlot att_slot_wait(const Smem& S, const Params& P, unsigned it, int lo, int hi, int si) {
+  const int slot = it % NUM_STAGES;
+  const int ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+  const int sb = lo / ATT_TMA_ROWS + si * ATT_TMA_BPS;
+  return {ws, sb, max(lo, sb * ATT_TMA_ROWS), min(hi, (sb + ATT_TMA_BPS) * ATT_TMA_ROWS)};
+}
+
+// This lane's 16 bytes (chunk e) of the K and V rows of task t's newest token `tok`, from global memory: qkv_rope
+// wrote them during this launch, after the tile in the ring may have been copied.
+__device__ __forceinline__ void att_newest_row(const Params& P, const Task& t, int tok, int e, uint4& kr, uint4& vr) {
+  const int bi = tok / P.block_size;
+  const long long blk = ld_nc_s32(P.block_table + (size_t)t.arg0 * P.bt_stride + bi);
+  attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), blk, tok - bi * P.block_size, P.block_size, t.arg1,
+              e, kr, vr);
+}
+
 // Consumers: attn_partial_task with the KV loop over the task's ring slots (`it`: the consumers' chunk count;
 // returned advanced by the slots read, as the producer's). Inlined: __noinline__ (as matvec_task) measured
 // +30..+35 us at 1B ctx 512 batch 4/8 on the ring path (session 18, bench/NOTES.md).
@@ -122,13 +144,10 @@ __device__ __forceinline__ unsigned attn_partial_tma(const Smem& S, const Params
   float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
   attn_state_init(m, l, o);
   const int nslots = att_tma_slots(lo, hi);
-  const int blk0 = lo / ATT_TMA_ROWS;
   for (int si = 0; si < nslots; ++si) {
     const int slot = it % NUM_STAGES;
-    // Not OK (this CTA is stopping): compute on whatever the slot holds (the step is discarded) and do not free it.
-    const int ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
-    const int sb = blk0 + si * ATT_TMA_BPS;                              // the slot's first block
-    const int s_lo = max(lo, sb * ATT_TMA_ROWS), s_hi = min(hi, (sb + ATT_TMA_BPS) * ATT_TMA_ROWS);
+    const AttSlot a = att_slot_wait(S, P, it, lo, hi, si);
+    const int sb = a.sb, s_lo = a.s_lo, s_hi = a.s_hi;
     const unsigned char* ring = S.base + RING_OFF + slot * RING_STRIDE;
     for (int base = s_lo + warp * ATT_TPW; base < s_hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
       uint4 kr[ATT_AU], vr[ATT_AU];
@@ -139,10 +158,7 @@ __device__ __forceinline__ unsigned attn_partial_tma(const Smem& S, const Params
         valid[u] = tok < s_hi;
         kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
         if (valid[u] && tok == newest) {
-          const int bi = tok / P.block_size;
-          const long long blk = ld_nc_s32(P.block_table + (size_t)b * P.bt_stride + bi);
-          attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), blk, tok - bi * P.block_size, P.block_size,
-                      g, e, kr[u], vr[u]);
+          att_newest_row(P, t, tok, e, kr[u], vr[u]);
         } else if (valid[u]) {
           const unsigned char* kp = ring + (tok / ATT_TMA_ROWS - sb) * 2 * ATT_TILE_BYTES +
                                     (tok % ATT_TMA_ROWS) * D * 2 + e * 16;
@@ -153,7 +169,7 @@ __device__ __forceinline__ unsigned attn_partial_tma(const Smem& S, const Params
 #pragma unroll
       for (int u = 0; u < ATT_AU; ++u) attn_token(kr[u], vr[u], valid[u], qs, e, m, l, o);
     }
-    if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
+    if (a.ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
     ++it;
   }
   if (ph_on) phase_lap(ph_t, ph_chunks);
