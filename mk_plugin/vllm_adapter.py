@@ -94,6 +94,7 @@ from .adapter.state import (
     _kv_unsupported_reason,
     _OnceLog,
     _Unsupported,
+    capturing,
     megakernel_of,
     spec_from_vllm_config,
 )
@@ -190,9 +191,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
     def _mk_ensure_state(self) -> DecodeState | None:
         if self._mk_state is not None or self._mk_unsupported is not None:
             return self._mk_state
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             # Never allocate inside a capture; vLLM's profile run always comes first, so this is
             # only reached by an unusual startup order: stay stock for this call.
             self._mk_log.warn("capture_build", "first forward call is inside a CUDA-graph capture; "
@@ -252,9 +251,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         """MK_MODE=auto chose stock vLLM for this batch size (adapter/auto.py pick): the step runs the inherited
         forward. A FULL-graph capture of it is marked so that compute_logits never takes a replay of this stock
         graph for one of the decode path's (hangs.py _mk_graph_call)."""
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             self._mk_graph_calls[num_tokens] = None
         if self._mk_cfg.verbose:
             self._mk_log.note(f"auto_stock:{num_tokens}", f"MK_MODE=auto: stock path for {num_tokens} token rows "
@@ -277,7 +274,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
                               st.cos_sin)
         ran = st.decoder.path_for(reqs) if st.backend == "auto" else st.backend
         call = _DecodeCall(inputs, st.out_buf[:reqs], ran)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             # A FULL-graph capture: replays of this graph do not run forward; compute_logits finds
             # the graph's static tensors here if it has to recompute a replayed step.
             self._mk_graph_calls[num_tokens] = call

@@ -9,19 +9,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from .decide import _forward_context_metadata
-from .state import DecodeState
+from .state import DecodeState, capturing
 
 
 class DebugHooksMixin:
     def _mk_record_seq_lens(self, raw: Any = None, st: DecodeState | None = None) -> None:
-        import torch
-
         self._mk_dbg_seq_lens = None
         if raw is None:
             raw, _ = _forward_context_metadata()
         if raw is None or isinstance(raw, list):
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             return  # .tolist() would sync the host inside a capture
         name = st.layer_name if st is not None else self.model.layers[0].self_attn.attn.layer_name
         md = raw.get(name) if isinstance(raw, Mapping) else raw

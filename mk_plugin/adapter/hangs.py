@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .state import DecodeState, _DecodeCall, megakernel_of
+from .state import DecodeState, _DecodeCall, capturing, megakernel_of
 
 
 class HangMixin:
@@ -48,12 +48,10 @@ class HangMixin:
         """Read the pending hang (synchronises: rare), log it once and make the Triton decoder the
         decode path for the rest of the run. The megakernel's record is left set on purpose: the
         captured graphs keep launching it and it must keep exiting at once."""
-        import torch
-
         from ..persistent.errors import MegakernelHang
         from ..triton_ops import DecodeWorkspace, TritonDecoder
 
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             return False
         mk = megakernel_of(st.decoder)
         try:

@@ -14,6 +14,13 @@ from .decide import MAX_DECODE_TOKENS, config_unsupported_reason, hf_dict_for_sp
 logger = logging.getLogger("vllm.mk_plugin")  # the adapter's logger (a child of vLLM's)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a machine without CUDA)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _Unsupported(Exception):
     """Raised while building the decode state; the message is the reason logged once."""
 
