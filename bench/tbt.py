@@ -83,7 +83,7 @@ def child_main(payload: dict[str, Any]) -> None:
                 if m is None or not m.last_token_ts or n != out_len:
                     raise SystemExit(f"request {o.request_id}: metrics={m}, {n} tokens (want {out_len}); "
                                      "disable_log_stats=False must give RequestOutput.metrics")
-                tbts.append((m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3)
+                tbts.append(request_tbt_ms(o))
             if run > 0:
                 runs_ms.append(common.median(tbts))
                 steady_ms.append(steady_tbt_ms(outs))
@@ -108,14 +108,18 @@ def child_main(payload: dict[str, Any]) -> None:
     gc.collect()
 
 
+def request_tbt_ms(o: Any) -> float:
+    """One request's TBT: (last_token_ts - first_token_ts) / (n - 1) from its RequestOutput.metrics, in ms."""
+    m, n = o.metrics, len(o.outputs[0].token_ids)
+    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3
+
+
 def steady_tbt_ms(outs: list[Any]) -> float:
     """The TBT of the request whose first token came last: once it has its first token no prompt is left to
     prefill, so its steps are decode steps only, where a request that started earlier also spent decode steps
     beside other requests' prefill chunks (long prompts x batch: chunked prefill). Its last few steps may run
     at a smaller batch, after the earlier requests finished."""
-    last = max(outs, key=lambda o: o.metrics.first_token_ts)
-    m, n = last.metrics, len(last.outputs[0].token_ids)
-    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1e3
+    return request_tbt_ms(max(outs, key=lambda o: o.metrics.first_token_ts))
 
 
 def name_new_traces(pdir: Path, tag: str, batch: int, before: set[Path], wait_s: float = 60.0) -> list[Path]:
