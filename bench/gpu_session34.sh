@@ -22,10 +22,21 @@ case $n in
        --ctx 4096 --batch 8 16 --rounds 2 --build default --build MK_RING_MMA=1
      timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx8192 \
        --ctx 8192 --batch 2 --rounds 2 --reps 30 --build default --build MK_ATT_TMA=128 --build MK_ATT_TMA=128,MK_RING_MMA=1 ;;
-  3) # issue 11, if MK_RING_MMA won and became the code (or its tuning entries were written): both paths at one
-     # commit, ctx 512 and 4096 (the issue's rows)
+  3) # issue 11, MK_RING_MMA won (call 1/2) and is the ring's code: the GPU tests of everything that runs the ring
+     # (the tensor-core attention against the reference and the default loop, tunings with att_tma against the
+     # default program, block-32 caches turning it off, the op-by-op VM check), then whether batch sizes whose
+     # entries have no ring should take it now: default vs MK_ATT_TMA=128 at ctx 512 and 4096 (1B b1/b4/b8, 8B b1/b2/b4)
+     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py tests/test_persistent_gpu.py \
+       -k "tensor_core or tuned_programs or ring_path or vm_op_by_op" 2>&1 | tail -4
+     for c in 512 4096; do
+       timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b_ctx$c \
+         --ctx $c --batch 1 4 8 --rounds 2 --build default --build MK_ATT_TMA=128
+       timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b_ctx$c \
+         --ctx $c --batch 1 2 4 --rounds 2 --reps 50 --build default --build MK_ATT_TMA=128
+     done ;;
+  7) # issue 11's rows: both paths at one commit, ctx 512 and 4096, the ring's tensor-core consumers the code
      T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
-     T=120 step --model bench/models/llama-3.2-1b --batch 8 16 --ctx 4096
+     T=120 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096
      T=170 step --model bench/models/llama-3.1-8b --batch 1 8 16
      T=170 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;

@@ -1,5 +1,7 @@
-// MK_RING_MMA = 1 (A/B switch, default 0, session 25; variant.KernelVariant.ring_mma): the consumers of a ring-fed
-// attention task (attention_tma.cuh: its K/V tiles streamed through the weight ring) on the tensor cores.
+// The consumers of a ring-fed attention task (MK_ATT_TMA, attention_tma.cuh: its K/V tiles streamed through the
+// weight ring) on the tensor cores. Built in session 25 as the A/B switch MK_RING_MMA, measured in session 26
+// against the CUDA-core loop that consumed the ring before (8B ctx 8192 batch 8 / 16: 7804 -> 6026 / 12756 ->
+// 9256 us; ctx 512 -150 / -208 us; bench/results/mk_ab_2026-12-04_880feaf_ring_mma.md): it replaced that loop.
 //
 // Why: the CUDA-core loop (attention.cuh attn_token) spends per token and lane group 4 x 8 FMAs, 4 x 4 dependent
 // shuffles and an online-softmax update per head; at 8B ctx 8192 a step without any copies (MK_DIAG=2) kept 84-92%
@@ -23,7 +25,7 @@
 // must not be NaN); the newest token (written by this launch's qkv_rope, its tile may predate the store) has its
 // K and V rows rewritten from global memory. Both only by the warp that reads those rows, before it reads them
 // (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor copy.
-// Results: the CUDA-core loop's up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
+// Results: the default loop's (attention.cuh) up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
 // FlashAttention's); the warps' states are merged and stored by attn_warps_store like the other loops'.
 #pragma once
 #include "attention_tma.cuh"
@@ -31,16 +33,16 @@
 
 namespace mk {
 
-#if MK_RING_MMA
-// (the decoder builds MK_RING_MMA only for models tensormap.check_model(mma=True) accepts: G 1..4, D % 32 == 0)
-static_assert(D % 32 == 0, "MK_RING_MMA: head_dim a multiple of 32 (one 64-byte swizzle line per 32 columns)");
-static_assert(G <= 8, "MK_RING_MMA: the group's q heads are A rows 0..G-1 of one 8-row half");
-static_assert(ATT_TMA_ROWS == 16 && ATT_TILE_BYTES == (D / 32) * ATT_TMA_ROWS * 64, "MK_RING_MMA: tile layout");
+#if MK_ATT_TMA
+// (the decoder builds MK_ATT_TMA only for models tensormap.check_model accepts: G 1..4, D % 32 == 0)
+static_assert(D % 32 == 0, "MK_ATT_TMA: head_dim a multiple of 32 (one 64-byte swizzle line per 32 columns)");
+static_assert(G <= 8, "MK_ATT_TMA: the group's q heads are A rows 0..G-1 of one 8-row half");
+static_assert(ATT_TMA_ROWS == 16 && ATT_TILE_BYTES == (D / 32) * ATT_TMA_ROWS * 64, "MK_ATT_TMA: tile layout");
 constexpr int AM_KSTEPS = D / 16;                              // score k-steps (16 dims each)
 constexpr int AM_NT = D / 8;                                   // P V n-tiles (8 dims each)
 constexpr int AM_GROUPS = ATT_TMA_BPS * ATT_TMA_ROWS / 8;      // 8-token groups per ring slot (8 at D = 128)
 constexpr int AM_CHUNKS = D / 8;                               // 16-byte chunks per token row
-static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_RING_MMA: ldmatrix.x4 covers 32 columns (one part)");
+static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_TMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -137,9 +139,9 @@ __device__ __forceinline__ void am_group(const unsigned (&qa)[AM_KSTEPS][2], uns
   }
 }
 
-// Consumers of ring-fed attention task t (as attn_partial_tma: `it` the consumers' chunk count, returned advanced
-// by the slots read). Out of line, unlike attn_partial_tma: inlined into mk_decode it spilled 20 bytes at 8B (its
-// own function: none); a call per task of >= MK_ATT_TMA tokens.
+// Consumers of ring-fed attention task t (`it`: the consumers' chunk count, returned advanced by the slots read, as
+// the producer's). Out of line: inlined into mk_decode it spilled 20 bytes at 8B (its own function: none); a call
+// per task of >= MK_ATT_TMA tokens.
 __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P, const Task t, unsigned it,
                                                      int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;

@@ -136,11 +136,7 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 #if MK_ATT_TMA
       case OP_ATTN_PARTIAL:   // a task under MK_ATT_TMA tokens takes the default loop (its producer skips it)
         if (att_tma_task(S.seq_len()[t.arg0], P.chunks, t.arg2))
-#if MK_RING_MMA
-          it = attn_partial_mma(S, P, t, it, warp, lane);
-#else
-          it = attn_partial_tma(S, P, t, it, warp, lane);
-#endif
+          it = attn_partial_mma(S, P, t, it, warp, lane);   // attention_ring_mma.cuh: on the tensor cores
         else
           attn_partial_task(S, P, t, warp, lane);
         break;
@@ -175,8 +171,8 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 // Parameters: MK_DECODE_PARAMS, generated from encoding.KERNEL_PARAMS (runtime.py packs by name).
 extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DECODE_PARAMS) {
   using namespace mk;
-#if MK_W_TMA || MK_RING_MMA
-  // the weight chunks' 128-byte swizzle unit (MK_W_TMA); MK_RING_MMA's KV tiles start 512-byte aligned in each slot
+#if MK_W_TMA || MK_ATT_TMA
+  // the weight chunks' 128-byte swizzle unit (MK_W_TMA); MK_ATT_TMA's KV tiles start 512-byte aligned in each slot
   extern __shared__ __align__(1024) unsigned char smem_raw[];
 #else
   extern __shared__ __align__(128) unsigned char smem_raw[];

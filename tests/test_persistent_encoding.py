@@ -179,15 +179,16 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     # session 15's A/B: both switches lost and left
-    for gone in ("MK_ACT_LL", "MK_ATT_MMA", "MK_RSTD_PARTS"):   # (session 25's ring-fed MMAs are MK_RING_MMA)
+    for gone in ("MK_ACT_LL", "MK_ATT_MMA", "MK_RSTD_PARTS"):   # (session 25's ring-fed MMAs won: the ring's code)
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
     # session 16's bulk-copy hand-offs raced (session 17's race detector) and left in session 18
     for gone in ("MK_BULK_RELEASE", "MK_BULK_QKV"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
-    # session 25's A/B: both switches measured slower and left (bench/NOTES.md session 25)
-    for gone in ("MK_XPIPE", "MK_FULLK"):
+    # session 25's A/B: both switches measured slower and left (bench/NOTES.md session 25); session 26's
+    # MK_RING_MMA won and is the ring-fed attention's code
+    for gone in ("MK_XPIPE", "MK_FULLK", "MK_RING_MMA"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
         assert gone not in (ROOT / "csrc" / "tasks.h").read_text()

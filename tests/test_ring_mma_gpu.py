@@ -1,5 +1,5 @@
-"""MK_RING_MMA on the GPU (csrc/attention_ring_mma.cuh: the ring-fed attention's consumers on the tensor cores),
-against the fp32 reference and the CUDA-core ring build. Its lane mapping is checked on the CPU by
+"""The ring-fed attention on the GPU (MK_ATT_TMA; csrc/attention_ring_mma.cuh: its consumers on the tensor cores),
+against the fp32 reference and the default (register-fed, CUDA-core) attention loop. Its lane mapping is checked on the CPU by
 test_ring_mma_lanes.py; the helpers and the weights fixture are test_persistent_gpu.py's."""
 from __future__ import annotations
 
@@ -32,12 +32,11 @@ def _nan_past_lengths(batch) -> None:
     ([7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2], 0),
 ])
 def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks):  # noqa: F811 (fixture)
-    """MK_RING_MMA (csrc/attention_ring_mma.cuh): the ring-fed attention's scores and P V on the tensor cores, every
+    """csrc/attention_ring_mma.cuh: the ring-fed attention's scores and P V on the tensor cores, every
     attention task through the ring (att_tma 1), the newest token (written during the launch) in every position of
     an 8-token group across the requests, NaN in every cache row past a request's length. Against the fp32 reference
-    and the CUDA-core ring build within the step tolerance."""
+    and the build without the ring (the default loop) within the step tolerance."""
     from mk_plugin.persistent.tuning import ScheduleTuning
-    from mk_plugin.persistent.variant import KernelVariant
 
     spec, w = models(name, layers)
     batch = gpu_batch(spec, seq_lens, seed=21)
@@ -45,17 +44,18 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     bsz = len(seq_lens)
     tun = {bsz: ScheduleTuning(att_tma=1, attn_chunks=chunks)}
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(ring_mma=True), tuning=tun)
-    assert dec.variant_for(bsz).att_tma == 1 and dec.variant_for(bsz).ring_mma
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun)
+    assert dec.variant_for(bsz).att_tma == 1
     out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun), spec, w, batch, cs)
+    plain = {bsz: ScheduleTuning(attn_chunks=chunks)}   # att_tma 0: every task on the default loop
+    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=plain), spec, w, batch, cs)
     rcaches = [c.clone() for c in batch.kv_caches]
     hn, rlogits = ref.decode_step(spec, w, batch.input_ids, batch.positions, rcaches, batch.block_table,
                                   batch.seq_lens, batch.slot_mapping, cs)
     dt = spec.torch_dtype
     live = batch.seq_lens > 0
     for got, want, what in ((out[live], hn[live], "out"), (logits[live], rlogits[live], "logits"),
-                            (out[live], base[0][live], "out vs the CUDA-core ring build")):
+                            (out[live], base[0][live], "out vs the default loop")):
         r = compare(got.float(), want.float(), dt, "step")
         assert r["pass"], f"{what}: {r}"
     for a, r_ in zip(caches, rcaches):   # this step's K/V appends

@@ -1,4 +1,4 @@
-"""MK_RING_MMA's lane mapping (csrc/attention_ring_mma.cuh), checked on the CPU: a numpy emulation of one ring slot's
+"""The ring-fed attention's tensor-core lane mapping (csrc/attention_ring_mma.cuh), checked on the CPU: a numpy emulation of one ring slot's
 tiles as the 64-byte-swizzled tensor copy lays them out, of ldmatrix (.trans), mma.m16n8k16 / m16n8k8 fragments as
 the PTX ISA defines them, and of the kernel's per-lane steps (am_patch, am_group, the final row sums), against fp64
 attention. It checks the design's index arithmetic (which lane holds which score, that P's A fragment is the scores'

@@ -136,7 +136,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         if self._wants_att_tma():
             from .tensormap import check_model
             try:
-                check_model(spec, mma=self.variant.ring_mma)
+                check_model(spec)
             except ValueError as e:
                 self._att_tma_off(str(e))
         if self.executor == "cuda":
@@ -378,7 +378,7 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
         (same programs, same results up to the order of fp32 sums), with one warning."""
         logger.warning("megakernel: attention without the ring-fed K/V path (MK_ATT_TMA): %s", why)
         self._att_tma_ok = False
-        self.variant = replace(self.variant, att_tma=0, ring_mma=False)   # MK_RING_MMA: the ring path's consumers
+        self.variant = replace(self.variant, att_tma=0)
         self._update_needs_maps()
         self._modules = {}
         if self._module is not None:   # CUDA: compiled now, in the eager step that brought the caches
@@ -397,8 +397,8 @@ class MegakernelDecoder(WatchdogMixin, CudaExecutorMixin, VMExecutorMixin):
             if att_tma:
                 from .tensormap import MAP_BYTES, device_maps
                 try:   # ValueError: caches the maps cannot describe (tensormap.kv_tile_map_args)
-                    # kept alive here: kvptr points into it; MK_RING_MMA's consumers read swizzled tiles
-                    self._kvmaps = device_maps(kv_caches, self.device, swizzled=self.variant.ring_mma)
+                    # kept alive here: kvptr points into it
+                    self._kvmaps = device_maps(kv_caches, self.device)
                 except ValueError as e:
                     self._att_tma_off(str(e))
                     key = tuple(c.data_ptr() for c in kv_caches)

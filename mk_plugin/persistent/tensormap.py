@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 TILE_ROWS = 16                 # tokens per box: csrc/attention_tma.cuh ATT_TMA_ROWS (a block of block_size 16)
 MAP_BYTES = 128                # sizeof(CUtensorMap)
-KV_PART = 32                   # MK_RING_MMA: head-dim columns per 64-byte swizzle line (csrc/attention_ring_mma.cuh)
+KV_PART = 32                   # MK_ATT_TMA: head-dim columns per 64-byte swizzle line (csrc/attention_ring_mma.cuh)
 # CUtensorMapDataType / Interleave / Swizzle / L2promotion / FloatOOBfill (cuda.h)
 _DTYPE_UINT16 = 1              # 2-byte elements: bf16 and fp16 alike (the copy moves bytes)
 _INTERLEAVE_NONE = 0
@@ -37,9 +37,9 @@ _OOB_FILL_NONE = 0
 @dataclass(frozen=True)
 class TileMapArgs:
     """cuTensorMapEncodeTiled's shape arguments, innermost dimension first."""
-    dims: tuple[int, ...]               # elements, innermost first (KV: D, NKV, rows)
+    dims: tuple[int, ...]               # elements, innermost first (KV: 32, rows, D / 32, NKV)
     strides: tuple[int, ...]            # bytes of dims 1.. (dim 0 is contiguous)
-    box: tuple[int, ...]                # KV: D, 1, TILE_ROWS
+    box: tuple[int, ...]                # KV: 32, TILE_ROWS, D / 32, 1
     swizzle: int = _SWIZZLE_NONE
 
     def __post_init__(self) -> None:
@@ -47,14 +47,13 @@ class TileMapArgs:
             raise ValueError(f"tensor map rank: dims {self.dims}, box {self.box}, strides {self.strides}")
 
 
-def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size: int,
-                     swizzled: bool = False) -> TileMapArgs:
+def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size: int) -> TileMapArgs:
     """The map arguments of one layer's cache tensor (shape/stride in elements, as torch gives them).
     Raises ValueError naming what is unsupported: another layout, block size or element size, a
     non-contiguous cache.
 
-    swizzled (MK_RING_MMA, csrc/attention_ring_mma.cuh): the same 16-token tile of one head, landing as [D / 32 parts][16
-    rows][32 columns] with the 64-byte swizzle, so that the 8 token rows of one ldmatrix read sit in 8 different
+    The box is one head's 16-token tile, landing as [D / 32 parts][16 rows][32 columns] with the 64-byte swizzle
+    (csrc/attention_ring_mma.cuh, the tensor-core consumers), so that the 8 token rows of one ldmatrix read sit in 8 different
     bank groups (the plain tile's rows are D * 2 bytes apart: every row in the same banks). A 4-D view, innermost
     first (32, rows, D / 32, NKV) with strides (row, 64 bytes, D * 2 bytes): the part's dimension has the smallest
     stride and is outside the rows, which is what stacks a part's 16 rows (as weight_map_args' column groups)."""
@@ -70,14 +69,11 @@ def kv_tile_map_args(shape: tuple[int, ...], stride: tuple[int, ...], elem_size:
         raise ValueError(f"kv cache strides {tuple(stride)}: MK_ATT_TMA needs a contiguous cache {want}")
     if (d * elem_size) % 16 or d > 256:
         raise ValueError(f"head_dim {d}: a box row must be a multiple of 16 bytes and at most 256 elements")
-    if swizzled:
-        if d % KV_PART:
-            raise ValueError(f"head_dim {d}: MK_RING_MMA's swizzled tiles need a multiple of {KV_PART}")
-        return TileMapArgs(dims=(KV_PART, nb * 2 * bs, d // KV_PART, nkv),
-                           strides=(nkv * d * elem_size, KV_PART * elem_size, d * elem_size),
-                           box=(KV_PART, TILE_ROWS, d // KV_PART, 1), swizzle=_SWIZZLE_64B)
-    return TileMapArgs(dims=(d, nkv, nb * 2 * bs), strides=(d * elem_size, nkv * d * elem_size),
-                       box=(d, 1, TILE_ROWS))
+    if d % KV_PART:
+        raise ValueError(f"head_dim {d}: MK_ATT_TMA's swizzled tiles need a multiple of {KV_PART}")
+    return TileMapArgs(dims=(KV_PART, nb * 2 * bs, d // KV_PART, nkv),
+                       strides=(nkv * d * elem_size, KV_PART * elem_size, d * elem_size),
+                       box=(KV_PART, TILE_ROWS, d // KV_PART, 1), swizzle=_SWIZZLE_64B)
 
 
 def _libcuda() -> ctypes.CDLL:
@@ -115,25 +111,24 @@ def encode_tile_map(address: int, args: TileMapArgs) -> bytes:
     return bytes((ctypes.c_ubyte * MAP_BYTES).from_address(aligned))
 
 
-def check_model(spec: LlamaSpec, mma: bool = False) -> None:
+def check_model(spec: LlamaSpec) -> None:
     """MK_ATT_TMA's kernel reads each ring slot once: one head pass of the kv group (csrc/attention.cuh ATT_HG:
-    4 heads, or 3 / 2 / 1 when G is not a multiple of 4), i.e. G = num_q_heads / num_kv_heads of 1, 2, 3 or 4.
-    mma (MK_RING_MMA): also a head_dim that is a multiple of 32 (its swizzled tiles)."""
+    4 heads, or 3 / 2 / 1 when G is not a multiple of 4), i.e. G = num_q_heads / num_kv_heads of 1, 2, 3 or 4,
+    and a head_dim that is a multiple of 32 (its swizzled tiles; every supported head_dim is)."""
     g = spec.num_q_heads // spec.num_kv_heads
     if g not in (1, 2, 3, 4):
         raise ValueError(f"MK_ATT_TMA supports 1-4 query heads per kv head; {spec.name} has {g} "
                          f"({spec.num_q_heads} / {spec.num_kv_heads})")
-    if mma and spec.head_dim % KV_PART:
-        raise ValueError(f"MK_RING_MMA needs a head_dim that is a multiple of {KV_PART}; {spec.name} has {spec.head_dim}")
+    if spec.head_dim % KV_PART:
+        raise ValueError(f"MK_ATT_TMA needs a head_dim that is a multiple of {KV_PART}; {spec.name} has {spec.head_dim}")
 
 
-def device_maps(kv_caches: list[torch.Tensor], device: torch.device, swizzled: bool = False) -> torch.Tensor:
+def device_maps(kv_caches: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The caches' tensor maps, MAP_BYTES each in layer order, as one uint8 tensor on `device` (torch's
-    allocations are 512-byte aligned, so every map is 128-byte aligned). swizzled: MK_RING_MMA's tiles."""
+    allocations are 512-byte aligned, so every map is 128-byte aligned)."""
     import torch
 
-    maps = b"".join(encode_tile_map(c.data_ptr(), kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size(),
-                                                                   swizzled))
+    maps = b"".join(encode_tile_map(c.data_ptr(), kv_tile_map_args(tuple(c.shape), c.stride(), c.element_size()))
                     for c in kv_caches)
     return torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(device)
 

@@ -13,7 +13,8 @@ half-width chunks; session 12: the chain L2 prefetch, split MMA chains for one-M
 norm-statistics rows per round all lost; session 18 removed the bulk-copy hand-offs MK_BULK_RELEASE and
 MK_BULK_QKV: they raced, bench/NOTES.md session 17; session 21: a later pass's x copied early or kept staged,
 MK_PASS_PREFETCH, lost at every shape; session 24: the branch-free one-n-tile fragment build, MK_XFRAG, won
-and is the code).
+and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA, the ring-fed attention on the
+tensor cores, won and is the code).
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
-                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_RING_MMA", "ring_mma", "ring_mma"))
+                   ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -70,14 +70,6 @@ class KernelVariant:
     # not landed) per SM, waiting for chunk i - N to land before it issues chunk i (csrc/producer.cuh:
     # producer_slot_wait). 1 .. num_stages - 1.
     inflight: int = 0
-    # MK_RING_MMA (A/B switch, session 25; off; not session 15's MK_ATT_MMA, which fed its MMAs from register loads
-    # and lost to their round trips): the ring-fed attention's consumers on the tensor cores
-    # (csrc/attention_ring_mma.cuh: scores Q K^T by mma.m16n8k16 with the group's q heads as A rows, P V by mma.m16n8k8
-    # with the scores' C fragments as P's A fragments) instead of the CUDA-core loop, whose per-token shuffle chain
-    # bounds long contexts (8B ctx 8192: with no copies at all, MK_DIAG=2, the step stays at 92% of its time). Its
-    # KV tiles land 64-byte swizzled (tensormap.kv_tile_map_args(swizzled=True)), so it applies to the tasks that
-    # MK_ATT_TMA sends through the ring; a build-wide switch (the decoder's maps follow it for every batch size).
-    ring_mma: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -96,7 +88,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "ring_mma"):
+        for name in ("phases", "w_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
