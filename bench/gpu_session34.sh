@@ -47,6 +47,12 @@ case $n in
        --modes auto,triton,megakernel --rounds 1 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
        | grep -v "^\[tbt\]   worker" | tail -30
      rm -rf "$out/logs" ;;
+  8) vllm_env   # issues 11 and 12 on the ring's tensor-core attention: 8B in vLLM, stock alternated with auto and the
+     # megakernel, batch 1 / 8 / 16 at prompt 512 (issue 11's <= 0.85x) and 8192 (the long-context loss), one round
+     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8,16 --prompts 512,8192 \
+       --modes auto,megakernel --rounds 1 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
+       | grep -v "^\[tbt\]   worker" | tail -30
+     rm -rf "$out/logs" ;;
   5) vllm_env   # issue 12: the one-layer model's row (vLLM's host floor) and 1B, 3 alternated rounds, with profiles
      timeout 590 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes auto \
        --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
