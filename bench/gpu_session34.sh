@@ -53,6 +53,10 @@ case $n in
        --modes auto,megakernel --rounds 1 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
        | grep -v "^\[tbt\]   worker" | tail -30
      rm -rf "$out/logs" ;;
+  9) # issue 11: the sanitizers on the ring's tensor-core attention (every task through the ring: MK_ATT_TMA=1), 2 layers,
+     # batch 1 and 16 (memcheck, racecheck, synccheck; bench/sanitize.py checks the step against the Triton path)
+     MK_SAN_DEFINES="MK_ATT_TMA=1" MK_SAN_BATCHES="1 16" MK_SAN_TIMEOUT=90 timeout 560 bash bench/sanitize.sh "$out" 2 \
+       2>&1 | grep -E "SUMMARY|exit code|sanitize-run" ;;
   5) vllm_env   # issue 12: the one-layer model's row (vLLM's host floor) and 1B, 3 alternated rounds, with profiles
      timeout 590 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes auto \
        --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
