@@ -244,9 +244,19 @@ def test_resolve_order_and_config(tmp_path, monkeypatch):
     monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "pkg")
     key = tn.spec_tuning_key(SPEC, 1, SMS, False)
     user, pkg = ScheduleTuning((("down", 0.5),)), ScheduleTuning((("gate_up", 2.0),))
-    assert tn.resolve("auto", "NVIDIA H200", [key])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    # a model no table has measured on this GPU: the ring-fed attention for long tasks (session 26); on the CPU the
+    # plain default
+    t, why = tn.resolve("auto", "NVIDIA H200", [key])[0]
+    assert t == tn.UNTUNED_TUNING == ScheduleTuning(att_tma=128) and "not in the tables" in why
+    assert tn.resolve("auto", "cpu", [key])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
     TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
     assert tn.resolve("auto", "NVIDIA H200", [key])[0][0] == pkg
+    # a measured model's batch size without a winner keeps the plain default ("default won" is a measurement)
+    k4 = tn.spec_tuning_key(SPEC, 4, SMS, False)
+    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100), entry(4, ScheduleTuning(), 100, 100)]).save(
+        tn.tuned_file("NVIDIA H200"))
+    assert tn.resolve("auto", "NVIDIA H200", [k4])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
     TuningTable("NVIDIA H200", [entry(1, user, 80, 100)]).save(tn.user_cache_file("NVIDIA H200"))
     t, why = tn.resolve("auto", "NVIDIA H200", [key])[0]
     assert t == user and "80.0 vs 100.0 us" in why                      # the user cache wins

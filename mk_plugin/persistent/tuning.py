@@ -34,7 +34,7 @@ from pathlib import Path
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
 from .encoding import STAGE_CHOICES, spec_hash
-from .variant import ATT_TMA_MAX_TOKENS, INFLIGHT_MAX, KernelVariant
+from .variant import ATT_TMA_MAX_TOKENS, ATT_TMA_TUNED, INFLIGHT_MAX, KernelVariant
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -232,6 +232,11 @@ class ScheduleTuning:
 
 
 DEFAULT_TUNING = ScheduleTuning()
+# A model that no table has measured on this GPU: the default program with the ring-fed attention for tasks of
+# >= ATT_TMA_TUNED tokens. Since its consumers run on the tensor cores (session 26, H200, 1B and 8B at batch 1..16)
+# it cost <= 1% at ctx 512 and gained 2-19% at ctx 4096 and 13-27% at ctx 8192; contexts grow while serving. A
+# measured model keeps its entries, a measured "default won" included (1B batch 1).
+UNTUNED_TUNING = ScheduleTuning(att_tma=ATT_TMA_TUNED)
 
 
 def parse_ksplit(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
@@ -342,6 +347,11 @@ class TuningTable:
     def put(self, entry: TuningEntry) -> None:
         self.entries[entry.key] = entry
 
+    def knows(self, key: TuningKey) -> bool:
+        """Whether some batch size of key's model, SM count, lm_head and fallback was measured."""
+        return any((k.spec_hash, k.num_sms, k.lm_head, k.fallback) == (key.spec_hash, key.num_sms, key.lm_head,
+                                                                      key.fallback) for k in self.entries)
+
     def winner(self, key: TuningKey) -> TuningEntry | None:
         """The entry for `key` if its tuning beat the default by more than TUNED_MIN_GAIN."""
         e = self.entries.get(key)
@@ -377,7 +387,8 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     each table file is read once.
 
     setting: MK_TUNING -- "off" (defaults), "auto" (the user cache, then the packaged table), or a
-    path to a table file (only that file)."""
+    path to a table file (only that file). A key whose model no table has measured on this GPU gets
+    UNTUNED_TUNING (on a CUDA device; "cpu" keeps the defaults)."""
     keys = list(keys)
     if setting == "off":
         return [(DEFAULT_TUNING, "default (MK_TUNING=off)")] * len(keys)
@@ -387,7 +398,11 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     for key in keys:
         found = next(((p, e) for p, tab in tables if (e := tab.nearest(key)) is not None), None)
         if found is None:
-            out.append((DEFAULT_TUNING, "default (no measured winner)"))
+            if device_name == "cpu" or any(tab.knows(key) for _, tab in tables):
+                out.append((DEFAULT_TUNING, "default (no measured winner)"))
+            else:   # a model never measured on this GPU
+                out.append((UNTUNED_TUNING, f"{UNTUNED_TUNING.label()}: the default for a model not in the tables "
+                                            "(the ring-fed attention for long tasks)"))
             continue
         p, e = found
         at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
