@@ -401,8 +401,8 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
             if device_name == "cpu" or any(tab.knows(key) for _, tab in tables):
                 out.append((DEFAULT_TUNING, "default (no measured winner)"))
             else:   # a model never measured on this GPU
-                out.append((UNTUNED_TUNING, f"{UNTUNED_TUNING.label()}: the default for a model not in the tables "
-                                            "(the ring-fed attention for long tasks)"))
+                why = f"{UNTUNED_TUNING.label()}: the default for a model not in the tables (the ring-fed attention)"
+                out.append((UNTUNED_TUNING, why))
             continue
         p, e = found
         at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
