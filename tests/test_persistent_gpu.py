@@ -102,7 +102,9 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
             pytest.skip(f"--mk-define MK_W_TMA=1: {e}")
     batch = gpu_batch(spec, seq_lens, seed=1)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant)
+    # tuning "off": the plain default program. (A model not in the tables gets the ring-fed attention, whose P is
+    # rounded to 16 bits before P V on the tensor cores; the VM does not model that rounding yet.)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning="off")
     prog = dec.program(len(seq_lens))
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
