@@ -100,11 +100,17 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
             check_weights_model(spec)
         except ValueError as e:
             pytest.skip(f"--mk-define MK_W_TMA=1: {e}")
-    batch = gpu_batch(spec, seq_lens, seed=1)
-    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    # tuning "off": the plain default program. (A model not in the tables gets the ring-fed attention, whose P is
-    # rounded to 16 bits before P V on the tensor cores; the VM does not model that rounding yet.)
+    # tuning "off": the plain default program (the ring-fed attention's op-by-op run: test_ring_mma_gpu.py)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning="off")
+    failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
+    """Each op's prefix of dec's program for `batch` on the GPU and in the VM (with the variant's rounding and ring
+    threshold), its output buffers compared; the first diverging op's failures, or []."""
+    seq_lens = batch.seq_lens.tolist()
+    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     prog = dec.program(len(seq_lens))
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
@@ -115,7 +121,8 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
         out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=n)
         vcaches = [c.cpu() for c in batch.kv_caches]
         st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
-                           bc.seq_lens, bc.slot_mapping, cs.cpu(), rounding=dec.rounding)  # as compiled
+                           bc.seq_lens, bc.slot_mapping, cs.cpu(), rounding=dec.rounding,  # as compiled
+                           att_tma=dec.variant_for(len(seq_lens)).att_tma)
         vm.run(prog, st, stop_after=n)
         gbufs = dec.buffers(len(seq_lens))
         gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits
@@ -134,7 +141,7 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
                 failures.append(f"{op.key} {b}: {r}")
         if failures:
             break
-    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+    return failures
 
 
 def _appended(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -408,28 +415,6 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
         out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
         assert torch.equal(out2, out) and torch.equal(logits2, logits)
         assert all(torch.equal(a, b) for a, b in zip(caches2, caches))
-
-
-def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
-    """The ring-fed attention (MK_ATT_TMA, from a variant or a tuning) streams K/V by 16-token tensor-map boxes;
-    block_size 32 caches run the kernel without that path, after one warning, with the same results."""
-    import logging
-
-    spec, w = models("llama-3.2-1b", 2)
-    batch = gpu_batch(spec, [300, 0, 1000], seed=5, block_size=32)
-    cs = ref.rope_cos_sin_cache(spec, 1100).to(DEV)
-    from mk_plugin.persistent.tuning import ScheduleTuning
-    from mk_plugin.persistent.variant import KernelVariant
-
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(att_tma=128),
-                            tuning={3: ScheduleTuning(att_tma=64)})
-    assert dec.variant_for(3).att_tma == 64
-    with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-        _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
-    assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
-    assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])

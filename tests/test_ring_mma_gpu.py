@@ -4,7 +4,15 @@ test_ring_mma_lanes.py; the helpers and the weights fixture are test_persistent_
 from __future__ import annotations
 
 import pytest
-from test_persistent_gpu import DEV, _appended, _run_mk, gpu_batch, models  # noqa: F401 (models: the fixture)
+from test_persistent_gpu import (
+    DEV,
+    _appended,
+    _assert_step_matches_ref_and_triton,
+    _run_mk,
+    gpu_batch,
+    models,  # noqa: F401 (the fixture)
+    op_by_op_failures,
+)
 
 from mk_plugin import reference as ref
 from mk_plugin.persistent.backend import MegakernelDecoder
@@ -60,3 +68,41 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
         assert r["pass"], f"{what}: {r}"
     for a, r_ in zip(caches, rcaches):   # this step's K/V appends
         assert_matches(_appended(a, batch.slot_mapping), _appended(r_, batch.slot_mapping), dt, "step")
+
+
+@pytest.mark.parametrize("name,layers,seq_lens", [
+    ("llama-3.2-1b", 1, [33, 0, 511, 17, 1, 250, 4000, 96]),
+    ("llama-3.1-8b", 1, [129, 4000]),
+])
+def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens):  # noqa: F811 (fixture)
+    """Every attention task through the ring (att_tma 1): each op's prefix on the GPU against the VM, which models the
+    tensor cores' P rounded to 16 bits per warp's running maximum (vm.ring_pv_weights), at the op tolerances."""
+    from mk_plugin.persistent.tuning import ScheduleTuning
+
+    spec, w = models(name, layers)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={len(seq_lens): ScheduleTuning(att_tma=1)})
+    assert dec.variant_for(len(seq_lens)).att_tma == 1
+    failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):  # noqa: F811 (fixture)
+    """The ring-fed attention (MK_ATT_TMA, from a variant or a tuning) streams K/V by 16-token tensor-map boxes;
+    block_size 32 caches run the kernel without that path, after one warning, with the same results."""
+    import logging
+
+    spec, w = models("llama-3.2-1b", 2)
+    batch = gpu_batch(spec, [300, 0, 1000], seed=5, block_size=32)
+    cs = ref.rope_cos_sin_cache(spec, 1100).to(DEV)
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    from mk_plugin.persistent.variant import KernelVariant
+
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(att_tma=128),
+                            tuning={3: ScheduleTuning(att_tma=64)})
+    assert dec.variant_for(3).att_tma == 64
+    with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
+        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+        _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
+    assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
+    assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)

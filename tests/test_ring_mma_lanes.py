@@ -73,11 +73,12 @@ def mma_1688(c, a, b):
         c[t] += [C[g, 2 * q], C[g, 2 * q + 1], C[g + 8, 2 * q], C[g + 8, 2 * q + 1]]
 
 
-def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newest: int, base: int, rng) -> tuple:
+def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newest: int, base: int, rng,
+            round_p=lambda p: p) -> tuple:
     """One task's tokens [lo, hi) of one kv group through the kernel's steps, one ring slot of 4 blocks at `base`
     per 64 tokens, 8 warps x one 8-token group each; K / V rows the kernel must not trust hold garbage (NaN for the
     rows past the range, random for the newest token's stale tile). Returns per-head (m, l, o) merged over warps
-    (exp2 units), as attn_warps_store would."""
+    (exp2 units), as attn_warps_store would. round_p: what packing P into 16-bit A fragments does (pack2)."""
     G, D = q.shape
     qscale = 1.0 / np.sqrt(D) * np.log2(np.e)
     bps = 32768 // (2 * ROWS * D * 2)
@@ -144,7 +145,7 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
                 p = np.exp2(np.array(x) - mn)
                 w["l"][t] = w["l"][t] * corr[t] + p.sum()
                 w["m"][t] = mn
-                pa[t] = p if t // 4 < G else 0.0
+                pa[t] = round_p(p) if t // 4 < G else 0.0
             for qq in range(D // 32):   # am_group: P V
                 vb = ldmatrix_x4(mem, [am_addr(vt, r0 + (ln & 7), 4 * qq + (ln >> 3)) for ln in range(32)], True)
                 for u in range(4):
@@ -207,3 +208,26 @@ def test_the_emulated_steps_are_the_kernels():
                   "ATT_TILE_BYTES;"),
                  "const int r0 = (gi & 1) * 8;"):
         assert line in src, line
+
+
+@pytest.mark.parametrize("d,g,lo,hi", [(128, 4, 5, 300), (64, 4, 16, 531), (64, 2, 0, 7), (128, 3, 129, 130)])
+def test_the_vm_models_the_kernels_p_rounding(d, g, lo, hi):
+    """vm.ring_pv_weights (the VM's ring attention tasks) against this emulation of the kernel's warps with P rounded
+    to bf16 as pack2 does: the same output to fp64 precision, and a visibly different one from exact softmax."""
+    import torch
+
+    from mk_plugin.persistent.vm import ring_pv_weights
+    rng = np.random.default_rng(d * g + hi)
+    q = rng.standard_normal((g, d)) * 2
+    k = rng.standard_normal((hi + 64, d))
+    v = rng.standard_normal((hi + 64, d))
+    bf16 = lambda p: torch.from_numpy(np.asarray(p)).to(torch.bfloat16).double().numpy()
+    ls, os = emulate(q, k, v, lo, hi, newest=hi - 1, base=512, rng=rng, round_p=bf16)
+    s = torch.from_numpy(q @ k[lo:hi].T / np.sqrt(d))                   # [G, T] natural units
+    w = ring_pv_weights(s, lo, torch.bfloat16).double()
+    l_ = torch.exp(s - s.max(-1, keepdim=True).values).sum(-1)
+    got = (w @ torch.from_numpy(v[lo:hi])) / l_[:, None]
+    np.testing.assert_allclose(got.numpy(), os / ls[:, None], rtol=1e-9, atol=1e-12)
+    exact = torch.softmax(s, -1) @ torch.from_numpy(v[lo:hi])
+    if hi - lo > 8:   # more than one group: some P is rounded relative to a running maximum below the final one
+        assert (got - exact).abs().max() > 1e-6

@@ -146,6 +146,7 @@ class VMState:
     counters: list[int]
     executed: list[int] = field(default_factory=list)   # tids in execution order
     rounding: Rounding = Rounding.FUSED                 # the kernel's -DMK_ROUNDING (encoding.Rounding)
+    att_tma: int = 0   # the kernel's MK_ATT_TMA: attention tasks of >= att_tma tokens take the ring (0: none)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,8 +155,10 @@ class VMState:
 
 def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-               slot_mapping: torch.Tensor, cos_sin: torch.Tensor, rounding: Rounding = Rounding.FUSED) -> VMState:
-    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step."""
+               slot_mapping: torch.Tensor, cos_sin: torch.Tensor, rounding: Rounding = Rounding.FUSED,
+               att_tma: int = 0) -> VMState:
+    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step. rounding, att_tma: the
+    kernel variant's (decoder.variant_for(batch)), so that the VM rounds where that build rounds."""
     spec, b, C = program.spec, program.batch, program.attn_chunks
     dt, dev = hidden.dtype, hidden.device
     if hidden.shape != (b, spec.hidden_size):
@@ -178,7 +181,7 @@ def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, po
         Buf.PART_K: torch.full((KSPLIT_MAX, b, spec.hidden_size), float("nan"), dtype=torch.float32, device=dev),
     }
     return VMState(spec, b, C, weights, bufs, kv_caches, positions, slot_mapping, seq_lens, block_table,
-                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding))
+                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding), att_tma=int(att_tma))
 
 
 def _rnd(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
@@ -242,6 +245,30 @@ def _chunk(L: int, C: int, c: int) -> tuple[int, int]:
     return lo, min(L, lo + cs)
 
 
+RING_ROWS = 16   # csrc/attention_tma.cuh ATT_TMA_ROWS: a ring slot holds whole 16-token blocks from the task's first
+RING_GROUP = 8   # csrc/attention_ring_mma.cuh: tokens per group, groups g of a slot go to warp g % 8 (CONSUMER_WARPS)
+
+
+def ring_pv_weights(s: torch.Tensor, lo: int, dt: torch.dtype) -> torch.Tensor:
+    """The weights P V uses on the ring's tensor cores (csrc/attention_ring_mma.cuh), scaled to the task's maximum:
+    round_dt(exp(s_j - m_n)) * exp(m_n - max(s)), where m_n is the running maximum of the warp that takes token j's
+    8-token group, up to and including that group. s: [G, T] scores of tokens lo .. lo + T - 1.
+
+    The kernel's warps each keep an online softmax over their groups (8-token windows counted from the task's first
+    16-token block; every slot is a multiple of 8 groups, so group n goes to warp n % 8 and warp w's groups come in
+    order n = w, w + 8, ...) and round P to 16 bits for the m16n8k8 MMA relative to that warp's running maximum; the
+    row sums l use the unrounded P, so only O differs from exp(s - max) V."""
+    G, T = s.shape
+    tok = torch.arange(lo, lo + T)
+    gidx = (tok - lo // RING_ROWS * RING_ROWS) // RING_GROUP   # [T]
+    ng = -(-(int(gidx[-1]) + 1) // RING_GROUP) * RING_GROUP   # padded to whole rows of 8 warps
+    gm = torch.full((G, ng), float("-inf"), dtype=s.dtype).scatter_reduce(1, gidx.expand(G, T), s, "amax")
+    run = gm.view(G, ng // RING_GROUP, RING_GROUP).cummax(1).values.reshape(G, ng)   # per warp, in group order
+    mt = run[:, gidx]                                                            # [G, T]
+    top = s.max(-1, keepdim=True).values
+    return _rnd(torch.exp(s - mt), dt) * torch.exp(mt - top)
+
+
 def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
     spec = st.spec
     b, g, c = t["arg0"], t["arg1"], t["arg2"]
@@ -260,7 +287,10 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         m = s.max(-1).values
         p = torch.exp(s - m[:, None])
         l_ = p.sum(-1)
-        o = p @ v
+        if st.att_tma and hi - lo >= st.att_tma and G <= 4:   # csrc att_tma_task (G == ATT_HG: 1-4 heads)
+            o = ring_pv_weights(s, lo, st.dtype) @ v
+        else:
+            o = p @ v
     else:
         m = torch.full((G,), float("-inf"))
         l_ = torch.zeros(G)
