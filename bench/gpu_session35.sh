@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Session 27's GPU calls (bench/NOTES.md session 26, "Next"). `bash bench/gpu_session35.sh N $OUT` from the project
+# root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the 64 MiB
+# limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the machine
+# stays warm. Order: 1, 11, 12, 3, 4, 5, 6, then 2 if time is left.
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto()
+{
+case $n in
+  1) # issue 11: the ring's op-by-op GPU-vs-VM test (written in session 26, not yet run: the VM now rounds P as the
+     # tensor cores do) with the rest of the ring tests, then every other kernel GPU test module (no vLLM needed)
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
+     timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_decode_step.py \
+       tests/test_tensormap.py tests/test_weight_tma.py tests/test_linear.py tests/test_lm_head.py \
+       tests/test_paged_attention.py tests/test_rms_norm.py tests/test_rope_kv_append.py 2>&1 | tail -5 ;;
+  2) # issue 11: where 8B batch 16 goes on the new attention (phase trace, then trace_phases on the CPU) and the 1B
+     # batch-16 one; both paths' rows are session 26's (mk_step_2026-12-04_381bb02.md)
+     for m in llama-3.1-8b llama-3.2-1b; do
+       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+         --records-dir "$out" --model bench/models/$m --batch 16 2>&1 | tail -2
+     done
+     for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
+  11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  3) vllm_env   # issues 11 and 12: 8B, stock alternated with auto and the megakernel, 2 rounds, batch 1 / 4 / 8 / 16
+     # at prompt 512 (issue 11: megakernel <= 0.85x stock at b1 and b8; issue 12: auto <= stock at every batch)
+     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 \
+       --modes auto,megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
+       | grep -v "^\[tbt\]   worker" | tail -30
+     rm -rf "$out/logs" ;;
+  4) vllm_env   # issue 12: the one-layer model's row (vLLM's host floor) and 1B, 3 alternated rounds, with profiles
+     timeout 590 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes auto \
+       --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
+     rm -f "$out"/logs/*payload*; tar czf "$out/logs_call4.tgz" -C "$out" logs && rm -rf "$out/logs" "$out/profiles" ;;
+  5) vllm_env   # issue 12: serve 1B, stock against auto, 2 alternated rounds
+     timeout 590 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 --prompts 32 \
+       --rounds 2 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20
+     tar czf "$out/logs_call5.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
+  6) vllm_env   # issue 11's vLLM correctness on the new attention: part (c) at 8B with the megakernel (batch 4's
+     # contexts take the ring), against the fp32 truth
+     timeout 580 python3 bench/vllm_correctness.py --parts c --models llama-3.1-8b --mode megakernel --outdir "$out" \
+       2>&1 | grep -v "^(EngineCore" | tail -12 ;;
+  *) echo "no call $n here" ;;
+esac
+} 2>&1 | tee "$out/gpu_s35_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
