@@ -2,15 +2,16 @@
 # Session 27's GPU calls (bench/NOTES.md session 26, "Next"). `bash bench/gpu_session35.sh N $OUT` from the project
 # root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the 64 MiB
 # limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the machine
-# stays warm. Order: 1, 11, 12, 3, 4, 5, 6, then 2 if time is left.
+# stays warm. Order: 1, 7, 11, 12, 3, 4, 5, 6, then 2 if time is left.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto()
 {
 case $n in
   1) # issue 11: the ring's op-by-op GPU-vs-VM test (written in session 26, not yet run: the VM now rounds P as the
-     # tensor cores do) with the rest of the ring tests, then every other kernel GPU test module (no vLLM needed)
-     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
+     # tensor cores do) with the rest of the ring tests, MK_RSTD_EPI's test, then every other kernel GPU test module
+     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py tests/test_rstd_epi_gpu.py \
+       2>&1 | tail -4
      timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_decode_step.py \
        tests/test_tensormap.py tests/test_weight_tma.py tests/test_linear.py tests/test_lm_head.py \
        tests/test_paged_attention.py tests/test_rms_norm.py tests/test_rope_kv_append.py 2>&1 | tail -5 ;;
@@ -21,6 +22,12 @@ case $n in
          --records-dir "$out" --model bench/models/$m --batch 16 2>&1 | tail -2
      done
      for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
+  7) # issue 11: MK_RSTD_EPI (built in session 26; prediction and rule in bench/NOTES.md session 26) against the
+     # default where it applies (unstaged norm-fused ops: 1B batch >= 7, 8B >= 3), ctx 512, 2 alternated rounds
+     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
+       --batch 1 8 16 --rounds 2 --build default --build MK_RSTD_EPI=1
+     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
+       --batch 3 8 16 --rounds 2 --build default --build MK_RSTD_EPI=1 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issues 11 and 12: 8B, stock alternated with auto and the megakernel, 2 rounds, batch 1 / 4 / 8 / 16
      # at prompt 512 (issue 11: megakernel <= 0.85x stock at b1 and b8; issue 12: auto <= stock at every batch)

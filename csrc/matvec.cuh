@@ -41,6 +41,12 @@ __device__ __forceinline__ void rope_prefetch(const Smem& S, const Params& P, in
                                               unsigned (&cs)[4]);
 __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t);
 
+#if MK_RSTD_EPI   // nt2_full_chunks' pass-through of group_frags' ss arguments (NT = 2)
+#define MK_SS_PARAMS2 , bool acc_ss, float (&ss)[2]
+#else
+#define MK_SS_PARAMS2
+#endif
+
 // The chunk loop of one pass at NT = 2 (matvec_task's at NT = 1 is the one-part case; the fragment loads
 // are written out in both: a shared helper changed the SASS, +32 instructions, session 10): each chunk of
 // CHUNK_COLS columns is used in two parts of KG = CHUNK_COLS / 2 columns (one column group each), the
@@ -54,7 +60,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
                                                     unsigned it, unsigned char* xs, int& gi, int warp, int lane,
                                                     unsigned lane_off, float (&acc)[ACC_TILES / 2][2][4],
                                                     unsigned long long& wait_cycles, bool ph_on,
-                                                    unsigned long long& ph_gwait) {
+                                                    unsigned long long& ph_gwait MK_SS_PARAMS2) {
   constexpr int NT = 2, MT = ACC_TILES / 2, KC = CHUNK_COLS, KG = CHUNK_COLS / 2;
   static_assert(MT <= NUM_STAGES, "NT = 2 holds a pass's M-tiles of one column range in the ring");
   for (int k0 = 0; k0 < K; k0 += KC) {
@@ -81,7 +87,8 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
           cp_async_wait_all();  // this thread's copies of the group have landed ...
           consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
           if (ph_on) ph_gwait += global_ns() - gw0;
-          group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
+          group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp,
+                                lane MK_SS_ARGS);
           // (MK_DIAG & 8: x == nullptr on a later pass, nothing restaged; folds away in every other build)
           if (kg + KG < K && (!(MK_DIAG & 8) || x != nullptr))
             group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, K, ldx, kg + KG, B, KG);
@@ -160,7 +167,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
   // group's copies go out before the norm statistics' round trip, so the two overlap.
   int gi = 0;
   if (!staged) group_issue(xs, x, wp.K, wp.ldx, 0, B, KG);
-  if (!staged && nw != nullptr)
+  if (!staged && nw != nullptr && !MK_RSTD_EPI)   // MK_RSTD_EPI: the pass sums x^2 as its groups go by
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // MK_TRACE_PHASES: thread 0's clock at phase boundaries (after barriers: every warp is past them)
   unsigned long long ph_mark = 0, ph_stage = 0, ph_chunks = 0, ph_reduce = 0, ph_gwait = 0;
@@ -191,6 +198,13 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+#if MK_RSTD_EPI   // the norm's sums of squares: the first pass of an unstaged norm-fused task
+    const bool epi_norm = !staged && nw != nullptr;
+    const bool acc_ss = epi_norm && p0 == t.arg0;
+    float ss[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) ss[n] = 0.f;
+#endif
 
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
@@ -199,7 +213,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {
       it = nt2_full_chunks<JMAX>(S, P, xload ? x : nullptr, nw, staged, rstd, wp.K, wp.ldx, B, mt, it, xs, gi, warp,
-                                 lane, lane_off, acc, wait_cycles, ph_on, ph_gwait);
+                                 lane, lane_off, acc, wait_cycles, ph_on, ph_gwait MK_SS_ARGS);
     } else {
 #if MK_DIAG & 16
     // MK_DIAG & 16 (timing only, wrong results): the activation fragments of a pass's first chunk are used
@@ -231,7 +245,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         cp_async_wait_all();  // this thread's copies of the group have landed ...
         consumer_sync();      // ... and everyone's; the other buffer's last readers are done too
         if (ph_on) ph_gwait += global_ns() - gw0;   // MK_TRACE_PHASES: counted as staging, not chunks
-        if (xfrag) group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp, lane);
+        if (xfrag) group_frags<NT, JMAX>(xb, xs + (gi & 1) * GROUP_BYTES, wv, nw != nullptr, rstd, KG, nsteps, B, warp,
+                                         lane MK_SS_ARGS);
         if (k0 + KG < wp.K && xload) group_issue(xs + ((gi + 1) & 1) * GROUP_BYTES, x, wp.K, wp.ldx, k0 + KG, B, KG);
         ++gi;
       }
@@ -285,6 +300,47 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
           reinterpret_cast<float4*>(red)[((warp * MT + m) * NT + n) * 32 + lane] =
               make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
     consumer_sync();
+#if MK_RSTD_EPI
+    {
+      const int m = warp / NT, n = warp % NT;
+      const bool mine = m < mt && !(wp.mtpu == 2 && (m & 1));
+      float v[4] = {0.f, 0.f, 0.f, 0.f}, vu[4] = {0.f, 0.f, 0.f, 0.f};
+      if (mine) {
+        for (int w = 0; w < CONSUMER_WARPS; ++w) {
+          const float4 a = reinterpret_cast<const float4*>(red)[((w * MT + m) * NT + n) * 32 + lane];
+          v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+          if (wp.mtpu == 2) {
+            const float4 c = reinterpret_cast<const float4*>(red)[((w * MT + m + 1) * NT + n) * 32 + lane];
+            vu[0] += c.x; vu[1] += c.y; vu[2] += c.z; vu[3] += c.w;
+          }
+        }
+      }
+      if (epi_norm) {   // task-uniform: every consumer thread takes the barriers below
+        if (acc_ss) {   // the first pass: its x^2 sums become rstd (red is free once every warp has read its sums)
+          consumer_sync();
+          float* part = red;   // [warp][MAX_BATCH], summed in warp order (rstd_from_parts): deterministic
+#pragma unroll
+          for (int n2 = 0; n2 < NT; ++n2) {
+            ss[n2] += __shfl_xor_sync(0xffffffffu, ss[n2], 1);   // the token's 4 lanes' columns
+            ss[n2] += __shfl_xor_sync(0xffffffffu, ss[n2], 2);
+            if ((lane & 3) == 0) part[warp * MAX_BATCH + n2 * 8 + (lane >> 2)] = ss[n2];
+          }
+          consumer_sync();
+          rstd_from_parts(part, B, S.rstd());
+          consumer_sync();
+        }
+        // the accumulators' columns are tokens: y[b, row] = rstd[b] * sum_k W[row, k] round(x[b, k] w[k])
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int b = n * 8 + 2 * (lane & 3) + (e & 1);
+          const float r = b < B ? S.rstd()[b] : 0.f;
+          v[e] *= r;
+          vu[e] *= r;
+        }
+      }
+      if (mine) matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
+    }
+#else
     {
       const int m = warp / NT, n = warp % NT;
       if (m < mt && !(wp.mtpu == 2 && (m & 1))) {
@@ -300,6 +356,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
       }
     }
+#endif
     consumer_sync();
     if (ph_on) ph_reduce += global_ns() - ph_mark;
   }

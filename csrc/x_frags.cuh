@@ -72,10 +72,27 @@ __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, 
 
 // B fragments of this warp's k-steps j = warp + 8*jj (nsteps 16-column steps in the group) from a
 // staged group; wv: the norm weights of the same columns (norm-fused ops), loaded by the caller.
+// MK_RSTD_EPI (A/B switch, default 0; variant.KernelVariant.rstd_epi): the norm's 1/rms leaves the fragments (x' =
+// round(x * w)) and scales the accumulators in the epilogue instead (rstd is one factor per token, a column of the
+// product); the pass's first column groups also sum x^2 per token into ss (this lane's token of each n-tile), so no
+// rows_rstd round trips precede the chunk loop. MK_SS_PARAMS / MK_SS_ARGS are empty in every other build.
+#if MK_RSTD_EPI
+#define MK_SS_PARAMS , bool acc_ss, float (&ss)[NT]
+#define MK_SS_ARGS , acc_ss, ss
+static_assert(MK_ROUNDING == 0, "MK_RSTD_EPI: the fused rounding only (STOCK rounds x * rstd before the weight)");
+__device__ __forceinline__ float sumsq_pair(unsigned u, float ss) {
+  const float a = lo_f(u), c = hi_f(u);
+  return fmaf(c, c, fmaf(a, a, ss));
+}
+#else
+#define MK_SS_PARAMS
+#define MK_SS_ARGS
+#endif
+
 template <int NT, int JMAX>
 __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const unsigned char* gb,
                                             const unsigned (&wv)[JMAX][2], bool norm, const float* rstd, int KC,
-                                            int nsteps, int B, int warp, int lane) {
+                                            int nsteps, int B, int warp, int lane MK_SS_PARAMS) {
   if constexpr (NT == 2) {   // ldsm_b: measured faster at batch 9..16 only (see there)
     // (the mask-and-normalise lines below repeat smem_x_frags': as one shared helper they changed the PTX of
     // matvec_task<2>, i.e. no longer the measured build; checked in session 14)
@@ -95,8 +112,11 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
         if (j < nsteps && bi < B) {
           v0 = f[n][0];
           v1 = f[n][1];
+#if MK_RSTD_EPI
+          if (acc_ss) ss[n] = sumsq_pair(v1, sumsq_pair(v0, ss[n]));
+#endif
           if (norm) {
-            const float r = rstd[bi];
+            const float r = MK_RSTD_EPI ? 1.f : rstd[bi];
             v0 = norm_pair(v0, r, wv[jj][0]);
             v1 = norm_pair(v1, r, wv[jj][1]);
           }
@@ -113,7 +133,7 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
     const bool rowok = bi < B;
     const int bc = rowok ? bi : 0;
     const unsigned char* row = gb + bc * KC * 2 + (lane & 3) * 4;
-    const float r = norm ? rstd[bc] : 0.f;
+    const float r = norm ? (MK_RSTD_EPI ? 1.f : rstd[bc]) : 0.f;
     unsigned xv[JMAX][2];
 #pragma unroll
     for (int jj = 0; jj < JMAX; ++jj) {
@@ -121,6 +141,13 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
       xv[jj][0] = *reinterpret_cast<const unsigned*>(row + (((2 * j) ^ (bc & 7)) << 4));
       xv[jj][1] = *reinterpret_cast<const unsigned*>(row + (((2 * j + 1) ^ (bc & 7)) << 4));
     }
+#if MK_RSTD_EPI   // the lane's row and k-steps that count (the clamped ones re-read a valid step)
+    if (acc_ss && rowok) {
+#pragma unroll
+      for (int jj = 0; jj < JMAX; ++jj)
+        if (warp + jj * CONSUMER_WARPS < nsteps) ss[0] = sumsq_pair(xv[jj][1], sumsq_pair(xv[jj][0], ss[0]));
+    }
+#endif
     if (norm) {
 #pragma unroll
       for (int jj = 0; jj < JMAX; ++jj) {

@@ -174,6 +174,12 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
             KernelVariant.parse([f"{gone}=1"])
     with pytest.raises(ValueError, match="phases=1 must be true or false"):
         KernelVariant(phases=1)  # type: ignore[arg-type]
+    # MK_RSTD_EPI (A/B switch, session 26): a -D of its own, the fused rounding only
+    e = KernelVariant.parse(["MK_RSTD_EPI=1"])
+    assert e.rstd_epi and e.defines() == ("-DMK_RSTD_EPI=1",) and e.label() == "rstd_epi"
+    with pytest.raises(ValueError, match="rstd_epi=True needs the fused rounding"):
+        KernelVariant(rstd_epi=True, rounding=enc.Rounding.STOCK)
+    assert "#define MK_RSTD_EPI 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

@@ -1,0 +1,36 @@
+"""MK_RSTD_EPI on the GPU (A/B switch, session 26; csrc/x_frags.cuh, matvec.cuh): a norm-fused op whose activations
+are not staged whole takes rstd out of its fragments and scales its accumulators in the epilogue, the first pass
+summing x^2 from the column groups. Against the fp32 reference and the Triton path; bitwise repeatable (fixed-order
+sums). The helpers and the weights fixture are test_persistent_gpu.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_persistent_gpu import (
+    DEV,
+    _assert_step_matches_ref_and_triton,
+    _run_mk,
+    gpu_batch,
+    models,  # noqa: F401 (the fixture)
+)
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.variant import KernelVariant
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 7), ("llama-3.2-1b", 8), ("llama-3.2-1b", 16),
+                                      ("llama-3.1-8b", 3), ("llama-3.1-8b", 9), ("llama-3.1-8b", 16),
+                                      ("llama-3.2-1b", 1)])   # batch 1: staged whole, the switch does not apply
+def test_rstd_in_the_epilogue_matches_the_reference(models, name, bsz):  # noqa: F811 (fixture)
+    spec, w = models(name, 2)
+    seq_lens = [(53 * i + 9) % 600 + 1 for i in range(bsz)]
+    batch = gpu_batch(spec, seq_lens, seed=bsz + 41)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=KernelVariant(rstd_epi=True))
+    (o0, l0, c0), (o1, l1, c1) = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
