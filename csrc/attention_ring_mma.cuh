@@ -9,7 +9,7 @@
 // (Session 15's MK_ATT_MMA put the register-fed loop on tensor cores and gained 1%: that loop was bound by its
 // loads in flight, which the ring has since removed. Its layout was K . q^T with movmatrix; this one is Q K^T.)
 //
-// Layout: the tiles land 64-byte swizzled (tensormap.kv_tile_map_args(swizzled=True)): a block's K (then V) of
+// Layout: the tiles land 64-byte swizzled (tensormap.kv_tile_map_args): a block's K (then V) of
 // head g as [D / 32 parts][16 token rows][32 columns = 64 bytes], the 16-byte chunk c of a row at chunk
 // c ^ (address bits 7..8), so the 8 token rows of one ldmatrix read sit in 8 different bank groups (the plain
 // tile's rows are D * 2 bytes apart: all in the same banks). The 64-byte swizzle, not the 128-byte one, because its

@@ -80,6 +80,8 @@ __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, 
 #define MK_SS_PARAMS , bool acc_ss, float (&ss)[NT]
 #define MK_SS_ARGS , acc_ss, ss
 static_assert(MK_ROUNDING == 0, "MK_RSTD_EPI: the fused rounding only (STOCK rounds x * rstd before the weight)");
+// x * w is not range-normalised: fp16's 65504 (and its subnormals where rstd > 1) would bite, bf16's range does not
+static_assert(MK_DTYPE_BF16, "MK_RSTD_EPI: bf16 models only");
 __device__ __forceinline__ float sumsq_pair(unsigned u, float ss) {
   const float a = lo_f(u), c = hi_f(u);
   return fmaf(c, c, fmaf(a, a, ss));

@@ -259,10 +259,11 @@ def ring_pv_weights(s: torch.Tensor, lo: int, dt: torch.dtype) -> torch.Tensor:
     order n = w, w + 8, ...) and round P to 16 bits for the m16n8k8 MMA relative to that warp's running maximum; the
     row sums l use the unrounded P, so only O differs from exp(s - max) V."""
     G, T = s.shape
-    tok = torch.arange(lo, lo + T)
+    tok = torch.arange(lo, lo + T, device=s.device)
     gidx = (tok - lo // RING_ROWS * RING_ROWS) // RING_GROUP   # [T]
     ng = -(-(int(gidx[-1]) + 1) // RING_GROUP) * RING_GROUP   # padded to whole rows of 8 warps
-    gm = torch.full((G, ng), float("-inf"), dtype=s.dtype).scatter_reduce(1, gidx.expand(G, T), s, "amax")
+    gm = torch.full((G, ng), float("-inf"), dtype=s.dtype, device=s.device).scatter_reduce(
+        1, gidx.expand(G, T), s, "amax")
     run = gm.view(G, ng // RING_GROUP, RING_GROUP).cummax(1).values.reshape(G, ng)   # per warp, in group order
     mt = run[:, gidx]                                                            # [G, T]
     top = s.max(-1, keepdim=True).values
@@ -288,6 +289,8 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         p = torch.exp(s - m[:, None])
         l_ = p.sum(-1)
         if st.att_tma and hi - lo >= st.att_tma and G <= 4:   # csrc att_tma_task (G == ATT_HG: 1-4 heads)
+            # a slot of 32 KB holds 1024 / d groups: a multiple of 8 (warp = group % 8) for d in 32, 64, 128
+            assert d in (32, 64, 128), f"the VM's ring model assumes head_dim 32, 64 or 128, not {d}"
             o = ring_pv_weights(s, lo, st.dtype) @ v
         else:
             o = p @ v
