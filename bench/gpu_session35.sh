@@ -2,7 +2,7 @@
 # Session 27's GPU calls (bench/NOTES.md session 26, "Next"). `bash bench/gpu_session35.sh N $OUT` from the project
 # root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the 64 MiB
 # limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the machine
-# stays warm. Order: 1, 7, 11, 12, 3, 4, 5, 6, then 2 if time is left.
+# stays warm. Order: 1, 7, 11, 12, 3, 4, 5, 6, then 8 and 2 if time is left.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto()
@@ -10,9 +10,11 @@ source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto()
 case $n in
   1) # issue 11: the ring's op-by-op GPU-vs-VM test (written in session 26, not yet run: the VM now rounds P as the
      # tensor cores do) with the rest of the ring tests, MK_RSTD_EPI's test, then every other kernel GPU test module
-     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py tests/test_rstd_epi_gpu.py \
-       2>&1 | tail -4
-     timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_decode_step.py \
+     timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py tests/test_rstd_epi_gpu.py \
+       2>&1 | tail -6
+     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py 2>&1 | tail -5 ;;
+  8) # the other kernel GPU test modules (session 23: the whole kernel suite took 478 s)
+     timeout 500 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_decode_step.py \
        tests/test_tensormap.py tests/test_weight_tma.py tests/test_linear.py tests/test_lm_head.py \
        tests/test_paged_attention.py tests/test_rms_norm.py tests/test_rope_kv_append.py 2>&1 | tail -5 ;;
   2) # issue 11: where 8B batch 16 goes on the new attention (phase trace, then trace_phases on the CPU) and the 1B
