@@ -347,10 +347,14 @@ class TuningTable:
     def put(self, entry: TuningEntry) -> None:
         self.entries[entry.key] = entry
 
+    def _same_model(self, key: TuningKey) -> list[TuningKey]:
+        """The measured keys of key's model, SM count, lm_head and fallback (any batch size)."""
+        return [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
+                == (key.spec_hash, key.num_sms, key.lm_head, key.fallback)]
+
     def knows(self, key: TuningKey) -> bool:
         """Whether some batch size of key's model, SM count, lm_head and fallback was measured."""
-        return any((k.spec_hash, k.num_sms, k.lm_head, k.fallback) == (key.spec_hash, key.num_sms, key.lm_head,
-                                                                      key.fallback) for k in self.entries)
+        return bool(self._same_model(key))
 
     def winner(self, key: TuningKey) -> TuningEntry | None:
         """The entry for `key` if its tuning beat the default by more than TUNED_MIN_GAIN."""
@@ -368,8 +372,7 @@ class TuningTable:
         (8B), so the batch-16 winner must not reach the batch sizes measured without it."""
         if key in self.entries:
             return self.winner(key)
-        same = [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
-                == (key.spec_hash, key.num_sms, key.lm_head, key.fallback)]
+        same = self._same_model(key)
         if not same:
             return None
         k = min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch))
