@@ -1,7 +1,7 @@
 # Shared by bench/gpu_session*.sh, sourced once `n` (the call number) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), vllm_env() (unpack the vLLM bundle once per machine, then install the
-# checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto,
+# checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto, tbt_1layer_profiled,
 # soak_triton, soak_megakernel).
 export PYTHONUNBUFFERED=1
 : "${n:?gpu_lib.sh: set n (the call number) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
@@ -14,9 +14,15 @@ vllm_env() {
   export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 }
-serve_1b_auto() {   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16)
+serve_1b_auto() {   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16; extra args: e.g. --rounds 2)
   timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
-    --prompts 32 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16
+    --prompts 32 --outdir "$out" "$@" 2>&1 | grep -v "^(APIServer" | tail -16
+}
+tbt_1layer_profiled() {   # issue 12: the one-layer model (vLLM's host floor) against stock, 3 alternated rounds with
+  # profiles; the logs packed as $out/logs_$1.tgz (payloads dropped), the profiles removed
+  timeout 590 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes auto \
+    --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
+  rm -f "$out"/logs/*payload*; tar czf "$out/logs_$1.tgz" -C "$out" logs && rm -rf "$out/logs" "$out/profiles"
 }
 soak_triton() {   # issue 13: the Triton mode's soak, its engines kept in /root/soak_work (extra args: --engines-only)
   timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work "$@" 2>&1 \

@@ -5,7 +5,7 @@
 # stays warm. Order: 1, 7, 11, 12, 3, 4, 5, 6, then 8 and 2 if time is left.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
-source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto()
+source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto(), tbt_1layer_profiled()
 {
 case $n in
   1) # issue 11: the ring's op-by-op GPU-vs-VM test (written in session 26, not yet run: the VM now rounds P as the
@@ -37,14 +37,8 @@ case $n in
        --modes auto,megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
        | grep -v "^\[tbt\]   worker" | tail -30
      rm -rf "$out/logs" ;;
-  4) vllm_env   # issue 12: the one-layer model's row (vLLM's host floor) and 1B, 3 alternated rounds, with profiles
-     timeout 590 python3 bench/tbt.py --models llama-3.2-1b-1layer --batches 1,8 --prompts 512 --modes auto \
-       --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
-     rm -f "$out"/logs/*payload*; tar czf "$out/logs_call4.tgz" -C "$out" logs && rm -rf "$out/logs" "$out/profiles" ;;
-  5) vllm_env   # issue 12: serve 1B, stock against auto, 2 alternated rounds
-     timeout 590 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 --prompts 32 \
-       --rounds 2 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20
-     tar czf "$out/logs_call5.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
+  4) vllm_env && tbt_1layer_profiled call4 ;;   # issue 12: the one-layer model's row and 1B, 3 alternated rounds
+  5) vllm_env && serve_1b_auto --rounds 2 && tar czf "$out/logs_call5.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
   6) vllm_env   # issue 11's vLLM correctness on the new attention: part (c) at 8B with the megakernel (batch 4's
      # contexts take the ring), against the fp32 truth
      timeout 580 python3 bench/vllm_correctness.py --parts c --models llama-3.1-8b --mode megakernel --outdir "$out" \
