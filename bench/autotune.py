@@ -4,12 +4,14 @@
                              [--rounds 2] [--reps 200] [--write-tuned]
 
 For each key: coordinate descent over persistent.tuning.ScheduleTuning (tasks per op, attention KV
-chunks; persistent/autotune.py), every candidate first checked against the default program's output,
+chunks; persistent/autotune.py) from the base an untuned model runs on a GPU (the ring-fed attention where
+the model allows it, tuning.UNTUNED_TUNING: at one short --ctx the ring cannot show its long-context gain,
+so only a loss of more than 2% there turns it off), every candidate first checked against the base program's output,
 then timed as the median of CUDA-graph replays with CUDA events (mk_plugin.timing, the mk_step.py
 method). Winners go to the user cache (~/.cache/mk_plugin/megakernel_<gpu>.json), which
 MegakernelDecoder reads under MK_TUNING=auto (the default); with --write-tuned also to the packaged
 table mk_plugin/persistent/tuned/megakernel_<gpu>.json, to commit. A markdown report with every
-trial (predicted by the time model, measured, error vs default) is written to --outdir.
+trial (predicted by the time model, measured, error vs the base) is written to --outdir.
 
 --device cpu runs the same loop on the VM with the time model standing in for the measurement
 (plumbing check only: no timing, nothing written to the packaged table).
@@ -31,7 +33,11 @@ from mk_plugin import reference as ref
 from mk_plugin.persistent.autotune import autotune
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.runtime import source_hash
+from mk_plugin.persistent.tensormap import check_model
 from mk_plugin.persistent.tuning import (
+    DEFAULT_TUNING,
+    UNTUNED_TUNING,
+    ScheduleTuning,
     TuningEntry,
     TuningTable,
     spec_tuning_key,
@@ -44,6 +50,18 @@ from mk_plugin.weights import random_weights
 
 def load_spec(name: str) -> LlamaSpec:
     return LlamaSpec.tiny() if name == "tiny" else LlamaSpec.from_json_file(common.model_dir(name))
+
+
+def search_base(spec: LlamaSpec, cuda: bool) -> ScheduleTuning:
+    """What the search starts from: what resolve gives a model no table knows (UNTUNED_TUNING on a GPU) where the
+    model allows the ring-fed attention, else the plain default."""
+    if not cuda:
+        return DEFAULT_TUNING
+    try:
+        check_model(spec)
+    except ValueError:
+        return DEFAULT_TUNING
+    return UNTUNED_TUNING
 
 
 def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log) -> tuple[TuningEntry, list]:
@@ -82,9 +100,12 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
 
     log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
     t0 = time.time()
+    base = search_base(spec, cuda)
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
-                            run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, log=log)
-    meta = {"spec": spec.name, "ctx": args.ctx, "date": common.today(), "commit": common.git_commit(),
+                            run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
+                            log=log)
+    meta = {"spec": spec.name, "ctx": args.ctx, "base": base.to_json(), "date": common.today(),
+            "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
             "measured": "cuda-graph median" if cuda else "time model (cpu plumbing run)"}
     key = spec_tuning_key(spec, bsz, dec.num_sms, lm_head)
@@ -109,12 +130,13 @@ def report(spec_results, args, gpu: str) -> str:
              (f"- context {args.ctx} tokens per request; measured: median of {args.reps} CUDA-graph replays "
               "(CPU run: the time model, not a measurement)"), "",
              "## Winners", "",
-             common.markdown_table(["model", "batch", "lm_head", "default us", "best us", "gain", "tuning"],
-                                   [(e.meta["spec"], e.key.batch, e.key.lm_head, f"{e.default_us:.1f}", f"{e.best_us:.1f}",
-                                     f"{100 * e.gain:+.1f}%", e.tuning.label()) for e, _ in spec_results]), ""]
+             common.markdown_table(["model", "batch", "lm_head", "base", "base us", "best us", "gain", "tuning"],
+                                   [(e.meta["spec"], e.key.batch, e.key.lm_head, e.base.label(), f"{e.default_us:.1f}",
+                                     f"{e.best_us:.1f}", f"{100 * e.gain:+.1f}%", e.tuning.label())
+                                    for e, _ in spec_results]), ""]
     for e, trials in spec_results:
         lines += [f"## {e.meta['spec']} batch {e.key.batch} lm_head {e.key.lm_head}", "",
-                  common.markdown_table(["tuning", "tasks", "predicted us", "measured us", "rel err vs default",
+                  common.markdown_table(["tuning", "tasks", "predicted us", "measured us", "rel err vs base",
                                          "bitwise", "ok"],
                                         [(t.tuning.label(), t.tasks, f"{t.predicted_us:.1f}",
                                           "-" if t.us is None else f"{t.us:.1f}", f"{t.rel_fro:.1e}", t.bitwise, t.ok)

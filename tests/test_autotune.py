@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,23 @@ def test_tuning_json_label_and_helpers():
     assert "w_tma" not in t.to_json()
     with pytest.raises(ValueError, match="w_tma=1 must be true or false"):
         ScheduleTuning(w_tma=1)
+
+
+def test_a_tuning_can_turn_the_ring_off_where_its_base_has_it():
+    """att_tma 0 is "the decoder's variant"; ATT_TMA_OFF turns the ring-fed attention off even in a variant that has
+    it (a search that started from UNTUNED_TUNING and measured the ring slower)."""
+    from mk_plugin.persistent.variant import KernelVariant
+
+    off = ScheduleTuning(att_tma=tn.ATT_TMA_OFF)
+    assert off.label() == "att_tma_off" and not off.is_default and off.to_json()["att_tma"] == -1
+    assert ScheduleTuning.from_json(json.loads(json.dumps(off.to_json()))) == off
+    ring = KernelVariant(att_tma=128)
+    assert tn.tuned_variant(ring, off) == KernelVariant() and tn.tuned_variant(ring, ScheduleTuning()) == ring
+    assert tn.tuned_variant(KernelVariant(), ScheduleTuning(att_tma=64)).att_tma == 64
+    assert tn.tuned_variant(KernelVariant(), ScheduleTuning(att_tma=64), att_tma_ok=False).att_tma == 0
+    for bad in (-2, 4096 * 1024, True):
+        with pytest.raises(ValueError, match=r"att_tma=.*\(off\)"):
+            ScheduleTuning(att_tma=bad)
 
 
 def test_a_tunings_inflight_cap_is_its_batch_variant():
@@ -239,6 +257,33 @@ def test_table_round_trip_min_gain_and_nearest(tmp_path):
         TuningTable.load(tmp_path / "bad.json", "x")
 
 
+def test_a_table_measured_from_the_ring_keeps_it_where_nothing_won(tmp_path):
+    """Session 26's trap: bench/autotune.py searched from the plain default at ctx 512, where the ring cannot win,
+    and a table it wrote made the model "measured", so its batch sizes without a winner lost the ring that an
+    unmeasured model gets. A table records the base its search started from; a batch size without a winner runs
+    that base, a winner keeps the ring unless it turned it off (ATT_TMA_OFF)."""
+    base = tn.UNTUNED_TUNING
+    meta = {"spec": SPEC.name, "base": base.to_json()}
+    k = lambda b: tn.spec_tuning_key(SPEC, b, SMS, False)
+    split = base.with_split("down", 0.5)
+    tab = TuningTable("NVIDIA H200", [TuningEntry(k(1), split, 90.0, 100.0, meta),
+                                      TuningEntry(k(4), base, 100.0, 100.0, meta),
+                                      TuningEntry(k(16), base.with_att_tma(tn.ATT_TMA_OFF), 90.0, 100.0, meta)])
+    back = TuningTable.load(tab.save(tmp_path / "t.json"), "x")
+    assert back.entries[k(4)].base == base and back.winner(k(4)) is None   # the base won: no winner ...
+    assert back.base_for(k(4)) == base and back.base_for(k(3)) == base     # ... it runs the base, as its neighbours
+    assert back.winner(k(1)).tuning == split and back.nearest(k(2)).tuning == split   # a winner keeps the ring
+    assert back.winner(k(16)).tuning.att_tma == tn.ATT_TMA_OFF              # measured slower: off
+    assert back.base_for(tn.spec_tuning_key(SPEC, 1, SMS, True)) is None    # another lm_head: not measured
+    old = TuningEntry(k(8), ScheduleTuning(), 100.0, 100.0, {"spec": SPEC.name})   # tables before session 27
+    assert old.base == tn.DEFAULT_TUNING and TuningTable("x", [old]).base_for(k(8)) == tn.DEFAULT_TUNING
+    p = back.save(tmp_path / "pkg.json")
+    got = dict(zip((1, 3, 4, 16), tn.resolve(str(p), "NVIDIA H200", [k(1), k(3), k(4), k(16)])))
+    assert got[1][0] == split and got[4][0] == base and "measured base" in got[4][1]
+    assert got[3][0] == base    # its nearest measured batch size is 4: no winner there, so the base
+    assert got[16][0].att_tma == tn.ATT_TMA_OFF
+
+
 def test_resolve_order_and_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "pkg")
@@ -326,6 +371,11 @@ def test_neighbours_drop_equivalent_values():
     assert k4 == [(), (("down", 2),)]
     assert [t.att_tma for k, t in cands if k == "att_tma"] == [128]   # the ring-fed attention: on, then off again
     assert [t.att_tma for k, t in neighbours(SPEC, 2, SMS, base.with_att_tma(128), lm_head=False) if k == "att_tma"] == [0]
+    # a search from the ring (UNTUNED_TUNING) turns it off explicitly, and back on from there
+    ring = neighbours(SPEC, 2, SMS, tn.UNTUNED_TUNING, lm_head=False, att_off=tn.ATT_TMA_OFF)
+    assert [t.att_tma for k, t in ring if k == "att_tma"] == [tn.ATT_TMA_OFF]
+    off = neighbours(SPEC, 2, SMS, ScheduleTuning(att_tma=tn.ATT_TMA_OFF), lm_head=False, att_off=tn.ATT_TMA_OFF)
+    assert [t.att_tma for k, t in off if k == "att_tma"] == [128]
     assert [t.inflight for k, t in cands if k == "inflight"] == [2]   # the in-flight cap: on, then off again
     assert [t.inflight for k, t in neighbours(SPEC, 2, SMS, base.with_inflight(2), lm_head=False) if k == "inflight"] == [0]
     # SPEC's hidden size 192 is a multiple of 64 but its intermediate 400 is not: no weight-map copies
@@ -373,6 +423,21 @@ def test_autotune_keeps_only_checked_faster_candidates():
     assert trials[0].tuning.is_default and trials[0].us == 100.0
 
 
+def test_autotune_from_the_ring_turns_it_off_only_when_measured_slower():
+    """From base UNTUNED_TUNING: the first trial is the base, and the ring goes only if its removal measured faster by
+    more than min_gain (here 5%); at 1% (inside min_gain) the best stays the base."""
+    truth = torch.linspace(-1, 1, 50, dtype=torch.bfloat16)
+    off = ScheduleTuning(att_tma=tn.ATT_TMA_OFF)
+    for off_us, want in ((95.0, off), (99.0, tn.UNTUNED_TUNING)):
+        state = {"t": None, "off_us": off_us}
+        best, trials = autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=partial(state.__setitem__, "t"),
+                                run_step=truth.clone, predict=lambda: 1.0, ops=(), factors=(), chunks=(), stages=(6,),
+                                measure=lambda s=state: s["off_us"] if s["t"].att_tma == tn.ATT_TMA_OFF else 100.0,
+                                rounds=2, base=tn.UNTUNED_TUNING, log=lambda s: None)
+        assert trials[0].tuning == tn.UNTUNED_TUNING and best.tuning == want and state["t"] == want
+        assert [t.tuning for t in trials].count(off) == 1
+
+
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_autotune", REPO / "bench" / "autotune.py")
     mod = importlib.util.module_from_spec(spec)
@@ -413,5 +478,5 @@ def test_every_packaged_non_default_entry_is_used():
     for path in sorted(tn.TUNED_DIR.glob("megakernel_*.json")):
         table = TuningTable.load(path, path.stem)
         for key, e in table.entries.items():
-            if not e.tuning.is_default:
+            if e.tuning != e.base:
                 assert table.winner(key) is e, f"{path.name}: {key} ({e.tuning.label()}) gains only {e.gain:.3f}"

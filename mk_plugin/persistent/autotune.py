@@ -3,12 +3,15 @@ each op, the attention KV chunks and the ring depth, with a measurement and a co
 candidate. The GPU driver is bench/autotune.py; CPU tests drive it with the
 VM and the time model as the "measurement".
 
-Every candidate is run once and its output compared with the default program's output (the
+The search starts from `base` (bench/autotune.py: the ring-fed attention on a GPU where the model allows it,
+UNTUNED_TUNING, since a search at one short context cannot see its long-context gain, so only a measured loss of
+more than `min_gain` turns it off, with ATT_TMA_OFF; else the plain default).
+Every candidate is run once and its output compared with the base program's output (the
 tolerance table's "step" tolerance; `bitwise` is recorded too: changing only the task split of a
 linear op leaves every dot product's order unchanged, a different KV chunk count does not). A
 candidate that fails the check is rejected and reported, never timed: a tuning must not buy speed
 with a wrong answer. The winner must beat the best so far by more than `min_gain` to move (replay
-noise), so a flat landscape keeps the default.
+noise), so a flat landscape keeps the base.
 """
 from __future__ import annotations
 
@@ -21,7 +24,15 @@ from ..testing import compare
 from .encoding import LAYOUT, STAGE_CHOICES
 from .tasks import attention_chunks, op_units
 from .tensormap import check_model, check_weights_model
-from .tuning import DEFAULT_TUNING, KSPLIT_OPS, MAX_ATTN_CHUNKS, SPLIT_OPS, TUNED_MIN_GAIN, ScheduleTuning
+from .tuning import (
+    ATT_TMA_OFF,
+    DEFAULT_TUNING,
+    KSPLIT_OPS,
+    MAX_ATTN_CHUNKS,
+    SPLIT_OPS,
+    TUNED_MIN_GAIN,
+    ScheduleTuning,
+)
 from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
@@ -32,7 +43,7 @@ class Trial:
     tuning: ScheduleTuning
     predicted_us: float       # the scheduler's time model (tasks.py), before measuring
     us: float | None          # measured; None when rejected
-    rel_fro: float            # output vs the default program's
+    rel_fro: float            # output vs the base program's
     bitwise: bool
     ok: bool
     tasks: int                # tasks in the program
@@ -49,9 +60,11 @@ def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
 
 def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Iterable[str] = SPLIT_OPS,
                factors: Iterable[float] = SPLIT_FACTORS, chunks: Iterable[int] | None = None,
-               stages: Iterable[int] = STAGE_CHOICES, lm_head: bool = True) -> list[tuple[str, ScheduleTuning]]:
+               stages: Iterable[int] = STAGE_CHOICES, lm_head: bool = True,
+               att_off: int = 0) -> list[tuple[str, ScheduleTuning]]:
     """Candidates differing from `base` in one knob, each with the knob's name; values that give the
-    same program as another value of that knob (same task count) are dropped."""
+    same program as another value of that knob (same task count) are dropped. att_off: the att_tma value that
+    turns the ring-fed attention off (0 where the search's base has none, ATT_TMA_OFF where it has)."""
     out: list[tuple[str, ScheduleTuning]] = []
     cur_s = base.num_stages or LAYOUT.num_stages
     for n in stages:
@@ -80,7 +93,7 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     except ValueError:
         pass
     else:
-        out.append(("att_tma", base.with_att_tma(0 if base.att_tma else ATT_TMA_TUNED)))
+        out.append(("att_tma", base.with_att_tma(att_off if base.att_tma > 0 else ATT_TMA_TUNED)))
     out.append(("inflight", base.with_inflight(0 if base.inflight else INFLIGHT_TUNED)))
     try:   # one tensor-map copy per weight chunk, where every K allows it
         check_weights_model(spec)
@@ -110,11 +123,12 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              rounds: int = 2, min_gain: float = TUNED_MIN_GAIN,
              ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
              chunks: Iterable[int] | None = None, stages: Iterable[int] = STAGE_CHOICES,
+             base: ScheduleTuning = DEFAULT_TUNING,
              log: Callable[[str], None] = print) -> tuple[Trial, list[Trial]]:
-    """Coordinate descent from the default tuning.
+    """Coordinate descent from `base` (a candidate moves the best only when > min_gain faster).
 
     retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
-    run_step(): one decode step; returns its output (copied), compared with the default's.
+    run_step(): one decode step; returns its output (copied), compared with the base's.
     measure(): microseconds of one step (GPU: CUDA-graph replays, median). predict(): the time
     model's microseconds for the current program. Returns (the best trial, every trial in order);
     the decoder is left on the best trial's tuning."""
@@ -138,11 +152,12 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
             f"rel {rf:.1e}{' bitwise' if bitwise else ''}")
         return tr, out
 
-    base, ref = trial(DEFAULT_TUNING, None)   # the default program's output is every candidate's reference
-    if not base.ok:
-        raise RuntimeError("the default program's output is not finite: fix the kernel before tuning it")
-    best = base
-    tried = {DEFAULT_TUNING}
+    att_off = ATT_TMA_OFF if base.att_tma > 0 else 0
+    start, ref = trial(base, None)   # the base program's output is every candidate's reference
+    if not start.ok:
+        raise RuntimeError(f"the base program's ({base.label()}) output is not finite: fix the kernel before tuning it")
+    best = start
+    tried = {base}
     for r in range(rounds):
         moved = False
         # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
@@ -152,7 +167,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
                  "w_tma+inflight"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
-                                              chunks=chunks, stages=stages, lm_head=lm_head)
+                                              chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)
                      if k == knob and t not in tried]
             for t in cands:
                 tried.add(t)
@@ -162,6 +177,6 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
                     log(f"  -> best so far: {best.tuning.label()} {best.us:.1f} us")
         if not moved:
             break
-        log(f"round {r + 1} done: {best.tuning.label()} {best.us:.1f} us (default {base.us:.1f} us)")
+        log(f"round {r + 1} done: {best.tuning.label()} {best.us:.1f} us (base {start.us:.1f} us)")
     retune(best.tuning)
     return best, trials

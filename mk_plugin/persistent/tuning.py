@@ -20,8 +20,10 @@ searched.
 
 Winners are stored per GPU model like the Triton linear's (triton_ops/linear.py): a packaged table
 `tuned/megakernel_<gpu>.json` (committed from the GPU host) and a user cache
-(`~/.cache/mk_plugin/`, or the file MK_TUNING names); a winner is used only when it beat the default
-by more than TUNED_MIN_GAIN (replay noise).
+(`~/.cache/mk_plugin/`, or the file MK_TUNING names); a winner is used only when it beat the base
+the search started from by more than TUNED_MIN_GAIN (replay noise), and a batch size without one runs that
+base: on a GPU the ring-fed attention (UNTUNED_TUNING) since session 27, because a search at one short context
+cannot see the ring's long-context gain; before, the plain default.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ SPLIT_MIN, SPLIT_MAX = 0.125, 8.0
 KSPLIT_OPS = ("o_proj", "down")
 KSPLIT_MAX = 4
 MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
+# A tuning's explicit "no ring-fed attention": 0 means "the decoder's variant", which the base a table was
+# measured from may have turned on (UNTUNED_TUNING), so turning the ring off needs a value of its own.
+ATT_TMA_OFF = -1
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 TUNED_MIN_GAIN = 0.02   # a winner replaces the default only when > 2% faster (graph replay noise ~0.5%)
 FORMAT = 1
@@ -86,7 +91,7 @@ class ScheduleTuning:
       order to the residual. The op keeps its task count (tasks_for); unlisted ops are not cut.
     att_tma: the ring-fed attention for this batch size (variant.KernelVariant.att_tma, a compile-time switch
       like num_stages): attention tasks of >= att_tma tokens stream their K/V through the weight ring;
-      0 = the decoder's variant (off by default). Session 18: 128 wins at 8B batch 8/16 (-45 / -48 us at ctx
+      0 = the decoder's variant (off by default), ATT_TMA_OFF = off even where the base has it. Session 18: 128 wins at 8B batch 8/16 (-45 / -48 us at ctx
       512, -351 / -669 at ctx 4096) and loses +18..+21 us at 1B batch 1..8 ctx 512.
     inflight: the producer's cap on weight chunks in flight per SM for this batch size (variant.KernelVariant.
       inflight, a compile-time switch like num_stages), 1..INFLIGHT_MAX; 0 = the decoder's variant (no cap).
@@ -123,9 +128,9 @@ class ScheduleTuning:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
-                or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
-            raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant) or the ring path's minimum "
-                             f"tokens per attention task, 1..{ATT_TMA_MAX_TOKENS}")
+                or not ATT_TMA_OFF <= self.att_tma <= ATT_TMA_MAX_TOKENS:
+            raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant), {ATT_TMA_OFF} (off) or the ring "
+                             f"path's minimum tokens per attention task, 1..{ATT_TMA_MAX_TOKENS}")
         if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) \
                 or not 0 <= self.inflight <= INFLIGHT_MAX:
             raise ValueError(f"inflight={self.inflight!r}: 0 (the decoder's variant) or the weight chunks in flight "
@@ -190,7 +195,9 @@ class ScheduleTuning:
         if not self.merge_in_partial:
             parts.append("combine_tasks")
         parts += [f"{op}/k{n}" for op, n in self.ksplit]
-        if self.att_tma:
+        if self.att_tma == ATT_TMA_OFF:
+            parts.append("att_tma_off")
+        elif self.att_tma:
             parts.append(f"att_tma{self.att_tma}")
         if self.inflight:
             parts.append(f"inflight{self.inflight}")
@@ -207,7 +214,7 @@ class ScheduleTuning:
             d["merge_in_partial"] = False
         if self.ksplit:                 # absent = no op cut over K
             d["ksplit"] = dict(self.ksplit)
-        if self.att_tma:                # absent = the decoder's variant
+        if self.att_tma:                # absent = the decoder's variant; ATT_TMA_OFF = off
             d["att_tma"] = self.att_tma
         if self.inflight:               # absent = the decoder's variant
             d["inflight"] = self.inflight
@@ -255,7 +262,9 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     """The kernel variant a batch with tuning `t` runs on: `base` with the ring depth, ring-fed attention (where the
     model and caches allow it), in-flight cap and weight-map copies of `t` where it sets them."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
-    if t.att_tma and att_tma_ok:
+    if t.att_tma == ATT_TMA_OFF:
+        v = replace(v, att_tma=0)
+    elif t.att_tma and att_tma_ok:
         v = replace(v, att_tma=t.att_tma)
     if t.inflight:
         v = replace(v, inflight=t.inflight)
@@ -291,15 +300,24 @@ class TuningKey:
 
 @dataclass
 class TuningEntry:
+    """One measured key: the search's best tuning and its time against the base it started from (default_us: the
+    base's time; meta "base": that tuning's JSON, written since session 27; older tables searched from the plain
+    default). A best equal to the base means nothing beat it by TUNED_MIN_GAIN."""
     key: TuningKey
     tuning: ScheduleTuning
     best_us: float
     default_us: float
-    meta: dict = field(default_factory=dict)   # spec name, date, commit, source hash, command
+    meta: dict = field(default_factory=dict)   # spec name, date, commit, source hash, command, base
 
     @property
     def gain(self) -> float:
         return self.default_us / self.best_us - 1.0 if self.best_us > 0 else 0.0
+
+    @property
+    def base(self) -> ScheduleTuning:
+        """The tuning the search started from, which a batch size without a winner runs."""
+        b = self.meta.get("base")
+        return DEFAULT_TUNING if b is None else ScheduleTuning.from_json(b)
 
     def to_json(self) -> dict:
         return {"key": asdict(self.key) | {"fallback": list(self.key.fallback)}, "tuning": self.tuning.to_json(),
@@ -352,14 +370,23 @@ class TuningTable:
         return [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
                 == (key.spec_hash, key.num_sms, key.lm_head, key.fallback)]
 
-    def knows(self, key: TuningKey) -> bool:
-        """Whether some batch size of key's model, SM count, lm_head and fallback was measured."""
-        return bool(self._same_model(key))
+    def _nearest_key(self, key: TuningKey) -> TuningKey | None:
+        """key if measured, else the nearest measured batch size of its model (ties: the larger), None if none."""
+        if key in self.entries:
+            return key
+        same = self._same_model(key)
+        return min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch)) if same else None
+
+    def base_for(self, key: TuningKey) -> ScheduleTuning | None:
+        """The base key's model was measured against (its nearest measured batch size's): what a batch size without
+        a winner runs; None if no batch size of the model, SM count, lm_head and fallback was measured."""
+        k = self._nearest_key(key)
+        return None if k is None else self.entries[k].base
 
     def winner(self, key: TuningKey) -> TuningEntry | None:
-        """The entry for `key` if its tuning beat the default by more than TUNED_MIN_GAIN."""
+        """The entry for `key` if its tuning beat its base by more than TUNED_MIN_GAIN."""
         e = self.entries.get(key)
-        if e is None or e.tuning.is_default or e.gain <= TUNED_MIN_GAIN:
+        if e is None or e.tuning == e.base or e.gain <= TUNED_MIN_GAIN:
             return None
         return e
 
@@ -372,15 +399,12 @@ class TuningTable:
         (8B), so the batch-16 winner must not reach the batch sizes measured without it."""
         if key in self.entries:
             return self.winner(key)
-        same = self._same_model(key)
-        if not same:
-            return None
-        k = min(same, key=lambda k: (abs(k.batch - key.batch), -k.batch))
-        e = self.winner(k)
+        k = self._nearest_key(key)
+        e = None if k is None else self.winner(k)
         if e is None:
             return None
         t = e.tuning.with_chunks(0)
-        if t.is_default:
+        if t == e.base:
             return None
         return TuningEntry(key, t, e.best_us, e.default_us, e.meta | {"from_batch": k.batch})
 
@@ -390,8 +414,9 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     each table file is read once.
 
     setting: MK_TUNING -- "off" (defaults), "auto" (the user cache, then the packaged table), or a
-    path to a table file (only that file). A key whose model no table has measured on this GPU gets
-    UNTUNED_TUNING (on a CUDA device; "cpu" keeps the defaults)."""
+    path to a table file (only that file). A key without a winner in any table runs the base its model was
+    measured against (the first table that measured the model); one whose model no table has measured on this
+    GPU gets UNTUNED_TUNING (on a CUDA device; "cpu" keeps the defaults)."""
     keys = list(keys)
     if setting == "off":
         return [(DEFAULT_TUNING, "default (MK_TUNING=off)")] * len(keys)
@@ -401,7 +426,10 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     for key in keys:
         found = next(((p, e) for p, tab in tables if (e := tab.nearest(key)) is not None), None)
         if found is None:
-            if device_name == "cpu" or any(tab.knows(key) for _, tab in tables):
+            base = next((b for _, tab in tables if (b := tab.base_for(key)) is not None), None)
+            if base is not None and not base.is_default:
+                out.append((base, f"{base.label()}: the measured base (no measured winner)"))
+            elif base is not None or device_name == "cpu":
                 out.append((DEFAULT_TUNING, "default (no measured winner)"))
             else:   # a model never measured on this GPU
                 why = f"{UNTUNED_TUNING.label()}: the default for a model not in the tables (the ring-fed attention)"
