@@ -1,0 +1,294 @@
+// Consumer probe (bench/wgmma_probe.py): how long do the consumers of one 32 KB weight chunk take, with the
+// megakernel's register-fed tensor-core pattern (ldmatrix.x4 + mma.sync, 8 warps) against Hopper's warpgroup MMA
+// reading both operands from shared memory (wgmma.mma_async, 2 warpgroups)? The megakernel's chunk loop costs
+// 0.35-1.3 us per 32 KB chunk in the H200 phase traces (bench/NOTES.md sessions 23, 24) where the ldmatrix
+// floor is ~0.13 us and the copy ~1.0 us per SM: whatever its consumers save is exposed wherever the data is
+// already resident (the batch-1 chain, batch 16's chunk work).
+//
+// One CTA per SM walks its own rows_per_cta x K region of a row-major bf16 matrix W in row blocks of 64 rows,
+// each in K / 256 chunks of 64 rows x 256 columns (32 KB), one tensor-map copy per chunk into a ring of NS slots:
+// the box (64 columns, 64 rows, 4 column groups) with the 128-byte swizzle lands as [column group][row][128 B],
+// which is the K-major 128B-swizzled layout wgmma reads (8-row atoms of 1024 bytes). The consumers compute
+// y[n][row] = sum_k W[row][k] x[n][k] for N = WP_N tokens (x staged once in shared memory in the same layout:
+// [K / 64][N rows][128 B]) and write y, which the host checks against torch.
+//
+// Compile-time switches (one RawModule per set, as the megakernel's variants):
+//   WP_MODE 0: consumers wait and free each slot only; 1: 8 warps, per chunk warp w takes k-steps w and w + 8 of
+//     all 4 M-tiles (ldmatrix.x4 of A + NT mma.m16n8k16 with x fragments from shared memory: the megakernel's
+//     pattern); 2: warpgroup g issues 8 wgmma.mma_async.m64nNk16 on column groups 2g, 2g + 1 (A and B by
+//     descriptor), one commit group per chunk, the slot freed once the group before it has completed.
+//   WP_N 8 or 16: tokens (the megakernel's NT = 1 / 2).
+//   WP_RESIDENT 1: after the first NS chunks the producer only arrives on the full barrier (no copy): the
+//     consumers' own rate on resident data (results meaningless, timing only).
+//   WP_WARP_ARRIVE 1 (mode 1): one arrive per consumer warp (lane 0 after __syncwarp) instead of one per thread.
+// Warps 0..7 consume (two warpgroups), warp 8 produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
+// dynamic shared memory is not 1024-byte aligned.
+#include "probe_ring.cuh"
+
+#ifndef WP_MODE
+#define WP_MODE 2
+#endif
+#ifndef WP_N
+#define WP_N 8
+#endif
+#ifndef WP_RESIDENT
+#define WP_RESIDENT 0
+#endif
+#ifndef WP_WARP_ARRIVE
+#define WP_WARP_ARRIVE 0
+#endif
+
+constexpr int WP_NS = 5;                     // ring slots
+constexpr int WP_ROWS = 64;                  // rows per chunk (one wgmma M)
+constexpr int WP_KC = 256;                   // columns per chunk
+constexpr int WP_GROUPS = WP_KC / 64;        // 128-byte column groups per chunk
+constexpr int WP_GROUP_BYTES = WP_ROWS * 128;
+constexpr int WP_CHUNK_BYTES = WP_GROUPS * WP_GROUP_BYTES;
+constexpr int WP_NT = WP_N / 8;
+constexpr int WP_CONSUMERS = 256;
+constexpr int WP_THREADS = WP_CONSUMERS + 32;
+constexpr int WP_MAX_K = 1024;               // x staged whole: K / 64 groups of N rows x 128 B
+constexpr int WP_X_BYTES = (WP_MAX_K / 64) * 16 * 128;
+constexpr int WP_RED_BYTES = 8 * 4 * 2 * 32 * 16;   // mode 1: [warp][M-tile][n-tile][lane] float4
+constexpr int WP_SMEM = WP_NS * WP_CHUNK_BYTES + WP_X_BYTES + WP_RED_BYTES + 2 * WP_NS * 8;
+static_assert(WP_N == 8 || WP_N == 16, "WP_N: 8 or 16 tokens");
+static_assert(WP_CHUNK_BYTES == 32768 && WP_CHUNK_BYTES % 1024 == 0, "1024-byte aligned 32 KB slots");
+static_assert(WP_NT * 8 == WP_N && WP_SMEM <= 232448, "an H200's opt-in shared memory per block");
+
+__device__ __forceinline__ void wp_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ void wp_tma_3d(unsigned dst, const void* map, int c0, int c1, int c2, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
+}
+
+__device__ __forceinline__ void wp_ldmatrix_x4(unsigned (&a)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void wp_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte unit `u` (0..7) of row `r` in a 128B-swizzled [row][128 B] atom stack (TMA's 128-byte
+// swizzle: the unit's index XOR the row's index within its 8-row atom).
+__device__ __forceinline__ unsigned wp_swz(int r, int u) { return (unsigned)(r * 128 + ((u ^ (r & 7)) << 4)); }
+
+// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart (SBO), the
+// leading offset unused for a K extent inside one 128-byte line (1), base offset 0 (atoms 1024-byte aligned).
+__device__ __forceinline__ unsigned long long wp_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+#if WP_MODE == 2
+__device__ __forceinline__ void wp_wgmma(float (&d)[WP_N / 2], unsigned long long da, unsigned long long db) {
+#if WP_N == 8
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
+#else
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, "
+               "p, 1, 1, 0, 0;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "l"(da), "l"(db));
+#endif
+}
+__device__ __forceinline__ void wp_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wp_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wp_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+#endif
+
+__device__ __forceinline__ void wp_free(unsigned empty) {
+#if WP_WARP_ARRIVE
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) probe_arrive(empty);
+#else
+  probe_arrive(empty);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
+    wgmma_probe(const void* wmap, const unsigned short* __restrict__ x, float* __restrict__ y, int rows_per_cta,
+                int K, int rows_total, float* sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned xs = ring + WP_NS * WP_CHUNK_BYTES;
+  [[maybe_unused]] float* red = reinterpret_cast<float*>(smem + WP_NS * WP_CHUNK_BYTES + WP_X_BYTES);
+  const unsigned full0 = xs + WP_X_BYTES + WP_RED_BYTES, empty0 = full0 + 8 * WP_NS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kchunks = K / WP_KC, blocks = rows_per_cta / WP_ROWS, chunks = blocks * kchunks;
+  const int row0 = blockIdx.x * rows_per_cta;
+  if (ring & 1023u) {   // the 128-byte swizzle's atoms must start 1024-byte aligned: refuse to run
+    if (threadIdx.x == 0) sink[0] = 2.f;
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < WP_NS; ++s) {
+      probe_mbar_init(full0 + 8 * s, 1);
+      probe_mbar_init(empty0 + 8 * s, WP_WARP_ARRIVE ? 8 : WP_CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // x into its swizzled layout, by the consumers: 16-byte unit u of (token n, column group g)
+  for (int i = threadIdx.x; i < WP_N * (K / 8); i += WP_THREADS) {
+    const int n = i / (K / 8), k8 = i % (K / 8), g = k8 >> 3, u = k8 & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)n * K + k8 * 8);
+    *reinterpret_cast<uint4*>(smem + WP_NS * WP_CHUNK_BYTES + g * WP_N * 128 + wp_swz(n, u)) = v;
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma's async-proxy reads
+  __syncthreads();
+
+  if (warp == 8) {   // ---- producer: one tensor-map copy per chunk ----
+    if (lane == 0) {
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap) : "memory");
+      int slot = 0;
+      unsigned phase = 0;
+      for (int c = 0; c < chunks; ++c) {
+        const unsigned full = full0 + 8 * slot;
+        probe_wait(empty0 + 8 * slot, phase ^ 1, sink);
+        if (WP_RESIDENT && c >= WP_NS) {
+          probe_arrive(full);   // the slot keeps its old chunk
+        } else {
+          probe_arrive_expect_tx(full, WP_CHUNK_BYTES);
+          wp_tma_3d(ring + slot * WP_CHUNK_BYTES, wmap, 0, row0 + (c / kchunks) * WP_ROWS, (c % kchunks) * WP_GROUPS,
+                    full);
+        }
+        if (++slot == WP_NS) {
+          slot = 0;
+          phase ^= 1;
+        }
+      }
+      // drain: no copy may be in flight when the CTA exits
+      for (int c = chunks > WP_NS ? chunks - WP_NS : 0; c < chunks; ++c)
+        probe_wait(full0 + 8 * (c % WP_NS), (c / WP_NS) & 1, sink);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  int slot = 0;
+  unsigned phase = 0;
+#if WP_MODE == 1
+  float acc[4][WP_NT][4];
+#elif WP_MODE == 2
+  float d[WP_N / 2];
+  const int wg = warp >> 2;
+  int prev_slot = -1;
+#endif
+  for (int b = 0; b < blocks; ++b) {
+#if WP_MODE == 1
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int n = 0; n < WP_NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+#elif WP_MODE == 2
+#pragma unroll
+    for (int e = 0; e < WP_N / 2; ++e) d[e] = 0.f;
+#endif
+    for (int kc = 0; kc < kchunks; ++kc) {
+      [[maybe_unused]] const unsigned sb = ring + slot * WP_CHUNK_BYTES;
+      probe_wait(full0 + 8 * slot, phase, sink);
+#if WP_MODE == 1
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = warp + 8 * jj, g = j >> 2, u = (j & 3) * 2;   // k-step j: column group g, units u, u + 1
+        unsigned bx[WP_NT][2];
+        const int kg = kc * WP_GROUPS + g;                          // x's column group
+#pragma unroll
+        for (int n = 0; n < WP_NT; ++n) {
+          const int tok = n * 8 + (lane >> 2);
+          const unsigned base = xs + kg * WP_N * 128 + (lane & 3) * 4;
+          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bx[n][0]) : "r"(base + wp_swz(tok, u)));
+          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bx[n][1]) : "r"(base + wp_swz(tok, u + 1)));
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int r = m * 16 + (lane & 15);
+          unsigned a[4];
+          wp_ldmatrix_x4(a, sb + g * WP_GROUP_BYTES + wp_swz(r, u + (lane >> 4)));
+#pragma unroll
+          for (int n = 0; n < WP_NT; ++n) wp_mma(acc[m][n], a, bx[n][0], bx[n][1]);
+        }
+      }
+      wp_free(empty0 + 8 * slot);
+#elif WP_MODE == 2
+      wp_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const int g = 2 * wg + (kk >> 2), kg = kc * WP_GROUPS + g;
+        wp_wgmma(d, wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32),
+                 wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32));
+      }
+      wp_wgmma_commit();
+      wp_wgmma_wait<1>();   // the group before this one has read its slot
+      if (prev_slot >= 0) probe_arrive(empty0 + 8 * prev_slot);
+      prev_slot = slot;
+#else
+      probe_arrive(empty0 + 8 * slot);
+#endif
+      if (++slot == WP_NS) {
+        slot = 0;
+        phase ^= 1;
+      }
+    }
+    [[maybe_unused]] const int rb = row0 + b * WP_ROWS;
+#if WP_MODE == 1
+    // 8 warps' partial sums through shared memory; warp w < 4 * NT then owns tile (m, n) = (w / NT, w % NT)
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int n = 0; n < WP_NT; ++n)
+        reinterpret_cast<float4*>(red)[((warp * 4 + m) * 2 + n) * 32 + lane] =
+            make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+    wp_consumer_sync();
+    if (warp < 4 * WP_NT) {
+      const int m = warp / WP_NT, n = warp % WP_NT;
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int w = 0; w < 8; ++w) {
+        const float4 t = reinterpret_cast<const float4*>(red)[((w * 4 + m) * 2 + n) * 32 + lane];
+        v[0] += t.x; v[1] += t.y; v[2] += t.z; v[3] += t.w;
+      }
+      const int r = rb + m * 16 + (lane >> 2), tok = n * 8 + (lane & 3) * 2;
+      y[(size_t)tok * rows_total + r] = v[0];
+      y[(size_t)(tok + 1) * rows_total + r] = v[1];
+      y[(size_t)tok * rows_total + r + 8] = v[2];
+      y[(size_t)(tok + 1) * rows_total + r + 8] = v[3];
+    }
+    wp_consumer_sync();
+#elif WP_MODE == 2
+    wp_wgmma_wait<0>();
+    probe_arrive(empty0 + 8 * prev_slot);
+    prev_slot = -1;
+    // D of m64nN: warp w % 4 of the group holds rows 16 (w % 4) + lane / 4 (+ 8), n-tile j's columns
+    // 8 j + 2 (lane % 4) (+ 1) in d[4 j .. 4 j + 3]; warpgroup 1 hands its sums to warpgroup 0
+    const int r = (warp & 3) * 16 + (lane >> 2);
+    if (wg == 1) {
+#pragma unroll
+      for (int e = 0; e < WP_N / 2; ++e) red[e * 128 + (threadIdx.x & 127)] = d[e];
+    }
+    wp_consumer_sync();
+    if (wg == 0) {
+#pragma unroll
+      for (int j = 0; j < WP_NT; ++j) {
+        const int tok = 8 * j + (lane & 3) * 2;
+        const float* o = red + 4 * j * 128 + threadIdx.x;
+        y[(size_t)tok * rows_total + rb + r] = d[4 * j] + o[0];
+        y[(size_t)(tok + 1) * rows_total + rb + r] = d[4 * j + 1] + o[128];
+        y[(size_t)tok * rows_total + rb + r + 8] = d[4 * j + 2] + o[256];
+        y[(size_t)(tok + 1) * rows_total + rb + r + 8] = d[4 * j + 3] + o[384];
+      }
+    }
+    wp_consumer_sync();
+#endif
+  }
+}

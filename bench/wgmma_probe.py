@@ -1,0 +1,214 @@
+"""Consumer probe: what one 32 KB weight chunk costs the consumers with the megakernel's ldmatrix + mma.sync pattern
+against Hopper's warpgroup MMA (wgmma.mma_async, both operands read from shared memory by descriptor).
+
+    python bench/wgmma_probe.py [--gb 1.0] [--reps 10] [--out FILE.md]
+
+Why: the megakernel's chunk loop takes 0.35-1.3 us per 32 KB chunk in the H200 phase traces where ldmatrix alone
+needs ~0.13 us and the copy ~1.0 us per SM (bench/NOTES.md sessions 23-24): on the batch-1 chain (qkv, o_proj and
+down find their chunks resident) and in batch 16's chunk work the consumers, not HBM, set the time. The probe
+(bench/wgmma_probe.cu, independent of csrc/) streams W [rows, 1024] (~gb GB) through a 5-slot ring in chunks of
+64 rows x 256 columns (one 128B-swizzled tensor-map copy each, the layout wgmma reads) and computes y = x W^T for
+8 or 16 tokens, one CTA per SM, in three consumer modes:
+  sync-wait (0): wait and free each slot only; mma.sync (1): 8 warps of ldmatrix.x4 + mma.m16n8k16 with x
+  fragments from shared memory (the megakernel's pattern); wgmma (2): 2 warpgroups of 8 wgmma.m64nNk16 a chunk.
+Streaming rows time the copy with the consumers behind it and check y against torch (fp32); resident rows copy
+the first 5 chunks only and time the consumers alone (their y is meaningless). Reading the table:
+- us/chunk of the resident rows is the consumers' own cost per 32 KB; the streaming rows' is max(copy, consumers).
+- wgmma resident well under mma.sync resident (and a passing check) says the megakernel's matvec should move to
+  wgmma chunks of 64 rows; equal says the per-chunk cost is elsewhere (waits, arrivals, the fragment build).
+- "warp arrive" against the per-thread row: what 256 mbarrier arrivals per chunk cost.
+Rows go to bench/results/wgmma_probe.csv; the script exits 1 if a streaming row's check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # mk_plugin from the checkout, as mk_step.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # bench/common.py
+
+from mk_plugin.persistent.trace import COPY_GBPS
+
+SOURCE = Path(__file__).resolve().with_suffix(".cu")
+KERNEL = "wgmma_probe"
+K = 1024                 # columns of W: x [N, K] is staged whole (the kernel's WP_MAX_K)
+ROWS, KC, NS = 64, 256, 5          # rows and columns per chunk, ring slots (the kernel's WP_ROWS, WP_KC, WP_NS)
+CHUNK_BYTES = ROWS * KC * 2
+THREADS = 288
+SMEM_BYTES = NS * CHUNK_BYTES + (K // 64) * 16 * 128 + 8 * 4 * 2 * 32 * 16 + 2 * NS * 8   # the kernel's WP_SMEM
+H200_SMS = 132
+WARMUP = 2
+TOL = 1e-3               # max |y - ref| / max |ref|: fp32 sums of bf16 products in another order
+CSV = common.RESULTS / "wgmma_probe.csv"
+CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
+              "rel_err")
+MODES = ("sync-wait", "mma.sync", "wgmma")
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: int            # 0 wait/free only, 1 ldmatrix + mma.sync, 2 wgmma
+    n: int               # tokens: 8 or 16
+    resident: bool       # copy the first NS chunks only (the consumers' own rate)
+    warp_arrive: bool = False   # mode 1: one arrive per warp instead of per thread
+
+    def __post_init__(self) -> None:
+        if self.mode not in (0, 1, 2) or self.n not in (8, 16) or (self.warp_arrive and self.mode != 1):
+            raise ValueError(f"{self}: mode 0..2, n 8 or 16, warp_arrive only with mode 1")
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DWP_MODE={self.mode}", f"-DWP_N={self.n}", f"-DWP_RESIDENT={int(self.resident)}",
+                f"-DWP_WARP_ARRIVE={int(self.warp_arrive)}")
+
+    @property
+    def checked(self) -> bool:
+        return self.mode != 0 and not self.resident
+
+
+def config_grid() -> list[Config]:
+    """Streaming (checked) rows of both MMA modes at N 8 / 16 with the copy-only baseline, then the resident rows:
+    the consumers alone, per-thread and per-warp arrivals."""
+    g = [Config(0, 8, False)] + [Config(m, n, False) for m in (1, 2) for n in (8, 16)]
+    g += [Config(0, 8, True)] + [Config(m, n, True) for m in (1, 2) for n in (8, 16)]
+    g += [Config(1, 8, True, True), Config(1, 16, True, True)]
+    return g
+
+
+def geometry(gb: float, num_sms: int) -> tuple[int, int]:
+    """(rows per CTA, chunks per CTA) for ~gb GB of W over num_sms CTAs; SystemExit for a bad --gb."""
+    if not (math.isfinite(gb) and 0 < gb <= 16):
+        raise SystemExit(f"--gb {gb}: want a size in GB in (0, 16] (default 1.0: > 50 MB of L2)")
+    rows = int(gb * 1e9 // (num_sms * K * 2)) // ROWS * ROWS
+    if rows < ROWS:
+        raise SystemExit(f"--gb {gb}: too small for {num_sms} SMs (at least {num_sms * ROWS * K * 2 / 1e9:.3f})")
+    return rows, rows // ROWS * (K // KC)
+
+
+def build_source() -> str:
+    return common.inline_includes(SOURCE)
+
+
+def compile_options(arch: str, cfg: Config) -> tuple[str, ...]:
+    """NVRTC options as the project's runtime.py, plus the config's switches."""
+    return ("-std=c++17", f"--gpu-architecture={arch}", *cfg.defines())
+
+
+def weight_map_args(rows_total: int):
+    """W [rows_total, K] as (64 columns, rows, K / 64 column groups), box (64, 64, 4), 128-byte swizzle: a chunk
+    lands as [column group][64 rows][128 B]."""
+    from mk_plugin.persistent.tensormap import _SWIZZLE_128B, TileMapArgs
+    return TileMapArgs(dims=(64, rows_total, K // 64), strides=(K * 2, 128), box=(64, ROWS, KC // 64),
+                       swizzle=_SWIZZLE_128B)
+
+
+TABLE_HEADER = ("consumers", "N", "data", "arrive", "ms", "GB/s", "% of 4.26", "us/chunk/SM", "check")
+
+
+def table_row(cfg: Config, ms: float, gbps: float, us_chunk: float, rel: float | None) -> list[str]:
+    check = "-" if rel is None else f"{'ok' if rel <= TOL else 'FAIL'} ({rel:.1e})"
+    return [MODES[cfg.mode], str(cfg.n), "resident" if cfg.resident else "streamed",
+            "per warp" if cfg.warp_arrive else "per thread", f"{ms:.3f}", f"{gbps:.0f}",
+            f"{100 * gbps / COPY_GBPS:.0f}%", f"{us_chunk:.3f}", check]
+
+
+def rel_error(y, x, w) -> float:
+    """max |y - x W^T| / max |x W^T| in fp32, W in slices (its fp32 copy would not fit at once)."""
+    import torch
+    err, scale = 0.0, 0.0
+    for r0 in range(0, w.shape[0], 1 << 16):
+        ref = x.float() @ w[r0:r0 + (1 << 16)].float().T
+        diff = (y[:, r0:r0 + (1 << 16)] - ref).abs()
+        if not bool(torch.isfinite(diff).all()):
+            return float("inf")   # a row the kernel did not write (still the NaN poison) or a non-finite sum
+        err = max(err, float(diff.max()))
+        scale = max(scale, float(ref.abs().max()))
+        del ref
+    return err / scale if scale > 0 else float("inf")
+
+
+def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
+    """Measure every config; (markdown, csv rows, every check passed)."""
+    import torch
+
+    from mk_plugin.persistent.tensormap import encode_tile_map
+    if reps < 1:
+        raise SystemExit(f"--reps {reps}: want >= 1")
+    cp, props = common.probe_device(KERNEL)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    grid = int(props["multiProcessorCount"])
+    arch = f"sm_{props['major']}{props['minor']}a"
+    rows, chunks = geometry(gb, grid)
+    rows_total = rows * grid
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(rows_total, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    xs = {n: torch.randn(n, K, device="cuda", generator=gen).to(torch.bfloat16) for n in (8, 16)}
+    ys = {n: torch.empty(n, rows_total, device="cuda", dtype=torch.float32) for n in (8, 16)}
+    wmap = torch.frombuffer(bytearray(encode_tile_map(w.data_ptr(), weight_map_args(rows_total))),
+                            dtype=torch.uint8).to("cuda")
+    sink = torch.zeros(1, device="cuda", dtype=torch.float32)
+    src = build_source()
+    rows_md, rows_csv, ok_all = [], [], True
+    commit, date = common.git_commit(), common.today()
+    nbytes = grid * chunks * CHUNK_BYTES
+    for cfg in config_grid():
+        fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
+        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+        y = ys[cfg.n].fill_(float("nan"))   # poisoned: a row the kernel never writes fails the check
+        args = tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
+            cp.int32(rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
+        times = []
+        for r in range(WARMUP + reps):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
+            t1.record()
+            t1.synchronize()
+            if r >= WARMUP:
+                times.append(t0.elapsed_time(t1))
+        flag = float(sink.item())
+        if flag != 0.0:
+            raise SystemExit(f"{cfg}: " + ("an mbarrier wait timed out (a probe bug)" if flag == 1.0 else
+                                           "the dynamic shared memory is not 1024-byte aligned"))
+        ms = common.median(times)
+        rel = rel_error(y, xs[cfg.n], w) if cfg.checked else None
+        ok_all &= rel is None or rel <= TOL
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        us_chunk = ms * 1e3 / chunks
+        rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel))
+        rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, int(cfg.resident), int(cfg.warp_arrive),
+                         f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", "" if rel is None else f"{rel:.2e}"])
+    title = (f"### wgmma_probe: {name}, {grid} SMs, {nbytes / 1e9:.2f} GB per launch ({chunks} chunks of 32 KB "
+             f"per SM), median of {reps} ({WARMUP} warm-up), commit {commit}, {date}")
+    notes = ("Chunks of 64 rows x 256 columns (one 128B-swizzled tensor-map copy), 5 slots, K 1024. mma.sync: 8 "
+             "warps, each 2 k-steps x 4 M-tiles of ldmatrix.x4 + NT mma.m16n8k16 a chunk (x fragments from shared "
+             "memory); wgmma: 2 warpgroups, each 8 wgmma.m64nNk16 a chunk, the slot freed when the next chunk's "
+             "group is issued and this one's done. resident: the first 5 chunks copied, then only arrivals (the "
+             f"consumers' own rate; y meaningless). check: max |y - x W^T| / max |x W^T| <= {TOL}.")
+    md = "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""])
+    return md, rows_csv, ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gb", type=float, default=1.0, help="GB of W per launch (default 1.0; L2 is 50 MB)")
+    p.add_argument("--reps", type=int, default=10, help="timed launches per config (median; default 10)")
+    p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    a = p.parse_args(argv)
+    geometry(a.gb, H200_SMS)   # a bad --gb fails before CUDA is touched
+    md, rows, ok = run(a.gb, a.reps)
+    if a.out is not None:
+        common.write_record(a.out.parent, a.out.name, md)
+    print(md)
+    common.append_csv(CSV, CSV_HEADER, rows)
+    print(f"appended {len(rows)} rows to {CSV}")
+    if not ok:
+        print("a streamed row's y differs from torch's: see the check column", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
