@@ -1,7 +1,7 @@
 """Consumer probe: what one 32 KB weight chunk costs the consumers with the megakernel's ldmatrix + mma.sync pattern
 against Hopper's warpgroup MMA (wgmma.mma_async, both operands read from shared memory by descriptor).
 
-    python bench/wgmma_probe.py [--gb 1.0] [--reps 10] [--out FILE.md]
+    python bench/wgmma_probe.py [--gb 1.0] [--reps 10] [--out FILE.md] [--csv FILE]
 
 Why: the megakernel's chunk loop takes 0.35-1.3 us per 32 KB chunk in the H200 phase traces where ldmatrix alone
 needs ~0.13 us and the copy ~1.0 us per SM (bench/NOTES.md sessions 23-24): on the batch-1 chain (qkv, o_proj and
@@ -197,14 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=1.0, help="GB of W per launch (default 1.0; L2 is 50 MB)")
     p.add_argument("--reps", type=int, default=10, help="timed launches per config (median; default 10)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV.name} in bench/results)")
     a = p.parse_args(argv)
     geometry(a.gb, H200_SMS)   # a bad --gb fails before CUDA is touched
     md, rows, ok = run(a.gb, a.reps)
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)
-    common.append_csv(CSV, CSV_HEADER, rows)
-    print(f"appended {len(rows)} rows to {CSV}")
+    common.append_csv(a.csv, CSV_HEADER, rows)
+    print(f"appended {len(rows)} rows to {a.csv}")
     if not ok:
         print("a streamed row's y differs from torch's: see the check column", file=sys.stderr)
     return 0 if ok else 1
