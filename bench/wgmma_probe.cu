@@ -17,6 +17,10 @@
 //     all 4 M-tiles (ldmatrix.x4 of A + NT mma.m16n8k16 with x fragments from shared memory: the megakernel's
 //     pattern); 2: warpgroup g issues 8 wgmma.mma_async.m64nNk16 on column groups 2g, 2g + 1 (A and B by
 //     descriptor), one commit group per chunk, the slot freed once the group before it has completed.
+//   3: the weights as wgmma's B instead (N = 16 rows: today's 16-row units and MK_W_TMA's chunk of 16 rows x 1024
+//     columns, [column group][16 rows][128 B]), x as A from shared memory (M = 64: D rows 0..N-1 are the tokens,
+//     the rest read whatever follows x and are dropped); warpgroup g issues 32 wgmma.m64n16k16 on column groups
+//     8g..8g+7. 4x the tensor work of mode 2 at N 16 (8x at N 8), no new chunk geometry.
 //   WP_N 8 or 16: tokens (the megakernel's NT = 1 / 2).
 //   WP_RESIDENT 1: after the first NS chunks the producer only arrives on the full barrier (no copy): the
 //     consumers' own rate on resident data (results meaningless, timing only).
@@ -39,8 +43,13 @@
 #endif
 
 constexpr int WP_NS = 5;                     // ring slots
+#if WP_MODE == 3
+constexpr int WP_ROWS = 16;                  // rows per chunk: today's unit, the wgmma's N
+constexpr int WP_KC = 1024;                  // columns per chunk (today's CHUNK_COLS)
+#else
 constexpr int WP_ROWS = 64;                  // rows per chunk (one wgmma M)
 constexpr int WP_KC = 256;                   // columns per chunk
+#endif
 constexpr int WP_GROUPS = WP_KC / 64;        // 128-byte column groups per chunk
 constexpr int WP_GROUP_BYTES = WP_ROWS * 128;
 constexpr int WP_CHUNK_BYTES = WP_GROUPS * WP_GROUP_BYTES;
@@ -86,19 +95,19 @@ __device__ __forceinline__ unsigned long long wp_desc(unsigned addr) {
          (1ull << 62);
 }
 
-#if WP_MODE == 2
-__device__ __forceinline__ void wp_wgmma(float (&d)[WP_N / 2], unsigned long long da, unsigned long long db) {
-#if WP_N == 8
+#if WP_MODE >= 2
+template <int N>
+__device__ __forceinline__ void wp_wgmma(float (&d)[N / 2], unsigned long long da, unsigned long long db) {
+  if constexpr (N == 8)
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n\t}"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
-#else
+  else
   asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, "
                "p, 1, 1, 0, 0;\n\t}"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
                : "l"(da), "l"(db));
-#endif
 }
 __device__ __forceinline__ void wp_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wp_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -182,6 +191,10 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   float d[WP_N / 2];
   const int wg = warp >> 2;
   int prev_slot = -1;
+#elif WP_MODE == 3
+  float d[8];
+  const int wg = warp >> 2;
+  int prev_slot = -1;
 #endif
   for (int b = 0; b < blocks; ++b) {
 #if WP_MODE == 1
@@ -194,6 +207,9 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #elif WP_MODE == 2
 #pragma unroll
     for (int e = 0; e < WP_N / 2; ++e) d[e] = 0.f;
+#elif WP_MODE == 3
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[e] = 0.f;
 #endif
     for (int kc = 0; kc < kchunks; ++kc) {
       [[maybe_unused]] const unsigned sb = ring + slot * WP_CHUNK_BYTES;
@@ -226,11 +242,23 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
         const int g = 2 * wg + (kk >> 2), kg = kc * WP_GROUPS + g;
-        wp_wgmma(d, wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32),
-                 wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32));
+        wp_wgmma<WP_N>(d, wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32),
+                       wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32));
       }
       wp_wgmma_commit();
       wp_wgmma_wait<1>();   // the group before this one has read its slot
+      if (prev_slot >= 0) probe_arrive(empty0 + 8 * prev_slot);
+      prev_slot = slot;
+#elif WP_MODE == 3
+      wp_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 32; ++kk) {
+        const int g = 8 * wg + (kk >> 2), kg = kc * WP_GROUPS + g;
+        wp_wgmma<16>(d, wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32),
+                     wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32));
+      }
+      wp_wgmma_commit();
+      wp_wgmma_wait<1>();
       if (prev_slot >= 0) probe_arrive(empty0 + 8 * prev_slot);
       prev_slot = slot;
 #else
@@ -286,6 +314,31 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
         y[(size_t)(tok + 1) * rows_total + rb + r] = d[4 * j + 1] + o[128];
         y[(size_t)tok * rows_total + rb + r + 8] = d[4 * j + 2] + o[256];
         y[(size_t)(tok + 1) * rows_total + rb + r + 8] = d[4 * j + 3] + o[384];
+      }
+    }
+    wp_consumer_sync();
+#elif WP_MODE == 3
+    wp_wgmma_wait<0>();
+    probe_arrive(empty0 + 8 * prev_slot);
+    prev_slot = -1;
+    // D of m64n16: the first warp of each group holds rows 0..15 (tokens lane / 4, + 8), columns (weight rows)
+    // 8 j + 2 (lane % 4) (+ 1) in d[4 j .. 4 j + 3]; warp 4 hands its sums to warp 0
+    if (warp == 4) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[e * 32 + lane] = d[e];
+    }
+    wp_consumer_sync();
+    if (warp == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int tok = lane >> 2, wr = rb + 8 * j + (lane & 3) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {   // tokens tok, tok + 8
+          if (tok + 8 * h < WP_N) {
+            y[(size_t)(tok + 8 * h) * rows_total + wr] = d[4 * j + 2 * h] + red[(4 * j + 2 * h) * 32 + lane];
+            y[(size_t)(tok + 8 * h) * rows_total + wr + 1] = d[4 * j + 2 * h + 1] + red[(4 * j + 2 * h + 1) * 32 + lane];
+          }
+        }
       }
     }
     wp_consumer_sync();

@@ -38,14 +38,17 @@ def test_every_config_compiles_without_spills_or_warnings(tmp_path, cfg):
     assert "warning" not in log.lower(), log[-2000:]
 
 
-def test_the_wgmma_config_issues_warpgroup_mmas(tmp_path):
-    """The SASS of mode 2 has 8 HGMMA a chunk (one unrolled loop) and waits on its groups."""
+@pytest.mark.parametrize("mode, n, hgmmas", [(2, 16, 8), (2, 8, 8), (3, 8, 32)])
+def test_the_wgmma_configs_issue_warpgroup_mmas(tmp_path, mode, n, hgmmas):
+    """The SASS of modes 2 and 3 has 8 / 32 HGMMA a chunk (one unrolled loop: mode 3's B is 16 weight rows at any
+    token count), waits on its groups and has no register-fed HMMA."""
     import sass as bench_sass  # bench/sass.py: Triton's nvdisasm
 
-    _, cubin = _nvcc(tmp_path, wp.Config(2, 16, False))
+    _, cubin = _nvcc(tmp_path, wp.Config(mode, n, False))
     sass = subprocess.run([bench_sass.tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, timeout=300,
                           check=True).stdout
-    assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", sass)) == 8, sass[-3000:]
+    shape = f"64x{16 if mode == 3 else n}x16"
+    assert len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16", sass)) == hgmmas, sass[-3000:]
     assert "WARPGROUP.DEPBAR.LE" in sass and "HMMA" not in sass.replace("HGMMA", "")
 
 
@@ -59,8 +62,12 @@ def test_nvrtc_compiles_the_probe():
 
 def test_constants_match_the_kernel():
     src = wp.SOURCE.read_text()
-    const = {k: int(v) for k, v in re.findall(r"constexpr int (WP_\w+) = (\d+);", src)}
-    assert (const["WP_NS"], const["WP_ROWS"], const["WP_KC"], const["WP_MAX_K"]) == (wp.NS, wp.ROWS, wp.KC, wp.K)
+    const: dict[str, list[int]] = {}
+    for k, v in re.findall(r"constexpr int (WP_\w+) = (\d+);", src):
+        const.setdefault(k, []).append(int(v))
+    assert (const["WP_NS"], const["WP_MAX_K"]) == ([wp.NS], [wp.K])
+    assert const["WP_ROWS"] == [wp.ROWS_B, wp.ROWS] and const["WP_KC"] == [wp.KC_B, wp.KC]   # mode 3's, the others'
+    assert wp.ROWS * wp.KC == wp.ROWS_B * wp.KC_B   # the same 32 KB chunk: as many chunks per CTA
     assert wp.SMEM_BYTES == 229456 and wp.SMEM_BYTES <= 232448   # ring, x [16 groups][16 rows][128 B], reduction, barriers
     assert "constexpr int WP_RED_BYTES = 8 * 4 * 2 * 32 * 16;" in src
 
@@ -68,7 +75,7 @@ def test_constants_match_the_kernel():
 def test_grid_and_geometry():
     grid = wp.config_grid()
     assert len(set(grid)) == len(grid) and all(c.checked == (c.mode != 0 and not c.resident) for c in grid)
-    assert {(c.mode, c.n) for c in grid if c.checked} == {(1, 8), (1, 16), (2, 8), (2, 16)}
+    assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3) for n in (8, 16)}
     rows, chunks = wp.geometry(1.0, 132)
     assert rows % wp.ROWS == 0 and chunks == rows // 64 * 4 and rows * 132 * wp.K * 2 <= 1e9
     for bad in (0.0, -1.0, float("nan"), 1e-6):
@@ -76,5 +83,6 @@ def test_grid_and_geometry():
             wp.geometry(bad, 132)
     with pytest.raises(ValueError, match="warp_arrive only with mode 1"):
         wp.Config(2, 8, True, True)
-    args = wp.weight_map_args(132 * rows)
+    args = wp.weight_map_args(132 * rows, 2)
     assert args.box == (64, 64, 4) and args.dims == (64, 132 * rows, 16) and args.strides == (2048, 128)
+    assert wp.weight_map_args(132 * rows, 3).box == (64, 16, 16)   # MK_W_TMA's chunk: [16 groups][16 rows][128 B]
