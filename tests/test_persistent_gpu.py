@@ -107,11 +107,12 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
 
 
 def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
-    """Each op's prefix of dec's program for `batch` on the GPU and in the VM (with the variant's rounding and ring
-    threshold), its output buffers compared; the first diverging op's failures, or []."""
+    """Each op's prefix of dec's program for `batch` on the GPU and in the VM (with the variant's rounding, ring
+    threshold, MK_RSTD_EPI and ring depth), its output buffers compared; the first diverging op's failures, or []."""
     seq_lens = batch.seq_lens.tolist()
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     prog = dec.program(len(seq_lens))
+    v = dec.variant_for(len(seq_lens))
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
                  block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
@@ -122,7 +123,7 @@ def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
         vcaches = [c.cpu() for c in batch.kv_caches]
         st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
                            bc.seq_lens, bc.slot_mapping, cs.cpu(), rounding=dec.rounding,  # as compiled
-                           att_tma=dec.variant_for(len(seq_lens)).att_tma)
+                           att_tma=v.att_tma, rstd_epi=v.rstd_epi, num_stages=v.num_stages)
         vm.run(prog, st, stop_after=n)
         gbufs = dec.buffers(len(seq_lens))
         gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits

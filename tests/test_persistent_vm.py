@@ -352,3 +352,50 @@ def test_piece_deps_give_the_ksplit_programs_bits():
     # without a down K-split there is nothing to cut at: the default program
     plain = build_program(spec, 3, 7, tuning=ScheduleTuning(piece_deps=True))
     assert [x.record() for x in plain.taskset.tasks] == [x.record() for x in build_program(spec, 3, 7).taskset.tasks]
+
+
+def test_layout_staged_fits_mirrors_the_kernel():
+    """KernelLayout.staged_fits is csrc/x_frags.cuh's staged_fits: 1B (K 2048) stages x whole up to batch 6 and 8B
+    (K 4096) up to batch 2 with the norm row at 6 stages (session 26: MK_RSTD_EPI applies at 1B >= 7, 8B >= 3)."""
+    from pathlib import Path
+
+    from mk_plugin.persistent.encoding import LAYOUT
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "x_frags.cuh").read_text()
+    assert "constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;" in src
+    assert "return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;" in src
+    assert [b for b in range(1, 17) if LAYOUT.staged_fits(2048, b, True)] == list(range(1, 7))
+    assert [b for b in range(1, 17) if LAYOUT.staged_fits(4096, b, True)] == [1, 2]
+    assert LAYOUT.staged_fits(2048, 7, False) and not LAYOUT.staged_fits(2048, 8, False)
+    assert LAYOUT.with_stages(4).staged_fits(2048, 16, True)   # 96.5 KiB of scratch
+
+
+def test_vm_models_rstd_epi_where_the_kernel_takes_it():
+    """MK_RSTD_EPI (session 26, A/B switch): where a norm-fused op's x is not staged whole the kernel's B operand is
+    round(x * w) and the sums take 1/rms in the epilogue. The VM with rstd_epi: not bitwise the default there, both
+    within the bf16 step tolerance of the fp32 reference; bitwise the default where x is staged (batch 3, or 4 ring
+    stages) and under att_tma / num_stages it passes through."""
+    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
+                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    for seq_lens, stages, applies in (([9, 30, 1, 17, 44, 3, 60, 2], 6, True), ([9, 30, 1], 6, False),
+                                      ([9, 30, 1, 17, 44, 3, 60, 2], 4, False)):
+        w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16)
+        p = build_program(spec, len(seq_lens), 5, lm_head=True)
+        outs = {}
+        for epi in (False, True):
+            caches = batch.clone_caches()
+            st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
+                                batch.slot_mapping, cs, rstd_epi=epi, num_stages=stages)
+            vm.run(p, st_)
+            outs[epi] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+        same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+        assert same != applies, (seq_lens, stages)
+        hn, logits, _ = _ref_step(spec, w, batch, cs)
+        assert_matches(outs[True][0], hn, torch.bfloat16, "step")
+        assert_matches(outs[True][1], logits, torch.bfloat16, "step")
+        if applies:   # the CPU decoder runs the VM with its batch's variant: MK_RSTD_EPI included
+            from mk_plugin.persistent.variant import KernelVariant
+            dec = MegakernelDecoder(spec, w, 8, "cpu", lm_head=True, num_sms=5, variant=KernelVariant(rstd_epi=True))
+            out = torch.full_like(hidden, float("nan"))
+            dec(hidden, batch.positions, batch.clone_caches(), batch.block_table, batch.seq_lens, batch.slot_mapping,
+                cs, out=out)
+            assert torch.equal(out, outs[True][0])

@@ -1,7 +1,8 @@
 """MK_RSTD_EPI on the GPU (A/B switch, session 26; csrc/x_frags.cuh, matvec.cuh): a norm-fused op whose activations
 are not staged whole takes rstd out of its fragments and scales its accumulators in the epilogue, the first pass
 summing x^2 from the column groups. Against the fp32 reference and the Triton path; bitwise repeatable (fixed-order
-sums). The helpers and the weights fixture are test_persistent_gpu.py's."""
+sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers and the weights
+fixture are test_persistent_gpu.py's."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from test_persistent_gpu import (
     _run_mk,
     gpu_batch,
     models,  # noqa: F401 (the fixture)
+    op_by_op_failures,
 )
 
 from mk_plugin import reference as ref
@@ -34,3 +36,12 @@ def test_rstd_in_the_epilogue_matches_the_reference(models, name, bsz):  # noqa:
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
     assert all(torch.equal(a, b) for a, b in zip(c0, c1))
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+
+
+@pytest.mark.parametrize("name,seq_lens", [("llama-3.2-1b", [33, 0, 511, 17, 1, 250, 97, 96]),
+                                           ("llama-3.1-8b", [129, 3, 400])])
+def test_rstd_in_the_epilogue_matches_the_vm_op_by_op(models, name, seq_lens):  # noqa: F811 (fixture)
+    spec, w = models(name, 1)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=KernelVariant(rstd_epi=True))
+    failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)

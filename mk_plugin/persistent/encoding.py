@@ -282,6 +282,13 @@ class KernelLayout:
         return self.num_stages * self.slot_bytes + self.union_bytes + self.misc_bytes
 
 
+    def staged_fits(self, k: int, batch: int, norm: bool) -> bool:
+        """Whether a matvec task's x [batch, k] (and a norm-fused op's weight row) is staged whole in the scratch,
+        rows padded to k * 2 + 16 bytes, the per-warp row sums at its end (csrc/x_frags.cuh staged_fits); else its
+        activations come by column groups (and MK_RSTD_EPI scales by 1/rms in the epilogue)."""
+        stage_part_bytes = 4 * self.consumer_warps * MAX_BATCH
+        return (batch + (1 if norm else 0)) * (k * 2 + 16) <= self.union_bytes - stage_part_bytes
+
     def with_stages(self, num_stages: int) -> KernelLayout:
         """The same shared memory with a ring of num_stages slots: the per-task scratch takes what the
         ring gives up (a deeper scratch stages larger activations: matvec.cuh staged_fits)."""

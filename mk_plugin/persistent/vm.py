@@ -22,7 +22,17 @@ import torch
 
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
-from .encoding import TASK_FIELDS, Buf, DecodedProgram, Opcode, Rounding, decode, ksplit_parts, ksplit_range
+from .encoding import (
+    LAYOUT,
+    TASK_FIELDS,
+    Buf,
+    DecodedProgram,
+    Opcode,
+    Rounding,
+    decode,
+    ksplit_parts,
+    ksplit_range,
+)
 from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
 from .tasks import UNIT, qkv_unit, qkv_unit_dims, qkv_unit_rows
@@ -147,6 +157,8 @@ class VMState:
     executed: list[int] = field(default_factory=list)   # tids in execution order
     rounding: Rounding = Rounding.FUSED                 # the kernel's -DMK_ROUNDING (encoding.Rounding)
     att_tma: int = 0   # the kernel's MK_ATT_TMA: attention tasks of >= att_tma tokens take the ring (0: none)
+    rstd_epi: bool = False   # the kernel's MK_RSTD_EPI: 1/rms in the epilogue of norm-fused ops not staged whole
+    num_stages: int = LAYOUT.num_stages   # the kernel's ring depth: what fits the scratch (staged_fits)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,9 +168,9 @@ class VMState:
 def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
                slot_mapping: torch.Tensor, cos_sin: torch.Tensor, rounding: Rounding = Rounding.FUSED,
-               att_tma: int = 0) -> VMState:
-    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step. rounding, att_tma: the
-    kernel variant's (decoder.variant_for(batch)), so that the VM rounds where that build rounds."""
+               att_tma: int = 0, rstd_epi: bool = False, num_stages: int = LAYOUT.num_stages) -> VMState:
+    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step. rounding, att_tma, rstd_epi,
+    num_stages: the kernel variant's (decoder.variant_for(batch)), so that the VM rounds where that build rounds."""
     spec, b, C = program.spec, program.batch, program.attn_chunks
     dt, dev = hidden.dtype, hidden.device
     if hidden.shape != (b, spec.hidden_size):
@@ -181,7 +193,8 @@ def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, po
         Buf.PART_K: torch.full((KSPLIT_MAX, b, spec.hidden_size), float("nan"), dtype=torch.float32, device=dev),
     }
     return VMState(spec, b, C, weights, bufs, kv_caches, positions, slot_mapping, seq_lens, block_table,
-                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding), att_tma=int(att_tma))
+                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding), att_tma=int(att_tma),
+                   rstd_epi=bool(rstd_epi), num_stages=int(num_stages))
 
 
 def _rnd(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
@@ -210,10 +223,23 @@ def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
+def _norm_operand(st: VMState, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A norm-fused linear's B operand and the per-token factor its sums take after the MMAs (None: none): under
+    MK_RSTD_EPI, where x is not staged whole (the column-group path), round(x * w) and 1/rms (csrc/matvec.cuh: the
+    epilogue scales the accumulators), else _normed's round(x * rstd * w)."""
+    if st.rstd_epi and not LAYOUT.with_stages(st.num_stages).staged_fits(x.shape[1], x.shape[0], True):
+        return _rnd(x.float() * w.float()[None, :], st.dtype), _rstd(x, st.spec.rms_eps)[:, None]
+    return _normed(st, x, w), None
+
+
+def _scaled(y: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return y if scale is None else y * scale
+
+
 def op_qkv_rope(st: VMState, t: dict[str, int]) -> None:
     spec, dt = st.spec, st.dtype
     lw = st.weights.layers[t["layer"]]
-    xn = _normed(st, st.bufs[Buf(t["in_buf"])], lw.input_norm)
+    xn, scale = _norm_operand(st, st.bufs[Buf(t["in_buf"])], lw.input_norm)
     d, half = spec.head_dim, spec.head_dim // 2
     pos = st.positions.long().clamp(0, st.cos_sin.shape[0] - 1)
     cs = st.cos_sin.float()[pos]                      # [B, d]
@@ -221,7 +247,7 @@ def op_qkv_rope(st: VMState, t: dict[str, int]) -> None:
     bs = cache.shape[2]
     for u in range(t["arg0"], t["arg0"] + t["arg1"]):
         kind, head, s = qkv_unit(spec, u)
-        y = _stock_rnd(st, xn @ lw.qkv[qkv_unit_rows(spec, u)].float().t())   # [B, 16]
+        y = _stock_rnd(st, _scaled(xn @ lw.qkv[qkv_unit_rows(spec, u)].float().t(), scale))   # [B, 16]
         dims = qkv_unit_dims(spec, u)
         if kind in ("q", "k"):
             cos, sin = cs[:, s * 8: s * 8 + 8], cs[:, half + s * 8: half + s * 8 + 8]
@@ -359,10 +385,10 @@ def op_o_proj(st: VMState, t: dict[str, int]) -> None:
 def op_gate_up(st: VMState, t: dict[str, int]) -> None:
     lw = st.weights.layers[t["layer"]]
     I = st.spec.intermediate_size
-    xn = _normed(st, st.bufs[Buf.RESID], lw.post_norm)
+    xn, scale = _norm_operand(st, st.bufs[Buf.RESID], lw.post_norm)
     r = _rows(t, I)
-    g = _stock_rnd(st, xn @ lw.gate_up[r].float().t())
-    u = _stock_rnd(st, xn @ lw.gate_up[I + r.start: I + r.stop].float().t())
+    g = _stock_rnd(st, _scaled(xn @ lw.gate_up[r].float().t(), scale))
+    u = _stock_rnd(st, _scaled(xn @ lw.gate_up[I + r.start: I + r.stop].float().t(), scale))
     st.bufs[Buf.ACT][:, r] = (g / (1.0 + torch.exp(-g)) * u).to(st.dtype)
 
 
