@@ -86,3 +86,97 @@ def test_grid_and_geometry():
     args = wp.weight_map_args(132 * rows, 2)
     assert args.box == (64, 64, 4) and args.dims == (64, 132 * rows, 16) and args.strides == (2048, 128)
     assert wp.weight_map_args(132 * rows, 3).box == (64, 16, 16)   # MK_W_TMA's chunk: [16 groups][16 rows][128 B]
+
+
+# ---- the probe's shared-memory addressing, emulated byte by byte (numpy) ---------------------------------------
+# The model (CUTLASS's Swizzle<3,4,3>, what TMA's 128-byte swizzle writes and wgmma's 128B-swizzle mode reads): the
+# 16-byte unit bits [4:6] of an address XOR its bits [7:9], over a 1024-byte aligned base. The same model on both
+# sides makes this a check of the probe's index arithmetic (group offsets, descriptor starts, SBO), not of the
+# hardware: the streamed rows' check against torch on the GPU is that.
+def _phys(addr):
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _tma_place(mat, rows, groups):
+    """A [rows, groups * 64] tile as a TMA box (64, rows, groups) with the 128-byte swizzle lands: uint16 smem."""
+    import numpy as np
+    smem = np.zeros(rows * groups * 64, dtype=np.int64)
+    for r in range(rows):
+        for k in range(groups * 64):
+            lin = (k // 64) * rows * 128 + r * 128 + (k % 64) * 2
+            smem[_phys(lin) // 2] = mat[r, k]
+    return smem
+
+
+def _desc_read(smem, start, rows):
+    """What wgmma reads through a K-major 128B-swizzle descriptor (SBO 1024) at `start`: [rows, 16]."""
+    import numpy as np
+    out = np.zeros((rows, 16), dtype=np.int64)
+    for m in range(rows):
+        for k in range(16):
+            lin = start + (m // 8) * 1024 + (m % 8) * 128 + k * 2
+            out[m, k] = smem[_phys(lin) // 2] if _phys(lin) // 2 < smem.size else 0
+    return out
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_wgmma_modes_read_the_operands_they_mean(n):
+    """Mode 2 (A = a 64-row chunk, B = x) and mode 3 (A = x, B = a 16-row chunk): the descriptors' starts and SBO
+    select W[rows, k-step columns] and x[tokens, same columns] for every k-step of a chunk."""
+    import numpy as np
+    rng = np.random.default_rng(n)
+    K = wp.K
+    x = rng.integers(1, 1 << 15, size=(n, K))
+    xs = _tma_place(x, n, K // 64)             # the kernel's x staging writes the same layout (wp_swz)
+    # mode 2: chunk kc of a 64-row block: columns kc*256 + [0, 256); warpgroup g's k-step kk: group 2g + kk // 4
+    w = rng.integers(1, 1 << 15, size=(64, K))
+    for kc in (0, 3):
+        slot = _tma_place(w[:, kc * 256:(kc + 1) * 256], 64, 4)
+        for wg in (0, 1):
+            for kk in range(8):
+                g = 2 * wg + (kk >> 2)
+                col = kc * 256 + g * 64 + (kk & 3) * 16
+                a = _desc_read(slot, g * 64 * 128 + (kk & 3) * 32, 64)
+                b = _desc_read(xs, (kc * 4 + g) * n * 128 + (kk & 3) * 32, n)
+                assert (a == w[:, col:col + 16]).all() and (b == x[:, col:col + 16]).all(), (kc, wg, kk)
+    # mode 3: a chunk is 16 rows x 1024 columns; warpgroup g's k-step kk: group 8g + kk // 4; A's rows past the
+    # tokens are dropped, so only rows < n are compared
+    w16 = rng.integers(1, 1 << 15, size=(16, K))
+    slot = _tma_place(w16, 16, 16)
+    for wg in (0, 1):
+        for kk in range(32):
+            g = 8 * wg + (kk >> 2)
+            col = g * 64 + (kk & 3) * 16
+            a = _desc_read(xs, g * n * 128 + (kk & 3) * 32, 64)[:n]
+            b = _desc_read(slot, g * 16 * 128 + (kk & 3) * 32, 16)
+            assert (a == x[:, col:col + 16]).all() and (b == w16[:, col:col + 16]).all(), (wg, kk)
+
+
+def test_mma_sync_mode_fragments_are_the_operands():
+    """Mode 1: warp w's k-step j = w + 8 jj of a chunk, ldmatrix.x4 lane l reads row 16 m + (l & 15), unit
+    (j & 3) * 2 + (l >> 4) of group j >> 2; the B fragment of token t = 8 nt + lane / 4 is the 32-bit word at
+    unit u (+ 1) and byte (lane & 3) * 4: together they are W[16 m.., 16 columns of step j] and x[t, same]."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    n, K = 16, wp.K
+    w = rng.integers(1, 1 << 15, size=(64, 256))
+    x = rng.integers(1, 1 << 15, size=(n, K))
+    slot, xs = _tma_place(w, 64, 4), _tma_place(x, n, K // 64)
+    kc = 2
+    for j in range(16):
+        g, u = j >> 2, (j & 3) * 2
+        col = g * 64 + (j & 3) * 16
+        for m in range(4):
+            for lane in range(32):   # lane's 8 consecutive elements: row 16 m + (lane & 15), columns +8 (lane >> 4)
+                r = m * 16 + (lane & 15)
+                base = g * 64 * 128 + r * 128 + (((u + (lane >> 4)) ^ (r & 7)) << 4)   # wp_swz, no second swizzle
+                got = [slot[(base + 2 * e) // 2] for e in range(8)]
+                assert got == list(w[r, col + 8 * (lane >> 4): col + 8 * (lane >> 4) + 8]), (j, m, lane)
+        for lane in range(32):
+            for nt in range(2):
+                tok = nt * 8 + (lane >> 2)
+                for h in range(2):   # b0: columns 2 (lane & 3) + {0, 1}; b1: the same + 8
+                    off = (kc * 4 + g) * n * 128 + tok * 128 + (((u + h) ^ (tok & 7)) << 4) + (lane & 3) * 4
+                    got = [xs[off // 2], xs[off // 2 + 1]]
+                    c0 = kc * 256 + col + 8 * h + 2 * (lane & 3)
+                    assert got == list(x[tok, c0:c0 + 2]), (j, lane, nt, h)
