@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     geometry(a.gb, H200_SMS)   # a bad --gb fails before CUDA is touched
     md, rows, ok = run(a.gb, a.reps)
     if a.out is not None:
-        common.write_record(a.out.parent, a.out.name, md)
-    print(md)
+        common.write_record(a.out.parent, a.out.name, md)   # prints it too
+    else:
+        print(md)
     common.append_csv(a.csv, CSV_HEADER, rows)
     print(f"appended {len(rows)} rows to {a.csv}")
     if not ok:
