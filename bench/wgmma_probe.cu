@@ -21,10 +21,12 @@
 //     columns, [column group][16 rows][128 B]), x as A from shared memory (M = 64: D rows 0..N-1 are the tokens,
 //     the rest read whatever follows x and are dropped); warpgroup g issues 32 wgmma.m64n16k16 on column groups
 //     8g..8g+7. 4x the tensor work of mode 2 at N 16 (8x at N 8), no new chunk geometry.
+//   4: mode 1's MMAs on mode 3's chunk: one M-tile, warp w takes k-steps w, w + 8, .., w + 56 (8 a chunk, one
+//     accumulator chain per n-tile): the megakernel's one-M-tile tasks (qkv_rope, o_proj, down at 1B batch 1).
 //   WP_N 8 or 16: tokens (the megakernel's NT = 1 / 2).
 //   WP_RESIDENT 1: after the first NS chunks the producer only arrives on the full barrier (no copy): the
 //     consumers' own rate on resident data (results meaningless, timing only).
-//   WP_WARP_ARRIVE 1 (mode 1): one arrive per consumer warp (lane 0 after __syncwarp) instead of one per thread.
+//   WP_WARP_ARRIVE 1 (modes 1, 4): one arrive per consumer warp (lane 0 after __syncwarp) instead of one per thread.
 // Warps 0..7 consume (two warpgroups), warp 8 produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
 // dynamic shared memory is not 1024-byte aligned.
 #include "probe_ring.cuh"
@@ -43,7 +45,7 @@
 #endif
 
 constexpr int WP_NS = 5;                     // ring slots
-#if WP_MODE == 3
+#if WP_MODE == 3 || WP_MODE == 4
 constexpr int WP_ROWS = 16;                  // rows per chunk: today's unit, the wgmma's N
 constexpr int WP_KC = 1024;                  // columns per chunk (today's CHUNK_COLS)
 #else
@@ -54,6 +56,8 @@ constexpr int WP_GROUPS = WP_KC / 64;        // 128-byte column groups per chunk
 constexpr int WP_GROUP_BYTES = WP_ROWS * 128;
 constexpr int WP_CHUNK_BYTES = WP_GROUPS * WP_GROUP_BYTES;
 constexpr int WP_NT = WP_N / 8;
+constexpr int WP_MTC = WP_ROWS / 16;         // modes 1 / 4: M-tiles a chunk (4 / 1)
+constexpr int WP_JJ = WP_KC / 16 / 8;        // modes 1 / 4: k-steps a warp a chunk (2 / 8)
 constexpr int WP_CONSUMERS = 256;
 constexpr int WP_THREADS = WP_CONSUMERS + 32;
 constexpr int WP_MAX_K = 1024;               // x staged whole: K / 64 groups of N rows x 128 B
@@ -63,6 +67,7 @@ constexpr int WP_SMEM = WP_NS * WP_CHUNK_BYTES + WP_X_BYTES + WP_RED_BYTES + 2 *
 static_assert(WP_N == 8 || WP_N == 16, "WP_N: 8 or 16 tokens");
 static_assert(WP_CHUNK_BYTES == 32768 && WP_CHUNK_BYTES % 1024 == 0, "1024-byte aligned 32 KB slots");
 static_assert(WP_NT * 8 == WP_N && WP_SMEM <= 232448, "an H200's opt-in shared memory per block");
+static_assert(WP_MTC * 16 == WP_ROWS && WP_JJ * 128 == WP_KC, "modes 1 / 4: M-tiles and k-steps of a chunk");
 
 __device__ __forceinline__ void wp_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
@@ -185,8 +190,8 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   // ---- consumers ----
   int slot = 0;
   unsigned phase = 0;
-#if WP_MODE == 1
-  float acc[4][WP_NT][4];
+#if WP_MODE == 1 || WP_MODE == 4
+  float acc[WP_MTC][WP_NT][4];
 #elif WP_MODE == 2
   float d[WP_N / 2];
   const int wg = warp >> 2;
@@ -197,9 +202,9 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   int prev_slot = -1;
 #endif
   for (int b = 0; b < blocks; ++b) {
-#if WP_MODE == 1
+#if WP_MODE == 1 || WP_MODE == 4
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
+    for (int m = 0; m < WP_MTC; ++m)
 #pragma unroll
       for (int n = 0; n < WP_NT; ++n)
 #pragma unroll
@@ -214,9 +219,9 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
     for (int kc = 0; kc < kchunks; ++kc) {
       [[maybe_unused]] const unsigned sb = ring + slot * WP_CHUNK_BYTES;
       probe_wait(full0 + 8 * slot, phase, sink);
-#if WP_MODE == 1
+#if WP_MODE == 1 || WP_MODE == 4
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
+      for (int jj = 0; jj < WP_JJ; ++jj) {
         const int j = warp + 8 * jj, g = j >> 2, u = (j & 3) * 2;   // k-step j: column group g, units u, u + 1
         unsigned bx[WP_NT][2];
         const int kg = kc * WP_GROUPS + g;                          // x's column group
@@ -228,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
           asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bx[n][1]) : "r"(base + wp_swz(tok, u + 1)));
         }
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
+        for (int m = 0; m < WP_MTC; ++m) {
           const int r = m * 16 + (lane & 15);
           unsigned a[4];
           wp_ldmatrix_x4(a, sb + g * WP_GROUP_BYTES + wp_swz(r, u + (lane >> 4)));
@@ -270,16 +275,16 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
       }
     }
     [[maybe_unused]] const int rb = row0 + b * WP_ROWS;
-#if WP_MODE == 1
-    // 8 warps' partial sums through shared memory; warp w < 4 * NT then owns tile (m, n) = (w / NT, w % NT)
+#if WP_MODE == 1 || WP_MODE == 4
+    // 8 warps' partial sums through shared memory; warp w < MTC * NT then owns tile (m, n) = (w / NT, w % NT)
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
+    for (int m = 0; m < WP_MTC; ++m)
 #pragma unroll
       for (int n = 0; n < WP_NT; ++n)
         reinterpret_cast<float4*>(red)[((warp * 4 + m) * 2 + n) * 32 + lane] =
             make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
     wp_consumer_sync();
-    if (warp < 4 * WP_NT) {
+    if (warp < WP_MTC * WP_NT) {
       const int m = warp / WP_NT, n = warp % WP_NT;
       float v[4] = {0.f, 0.f, 0.f, 0.f};
       for (int w = 0; w < 8; ++w) {

@@ -13,7 +13,8 @@ down find their chunks resident) and in batch 16's chunk work the consumers, not
   fragments from shared memory (the megakernel's pattern); wgmma (2): 2 warpgroups of 8 wgmma.m64nNk16 a chunk;
   wgmma-B (3): the weights as wgmma's B (N = 16 rows) in today's chunk of 16 rows x 1024 columns (MK_W_TMA's
   layout) and x as A (M = 64, rows past the tokens dropped): 32 wgmma.m64n16k16 per warpgroup a chunk, 4-8x the
-  tensor work of (2) but no new chunk geometry for the megakernel's 16-row units.
+  tensor work of (2) but no new chunk geometry for the megakernel's 16-row units; mma.sync-1M (4): (1)'s MMAs on
+  (3)'s chunk, one M-tile and 8 k-steps a warp (the megakernel's one-M-tile tasks: qkv, o_proj, down at 1B batch 1).
 Streaming rows time the copy with the consumers behind it and check y against torch (fp32); resident rows copy
 the first 5 chunks only and time the consumers alone (their y is meaningless). Reading the table:
 - us/chunk of the resident rows is the consumers' own cost per 32 KB; the streaming rows' is max(copy, consumers).
@@ -51,19 +52,20 @@ TOL = 1e-3               # max |y - ref| / max |ref|: fp32 sums of bf16 products
 CSV = common.RESULTS / "wgmma_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
               "rel_err")
-MODES = ("sync-wait", "mma.sync", "wgmma", "wgmma-B")
+MODES = ("sync-wait", "mma.sync", "wgmma", "wgmma-B", "mma.sync-1M")
 
 
 @dataclass(frozen=True)
 class Config:
-    mode: int            # 0 wait/free only, 1 ldmatrix + mma.sync, 2 wgmma, 3 wgmma with the weights as B
+    mode: int            # 0 wait/free only, 1 ldmatrix + mma.sync, 2 wgmma, 3 wgmma with the weights as B, 4 mode 1
+                         # on mode 3's one-M-tile chunk
     n: int               # tokens: 8 or 16
     resident: bool       # copy the first NS chunks only (the consumers' own rate)
-    warp_arrive: bool = False   # mode 1: one arrive per warp instead of per thread
+    warp_arrive: bool = False   # modes 1, 4: one arrive per warp instead of per thread
 
     def __post_init__(self) -> None:
-        if self.mode not in (0, 1, 2, 3) or self.n not in (8, 16) or (self.warp_arrive and self.mode != 1):
-            raise ValueError(f"{self}: mode 0..3, n 8 or 16, warp_arrive only with mode 1")
+        if self.mode not in (0, 1, 2, 3, 4) or self.n not in (8, 16) or (self.warp_arrive and self.mode not in (1, 4)):
+            raise ValueError(f"{self}: mode 0..4, n 8 or 16, warp_arrive only with modes 1 and 4")
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DWP_MODE={self.mode}", f"-DWP_N={self.n}", f"-DWP_RESIDENT={int(self.resident)}",
@@ -77,9 +79,9 @@ class Config:
 def config_grid() -> list[Config]:
     """Streaming (checked) rows of both MMA modes at N 8 / 16 with the copy-only baseline, then the resident rows:
     the consumers alone, per-thread and per-warp arrivals."""
-    g = [Config(0, 8, False)] + [Config(m, n, False) for m in (1, 2, 3) for n in (8, 16)]
-    g += [Config(0, 8, True)] + [Config(m, n, True) for m in (1, 2, 3) for n in (8, 16)]
-    g += [Config(1, 8, True, True), Config(1, 16, True, True)]
+    g = [Config(0, 8, False)] + [Config(m, n, False) for m in (1, 4, 2, 3) for n in (8, 16)]
+    g += [Config(0, 8, True)] + [Config(m, n, True) for m in (1, 4, 2, 3) for n in (8, 16)]
+    g += [Config(m, n, True, True) for m in (1, 4) for n in (8, 16)]
     return g
 
 
@@ -106,7 +108,7 @@ def weight_map_args(rows_total: int, mode: int):
     """W [rows_total, K] as (64 columns, rows, K / 64 column groups) with the 128-byte swizzle, box (64, 64, 4): a
     chunk lands as [column group][64 rows][128 B]; mode 3's box (64, 16, 16): [column group][16 rows][128 B]."""
     from mk_plugin.persistent.tensormap import _SWIZZLE_128B, TileMapArgs
-    rows, kc = (ROWS_B, KC_B) if mode == 3 else (ROWS, KC)
+    rows, kc = (ROWS_B, KC_B) if mode in (3, 4) else (ROWS, KC)
     return TileMapArgs(dims=(64, rows_total, K // 64), strides=(K * 2, 128), box=(64, rows, kc // 64),
                        swizzle=_SWIZZLE_128B)
 
@@ -154,7 +156,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     xs = {n: torch.randn(n, K, device="cuda", generator=gen).to(torch.bfloat16) for n in (8, 16)}
     ys = {n: torch.empty(n, rows_total, device="cuda", dtype=torch.float32) for n in (8, 16)}
     wmaps = {m: torch.frombuffer(bytearray(encode_tile_map(w.data_ptr(), weight_map_args(rows_total, m))),
-                                 dtype=torch.uint8).to("cuda") for m in (0, 3)}
+                                 dtype=torch.uint8).to("cuda") for m in (0, 3)}   # mode 4 takes mode 3's
     sink = torch.zeros(1, device="cuda", dtype=torch.float32)
     src = build_source()
     rows_md, rows_csv, ok_all = [], [], True
@@ -164,7 +166,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
         fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
         fn.max_dynamic_shared_size_bytes = SMEM_BYTES
         y = ys[cfg.n].fill_(float("nan"))   # poisoned: a row the kernel never writes fails the check
-        wmap = wmaps[3 if cfg.mode == 3 else 0]
+        wmap = wmaps[3 if cfg.mode in (3, 4) else 0]
         args = tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
             cp.int32(rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
         times = []
@@ -194,7 +196,8 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
              "warps, each 2 k-steps x 4 M-tiles of ldmatrix.x4 + NT mma.m16n8k16 a chunk (x fragments from shared "
              "memory); wgmma: 2 warpgroups, each 8 wgmma.m64nNk16 a chunk, the slot freed when the next chunk's "
              "group is issued and this one's done; wgmma-B: chunks of 16 rows x 1024 columns, the weights as B "
-             "(N 16), x as A (M 64), 32 wgmma.m64n16k16 per warpgroup a chunk. resident: the first 5 chunks copied, then only arrivals (the "
+             "(N 16), x as A (M 64), 32 wgmma.m64n16k16 per warpgroup a chunk; mma.sync-1M: mma.sync on those "
+             "chunks, 8 k-steps of one M-tile a warp. resident: the first 5 chunks copied, then only arrivals (the "
              f"consumers' own rate; y meaningless). check: max |y - x W^T| / max |x W^T| <= {TOL}.")
     md = "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""])
     return md, rows_csv, ok_all

@@ -75,17 +75,17 @@ def test_constants_match_the_kernel():
 def test_grid_and_geometry():
     grid = wp.config_grid()
     assert len(set(grid)) == len(grid) and all(c.checked == (c.mode != 0 and not c.resident) for c in grid)
-    assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3) for n in (8, 16)}
+    assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3, 4) for n in (8, 16)}
     rows, chunks = wp.geometry(1.0, 132)
     assert rows % wp.ROWS == 0 and chunks == rows // 64 * 4 and rows * 132 * wp.K * 2 <= 1e9
     for bad in (0.0, -1.0, float("nan"), 1e-6):
         with pytest.raises(SystemExit, match="--gb"):
             wp.geometry(bad, 132)
-    with pytest.raises(ValueError, match="warp_arrive only with mode 1"):
+    with pytest.raises(ValueError, match="warp_arrive only with modes 1 and 4"):
         wp.Config(2, 8, True, True)
     args = wp.weight_map_args(132 * rows, 2)
     assert args.box == (64, 64, 4) and args.dims == (64, 132 * rows, 16) and args.strides == (2048, 128)
-    assert wp.weight_map_args(132 * rows, 3).box == (64, 16, 16)   # MK_W_TMA's chunk: [16 groups][16 rows][128 B]
+    assert wp.weight_map_args(132 * rows, 3).box == wp.weight_map_args(132 * rows, 4).box == (64, 16, 16)   # MK_W_TMA's
 
 
 # ---- the probe's shared-memory addressing, emulated byte by byte (numpy) ---------------------------------------
@@ -152,31 +152,31 @@ def test_wgmma_modes_read_the_operands_they_mean(n):
             assert (a == x[:, col:col + 16]).all() and (b == w16[:, col:col + 16]).all(), (wg, kk)
 
 
-def test_mma_sync_mode_fragments_are_the_operands():
-    """Mode 1: warp w's k-step j = w + 8 jj of a chunk, ldmatrix.x4 lane l reads row 16 m + (l & 15), unit
+@pytest.mark.parametrize("rows, groups, kc", [(64, 4, 2), (16, 16, 0)])   # modes 1 and 4
+def test_mma_sync_mode_fragments_are_the_operands(rows, groups, kc):
+    """Modes 1 and 4: warp w's k-step j = w + 8 jj of a chunk, ldmatrix.x4 lane l reads row 16 m + (l & 15), unit
     (j & 3) * 2 + (l >> 4) of group j >> 2; the B fragment of token t = 8 nt + lane / 4 is the 32-bit word at
     unit u (+ 1) and byte (lane & 3) * 4: together they are W[16 m.., 16 columns of step j] and x[t, same]."""
     import numpy as np
     rng = np.random.default_rng(1)
     n, K = 16, wp.K
-    w = rng.integers(1, 1 << 15, size=(64, 256))
+    w = rng.integers(1, 1 << 15, size=(rows, groups * 64))
     x = rng.integers(1, 1 << 15, size=(n, K))
-    slot, xs = _tma_place(w, 64, 4), _tma_place(x, n, K // 64)
-    kc = 2
-    for j in range(16):
+    slot, xs = _tma_place(w, rows, groups), _tma_place(x, n, K // 64)
+    for j in range(groups * 4):
         g, u = j >> 2, (j & 3) * 2
         col = g * 64 + (j & 3) * 16
-        for m in range(4):
+        for m in range(rows // 16):
             for lane in range(32):   # lane's 8 consecutive elements: row 16 m + (lane & 15), columns +8 (lane >> 4)
                 r = m * 16 + (lane & 15)
-                base = g * 64 * 128 + r * 128 + (((u + (lane >> 4)) ^ (r & 7)) << 4)   # wp_swz, no second swizzle
+                base = g * rows * 128 + r * 128 + (((u + (lane >> 4)) ^ (r & 7)) << 4)   # wp_swz, no second swizzle
                 got = [slot[(base + 2 * e) // 2] for e in range(8)]
                 assert got == list(w[r, col + 8 * (lane >> 4): col + 8 * (lane >> 4) + 8]), (j, m, lane)
         for lane in range(32):
             for nt in range(2):
                 tok = nt * 8 + (lane >> 2)
                 for h in range(2):   # b0: columns 2 (lane & 3) + {0, 1}; b1: the same + 8
-                    off = (kc * 4 + g) * n * 128 + tok * 128 + (((u + h) ^ (tok & 7)) << 4) + (lane & 3) * 4
+                    off = (kc * groups + g) * n * 128 + tok * 128 + (((u + h) ^ (tok & 7)) << 4) + (lane & 3) * 4
                     got = [xs[off // 2], xs[off // 2 + 1]]
-                    c0 = kc * 256 + col + 8 * h + 2 * (lane & 3)
+                    c0 = kc * groups * 64 + col + 8 * h + 2 * (lane & 3)
                     assert got == list(x[tok, c0:c0 + 2]), (j, lane, nt, h)
