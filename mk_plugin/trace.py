@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .persistent import trace as T
+from .persistent import trace_views as TV
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "bench" / "models" / "llama-3.2-1b"
@@ -171,11 +172,11 @@ def write_outputs(records: list[dict], meta: dict[str, Any], outdir: str | Path,
     files: dict[str, Path] = {}
     files["records"] = source or T.save_records(out / f"{stem}.records.json", records, meta)
     p = out / f"{stem}.perfetto.json"
-    p.write_text(json.dumps(T.to_perfetto(records, meta)))
+    p.write_text(json.dumps(TV.to_perfetto(records, meta)))
     files["perfetto"] = p
     if png:
         try:
-            files["png"] = T.plot_gantt(records, out / f"{stem}.png",
+            files["png"] = TV.plot_gantt(records, out / f"{stem}.png",
                                         title=f"{meta.get('model', '')} batch {meta.get('batch', '?')} "
                                               f"ctx {meta.get('context', '?')} on {meta.get('gpu', '?')}")
         except ImportError:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mk_plugin.persistent import trace as T
+from mk_plugin.persistent import trace_views as TV
 from mk_plugin.persistent.encoding import TRACE_FIELDS
 from mk_plugin.persistent.schedule import build_program
 from mk_plugin.spec import LlamaSpec
@@ -95,7 +96,7 @@ def test_synthesized_records_follow_queues_and_counters(which, request):
 @pytest.mark.parametrize("which", ["tiny", "big"])
 def test_perfetto_structure(which, request):
     prog, _, recs = request.getfixturevalue(which)
-    doc = json.loads(json.dumps(T.to_perfetto(recs, T.program_meta(prog, [1]))))
+    doc = json.loads(json.dumps(TV.to_perfetto(recs, T.program_meta(prog, [1]))))
     ev = doc["traceEvents"]
     t0 = doc["otherData"]["t0_ns"]
     assert doc["otherData"]["batch"] == prog.batch and "spec" not in doc["otherData"]
@@ -206,7 +207,7 @@ def test_timer_granularity(tiny):
 # ---- PNG, files, CLI ----------------------------------------------------------------------------------
 def test_gantt_png_is_written(tiny, tmp_path):
     _, _, recs = tiny
-    p = T.plot_gantt(recs, tmp_path / "sub" / "g.png", title="tiny")
+    p = TV.plot_gantt(recs, tmp_path / "sub" / "g.png", title="tiny")
     data = p.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
