@@ -22,7 +22,8 @@ the first 5 chunks only and time the consumers alone (their y is meaningless). R
   wgmma (wgmma-B as well: on today's chunks; only wgmma: on 64-row chunks); equal says the per-chunk cost is
   elsewhere (waits, arrivals, the fragment build).
 - "warp arrive" against the per-thread row: what 256 mbarrier arrivals per chunk cost.
-Rows go to bench/results/wgmma_probe.csv; the script exits 1 if a streaming row's check fails.
+Rows go to bench/results/wgmma_probe.csv; the script exits 1 if a streamed row's check fails or a config times out
+or faults (a fault ends the run: the rows before it are kept, the wgmma rows come last).
 """
 from __future__ import annotations
 
@@ -75,13 +76,19 @@ class Config:
     def checked(self) -> bool:
         return self.mode != 0 and not self.resident
 
+    def label(self) -> str:
+        return (f"{MODES[self.mode]} N{self.n} {'resident' if self.resident else 'streamed'}"
+                f"{' warp-arrive' if self.warp_arrive else ''}")
+
 
 def config_grid() -> list[Config]:
-    """Streaming (checked) rows of both MMA modes at N 8 / 16 with the copy-only baseline, then the resident rows:
-    the consumers alone, per-thread and per-warp arrivals."""
-    g = [Config(0, 8, False)] + [Config(m, n, False) for m in (1, 4, 2, 3) for n in (8, 16)]
-    g += [Config(0, 8, True)] + [Config(m, n, True) for m in (1, 4, 2, 3) for n in (8, 16)]
+    """The copy-only baseline and the mma.sync rows first (streamed and checked, resident, per-warp arrivals), the
+    wgmma rows last: a fault in a new code path (a bad descriptor) loses the context, and the rows before it are
+    kept."""
+    g = [Config(0, 8, False), Config(0, 8, True)]
+    g += [Config(m, n, res) for m in (1, 4) for res in (False, True) for n in (8, 16)]
     g += [Config(m, n, True, True) for m in (1, 4) for n in (8, 16)]
+    g += [Config(m, n, res) for m in (2, 3) for res in (False, True) for n in (8, 16)]
     return g
 
 
@@ -116,11 +123,14 @@ def weight_map_args(rows_total: int, mode: int):
 TABLE_HEADER = ("consumers", "N", "data", "arrive", "ms", "GB/s", "% of 4.26", "us/chunk/SM", "check")
 
 
-def table_row(cfg: Config, ms: float, gbps: float, us_chunk: float, rel: float | None) -> list[str]:
+def table_row(cfg: Config, ms: float | None, gbps: float, us_chunk: float, rel: float | None,
+              failed: str | None = None) -> list[str]:
+    head = [MODES[cfg.mode], str(cfg.n), "resident" if cfg.resident else "streamed",
+            "per warp" if cfg.warp_arrive else "per thread"]
+    if ms is None:
+        return head + ["", "", "", "", failed or "not run"]
     check = "-" if rel is None else f"{'ok' if rel <= TOL else 'FAIL'} ({rel:.1e})"
-    return [MODES[cfg.mode], str(cfg.n), "resident" if cfg.resident else "streamed",
-            "per warp" if cfg.warp_arrive else "per thread", f"{ms:.3f}", f"{gbps:.0f}",
-            f"{100 * gbps / COPY_GBPS:.0f}%", f"{us_chunk:.3f}", check]
+    return head + [f"{ms:.3f}", f"{gbps:.0f}", f"{100 * gbps / COPY_GBPS:.0f}%", f"{us_chunk:.3f}", check]
 
 
 def rel_error(y, x, w) -> float:
@@ -138,8 +148,29 @@ def rel_error(y, x, w) -> float:
     return err / scale if scale > 0 else float("inf")
 
 
+def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], str | None]:
+    """Launch times (ms) after WARMUP launches, or [] and why the probe refused or timed out (checked after the first
+    launch: a broken config costs one ~2 s wait budget, not reps of them)."""
+    import torch
+    times = []
+    for r in range(WARMUP + reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
+        t1.record()
+        t1.synchronize()
+        flag = float(sink.item()) if r == 0 else 0.0
+        if flag != 0.0:
+            return [], ("an mbarrier wait timed out (a probe bug)" if flag == 1.0 else
+                        "the dynamic shared memory is not 1024-byte aligned")
+        if r >= WARMUP:
+            times.append(t0.elapsed_time(t1))
+    return times, None
+
+
 def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
-    """Measure every config; (markdown, csv rows, every check passed)."""
+    """Measure every config; (markdown, csv rows, every check passed). A config that times out is reported and the
+    next one runs; a CUDA error (the context is lost) ends the run with the rows measured so far."""
     import torch
 
     from mk_plugin.persistent.tensormap import encode_tile_map
@@ -162,32 +193,37 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     rows_md, rows_csv, ok_all = [], [], True
     commit, date = common.git_commit(), common.today()
     nbytes = grid * chunks * CHUNK_BYTES
-    for cfg in config_grid():
-        fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
-        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
-        y = ys[cfg.n].fill_(float("nan"))   # poisoned: a row the kernel never writes fails the check
-        wmap = wmaps[3 if cfg.mode in (3, 4) else 0]
-        args = tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
-            cp.int32(rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
-        times = []
-        for r in range(WARMUP + reps):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
-            t1.record()
-            t1.synchronize()
-            if r >= WARMUP:
-                times.append(t0.elapsed_time(t1))
-        flag = float(sink.item())
-        if flag != 0.0:
-            raise SystemExit(f"{cfg}: " + ("an mbarrier wait timed out (a probe bug)" if flag == 1.0 else
-                                           "the dynamic shared memory is not 1024-byte aligned"))
+    # torch raises RuntimeError for a CUDA error, CuPy its own (runtime / driver errors, NVRTC's CompileException)
+    cuda_errors = (RuntimeError, cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError,
+                   cp.cuda.runtime.CUDARuntimeError)
+    for i, cfg in enumerate(config_grid()):
+        try:
+            fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
+            fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+            y = ys[cfg.n].fill_(float("nan"))   # poisoned: a row the kernel never writes fails the check
+            sink.zero_()
+            wmap = wmaps[3 if cfg.mode in (3, 4) else 0]
+            args = tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
+                cp.int32(rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
+            times, why = measure(fn, args, grid, reps, sink)
+            rel = rel_error(y, xs[cfg.n], w) if cfg.checked and why is None else None
+        except cuda_errors as e:   # a CUDA error is sticky: keep what was measured, name the rest
+            lost = ", ".join(c.label() for c in config_grid()[i + 1:])
+            rows_md.append(table_row(cfg, None, 0.0, 0.0, None, f"ERROR {type(e).__name__}: {str(e)[:120]}"))
+            print(f"{cfg.label()}: {type(e).__name__}: {e}; not run: {lost}", file=sys.stderr, flush=True)
+            ok_all = False
+            break
+        if why is not None:
+            rows_md.append(table_row(cfg, None, 0.0, 0.0, None, f"FAIL: {why}"))
+            ok_all = False
+            print(f"{cfg.label()}: {why}", file=sys.stderr, flush=True)
+            continue
         ms = common.median(times)
-        rel = rel_error(y, xs[cfg.n], w) if cfg.checked else None
         ok_all &= rel is None or rel <= TOL
         gbps = nbytes / (ms * 1e-3) / 1e9
         us_chunk = ms * 1e3 / chunks
         rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel))
+        print(" | ".join(rows_md[-1]), flush=True)
         rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, int(cfg.resident), int(cfg.warp_arrive),
                          f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", "" if rel is None else f"{rel:.2e}"])
     title = (f"### wgmma_probe: {name}, {grid} SMs, {nbytes / 1e9:.2f} GB per launch ({chunks} chunks of 32 KB "
