@@ -49,6 +49,7 @@ THREADS = 288
 SMEM_BYTES = NS * CHUNK_BYTES + (K // 64) * 16 * 128 + 8 * 4 * 2 * 32 * 16 + 2 * NS * 8   # the kernel's WP_SMEM
 H200_SMS = 132
 WARMUP = 2
+DEVICE = "cuda"          # where run() puts its tensors (a CPU test of its plumbing sets "cpu" with a fake CuPy)
 TOL = 1e-3               # max |y - ref| / max |ref|: fp32 sums of bf16 products in another order
 CSV = common.RESULTS / "wgmma_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
@@ -182,13 +183,13 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     arch = f"sm_{props['major']}{props['minor']}a"
     rows, chunks = geometry(gb, grid)
     rows_total = rows * grid
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(rows_total, K, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
-    xs = {n: torch.randn(n, K, device="cuda", generator=gen).to(torch.bfloat16) for n in (8, 16)}
-    ys = {n: torch.empty(n, rows_total, device="cuda", dtype=torch.float32) for n in (8, 16)}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w = (torch.randn(rows_total, K, device=DEVICE, generator=gen) * 0.05).to(torch.bfloat16)
+    xs = {n: torch.randn(n, K, device=DEVICE, generator=gen).to(torch.bfloat16) for n in (8, 16)}
+    ys = {n: torch.empty(n, rows_total, device=DEVICE, dtype=torch.float32) for n in (8, 16)}
     wmaps = {m: torch.frombuffer(bytearray(encode_tile_map(w.data_ptr(), weight_map_args(rows_total, m))),
-                                 dtype=torch.uint8).to("cuda") for m in (0, 3)}   # mode 4 takes mode 3's
-    sink = torch.zeros(1, device="cuda", dtype=torch.float32)
+                                 dtype=torch.uint8).to(DEVICE) for m in (0, 3)}   # mode 4 takes mode 3's
+    sink = torch.zeros(1, device=DEVICE, dtype=torch.float32)
     src = build_source()
     rows_md, rows_csv, ok_all = [], [], True
     commit, date = common.git_commit(), common.today()

@@ -180,3 +180,81 @@ def test_mma_sync_mode_fragments_are_the_operands(rows, groups, kc):
                     got = [xs[off // 2], xs[off // 2 + 1]]
                     c0 = kc * groups * 64 + col + 8 * h + 2 * (lane & 3)
                     assert got == list(x[tok, c0:c0 + 2]), (j, lane, nt, h)
+
+
+def test_run_keeps_the_rows_before_a_fault_and_reports_timeouts(monkeypatch, tmp_path, capsys):
+    """run()'s plumbing on the CPU with a fake CuPy: every config compiles and launches in grid order; a timed-out
+    config is reported and the next runs; a CUDA error (here at the first wgmma row) ends the run with the rows
+    measured before it; main() writes the table and the CSV and exits 1."""
+    import types
+
+    import common
+    import torch
+
+    launched: list[tuple] = []
+
+    class FakeFn:
+        max_dynamic_shared_size_bytes = 0
+
+        def __init__(self, options):
+            self.options = options
+
+        def __call__(self, grid, block, args, shared_mem):
+            launched.append(self.options)
+            if "-DWP_MODE=2" in self.options:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class FakeModule:
+        def __init__(self, code, options):
+            assert "wgmma_probe" in code and options[1] == "--gpu-architecture=sm_90a"
+            self.options = options
+
+        def get_function(self, name):
+            return FakeFn(self.options)
+
+    errs = types.SimpleNamespace(compiler=types.SimpleNamespace(CompileException=type("CE", (Exception,), {})),
+                                 driver=types.SimpleNamespace(CUDADriverError=type("DE", (RuntimeError,), {})),
+                                 runtime=types.SimpleNamespace(CUDARuntimeError=type("RE", (RuntimeError,), {})))
+    cp = types.SimpleNamespace(RawModule=FakeModule, uint64=int, int32=int, cuda=errs)
+    props = {"name": b"Fake H200", "multiProcessorCount": 2, "major": 9, "minor": 0}
+    monkeypatch.setattr(common, "probe_device", lambda tool: (cp, props))
+    monkeypatch.setattr("mk_plugin.persistent.tensormap.encode_tile_map", lambda addr, args: bytes(128))
+    monkeypatch.setattr(wp, "DEVICE", "cpu")
+    monkeypatch.setattr(wp, "rel_error", lambda y, x, w: 1e-6)
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.25
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    real_measure = wp.measure
+
+    def measure(fn, args, grid, reps, sink):
+        if "-DWP_MODE=4" in fn.options and "-DWP_RESIDENT=1" in fn.options and "-DWP_N=8" in fn.options \
+                and "-DWP_WARP_ARRIVE=0" in fn.options:
+            return [], "an mbarrier wait timed out (a probe bug)"
+        return real_measure(fn, args, grid, reps, sink)
+
+    monkeypatch.setattr(wp, "measure", measure)
+    rc = wp.main(["--gb", "0.02", "--reps", "3", "--csv", str(tmp_path / "p.csv"), "--out", str(tmp_path / "p.md")])
+    assert rc == 1
+    md = (tmp_path / "p.md").read_text()
+    grid = wp.config_grid()
+    first_wgmma = next(i for i, c in enumerate(grid) if c.mode == 2)
+    assert md.count("| wgmma | ") == 1 and "ERROR RuntimeError: CUDA error" in md and "wgmma-B" not in md.split("|\n")[-1]
+    assert "FAIL: an mbarrier wait timed out" in md and "| mma.sync-1M | 8 | resident | per thread |" in md
+    csv_rows = (tmp_path / "p.csv").read_text().splitlines()
+    assert len(csv_rows) == 1 + first_wgmma - 1   # the header, every row before the fault but the timed-out one
+    assert all(",ok" not in r for r in csv_rows) and "0.2500" in csv_rows[1]
+    # each config launched WARMUP + reps times but the timed-out one (0 here: measure replaced) and the faulting one
+    assert len(launched) == (first_wgmma - 1) * (wp.WARMUP + 3) + 1
+    assert "not run: wgmma N16 streamed" in capsys.readouterr().err
