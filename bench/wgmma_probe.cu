@@ -28,7 +28,7 @@
 //     consumers' own rate on resident data (results meaningless, timing only).
 //   WP_WARP_ARRIVE 1 (modes 1, 4): one arrive per consumer warp (lane 0 after __syncwarp) instead of one per thread.
 // Warps 0..7 consume (two warpgroups), warp 8 produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
-// dynamic shared memory is not 1024-byte aligned.
+// dynamic shared memory is not 1024-byte aligned, 3 for a K or rows_per_cta the geometry does not allow.
 #include "probe_ring.cuh"
 
 #ifndef WP_MODE
@@ -68,6 +68,15 @@ static_assert(WP_N == 8 || WP_N == 16, "WP_N: 8 or 16 tokens");
 static_assert(WP_CHUNK_BYTES == 32768 && WP_CHUNK_BYTES % 1024 == 0, "1024-byte aligned 32 KB slots");
 static_assert(WP_NT * 8 == WP_N && WP_SMEM <= 232448, "an H200's opt-in shared memory per block");
 static_assert(WP_MTC * 16 == WP_ROWS && WP_JJ * 128 == WP_KC, "modes 1 / 4: M-tiles and k-steps of a chunk");
+static_assert(!WP_WARP_ARRIVE || WP_MODE == 1 || WP_MODE == 4, "WP_WARP_ARRIVE: modes 1 and 4 only");
+
+// probe_wait, except that once some wait has timed out (sink[0] set) a slow wait returns at once: a broken
+// configuration then costs one wait budget (~2 s), not one per chunk and thread.
+__device__ __forceinline__ void wp_wait(unsigned addr, unsigned parity, float* sink) {
+  if (probe_try_wait(addr, parity)) return;
+  if (*reinterpret_cast<volatile float*>(sink) != 0.f) return;
+  probe_wait(addr, parity, sink);
+}
 
 __device__ __forceinline__ void wp_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
@@ -144,6 +153,10 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
     if (threadIdx.x == 0) sink[0] = 2.f;
     return;
   }
+  if (K < WP_KC || K % WP_KC != 0 || K > WP_MAX_K || rows_per_cta % WP_ROWS != 0) {   // the geometry it is written for
+    if (threadIdx.x == 0) sink[0] = 3.f;
+    return;
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < WP_NS; ++s) {
       probe_mbar_init(full0 + 8 * s, 1);
@@ -167,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
       unsigned phase = 0;
       for (int c = 0; c < chunks; ++c) {
         const unsigned full = full0 + 8 * slot;
-        probe_wait(empty0 + 8 * slot, phase ^ 1, sink);
+        wp_wait(empty0 + 8 * slot, phase ^ 1, sink);
         if (WP_RESIDENT && c >= WP_NS) {
           probe_arrive(full);   // the slot keeps its old chunk
         } else {
@@ -182,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
       }
       // drain: no copy may be in flight when the CTA exits
       for (int c = chunks > WP_NS ? chunks - WP_NS : 0; c < chunks; ++c)
-        probe_wait(full0 + 8 * (c % WP_NS), (c / WP_NS) & 1, sink);
+        wp_wait(full0 + 8 * (c % WP_NS), (c / WP_NS) & 1, sink);
     }
     return;
   }
@@ -218,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #endif
     for (int kc = 0; kc < kchunks; ++kc) {
       [[maybe_unused]] const unsigned sb = ring + slot * WP_CHUNK_BYTES;
-      probe_wait(full0 + 8 * slot, phase, sink);
+      wp_wait(full0 + 8 * slot, phase, sink);
 #if WP_MODE == 1 || WP_MODE == 4
 #pragma unroll
       for (int jj = 0; jj < WP_JJ; ++jj) {

@@ -53,7 +53,7 @@ DEVICE = "cuda"          # where run() puts its tensors (a CPU test of its plumb
 TOL = 1e-3               # max |y - ref| / max |ref|: fp32 sums of bf16 products in another order
 CSV = common.RESULTS / "wgmma_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
-              "rel_err")
+              "fixed_us", "rel_err")
 MODES = ("sync-wait", "mma.sync", "wgmma", "wgmma-B", "mma.sync-1M")
 
 
@@ -121,17 +121,22 @@ def weight_map_args(rows_total: int, mode: int):
                        swizzle=_SWIZZLE_128B)
 
 
-TABLE_HEADER = ("consumers", "N", "data", "arrive", "ms", "GB/s", "% of 4.26", "us/chunk/SM", "check")
+TABLE_HEADER = ("consumers", "N", "data", "arrive", "launch ms", "GB/s", "% of 4.26", "us/chunk/SM", "fixed us",
+                "check")
 
 
 def table_row(cfg: Config, ms: float | None, gbps: float, us_chunk: float, rel: float | None,
-              failed: str | None = None) -> list[str]:
+              failed: str | None = None, fixed_us: float = 0.0) -> list[str]:
+    """us/chunk/SM: the full-size launch's time less the half-size one's over their chunks' difference (the
+    consumers' or the copy's per-chunk time, whichever bounds); fixed us: what is left of a launch (start, x staging,
+    the first copies, the drain). GB/s and % of 4.26: the full-size launch's, fixed costs included."""
     head = [MODES[cfg.mode], str(cfg.n), "resident" if cfg.resident else "streamed",
             "per warp" if cfg.warp_arrive else "per thread"]
     if ms is None:
-        return head + ["", "", "", "", failed or "not run"]
+        return head + ["", "", "", "", "", failed or "not run"]
     check = "-" if rel is None else f"{'ok' if rel <= TOL else 'FAIL'} ({rel:.1e})"
-    return head + [f"{ms:.3f}", f"{gbps:.0f}", f"{100 * gbps / COPY_GBPS:.0f}%", f"{us_chunk:.3f}", check]
+    return head + [f"{ms:.3f}", f"{gbps:.0f}", f"{100 * gbps / COPY_GBPS:.0f}%", f"{us_chunk:.3f}", f"{fixed_us:.1f}",
+                   check]
 
 
 def rel_error(y, x, w) -> float:
@@ -150,23 +155,32 @@ def rel_error(y, x, w) -> float:
 
 
 def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], str | None]:
-    """Launch times (ms) after WARMUP launches, or [] and why the probe refused or timed out (checked after the first
-    launch: a broken config costs one ~2 s wait budget, not reps of them)."""
+    """Launch times (ms) of `reps` launches queued back to back (the GPU never idles when a start event is queued,
+    so the host's launch call is not timed) after WARMUP launches, or [] and why the probe refused or timed out
+    (checked after the first launch: a broken config costs one ~2 s wait budget)."""
     import torch
-    times = []
-    for r in range(WARMUP + reps):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def failed() -> str | None:
+        flag = float(sink.item())
+        return None if flag == 0.0 else {1.0: "an mbarrier wait timed out (a probe bug)",
+                                         2.0: "the dynamic shared memory is not 1024-byte aligned",
+                                         3.0: "K or rows per CTA outside the kernel's geometry"}.get(flag, str(flag))
+
+    for r in range(WARMUP):
+        fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
+        if r == 0:
+            torch.cuda.synchronize()
+            if (why := failed()) is not None:
+                return [], why
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for t0, t1 in events:
         t0.record()
         fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
         t1.record()
-        t1.synchronize()
-        flag = float(sink.item()) if r == 0 else 0.0
-        if flag != 0.0:
-            return [], ("an mbarrier wait timed out (a probe bug)" if flag == 1.0 else
-                        "the dynamic shared memory is not 1024-byte aligned")
-        if r >= WARMUP:
-            times.append(t0.elapsed_time(t1))
-    return times, None
+    torch.cuda.synchronize()
+    if (why := failed()) is not None:
+        return [], why
+    return [t0.elapsed_time(t1) for t0, t1 in events], None
 
 
 def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
@@ -183,6 +197,10 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     arch = f"sm_{props['major']}{props['minor']}a"
     rows, chunks = geometry(gb, grid)
     rows_total = rows * grid
+    # a second, half-size launch of every config: the per-chunk cost is the difference over the chunks' difference,
+    # free of each launch's fixed costs (CTA start, x staging, the first copies, the drain)
+    rows_small = rows // 2 // ROWS * ROWS
+    chunks_small = chunks * rows_small // rows
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w = (torch.randn(rows_total, K, device=DEVICE, generator=gen) * 0.05).to(torch.bfloat16)
     xs = {n: torch.randn(n, K, device=DEVICE, generator=gen).to(torch.bfloat16) for n in (8, 16)}
@@ -195,18 +213,28 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     commit, date = common.git_commit(), common.today()
     nbytes = grid * chunks * CHUNK_BYTES
     # torch raises RuntimeError for a CUDA error, CuPy its own (runtime / driver errors, NVRTC's CompileException)
-    cuda_errors = (RuntimeError, cp.cuda.compiler.CompileException, cp.cuda.driver.CUDADriverError,
-                   cp.cuda.runtime.CUDARuntimeError)
+    cuda_errors = (RuntimeError, cp.cuda.driver.CUDADriverError, cp.cuda.runtime.CUDARuntimeError)
     for i, cfg in enumerate(config_grid()):
         try:
             fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
             fn.max_dynamic_shared_size_bytes = SMEM_BYTES
-            y = ys[cfg.n].fill_(float("nan"))   # poisoned: a row the kernel never writes fails the check
-            sink.zero_()
+        except cp.cuda.compiler.CompileException as e:   # the context is fine: the next config runs
+            rows_md.append(table_row(cfg, None, 0.0, 0.0, None, f"FAIL: NVRTC: {str(e)[:120]}"))
+            ok_all = False
+            print(f"{cfg.label()}: NVRTC failed: {e}", file=sys.stderr, flush=True)
+            continue
+        try:
+            y = ys[cfg.n]
             wmap = wmaps[3 if cfg.mode in (3, 4) else 0]
-            args = tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
-                cp.int32(rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
-            times, why = measure(fn, args, grid, reps, sink)
+
+            def args_for(n_rows: int, y=y, wmap=wmap, cfg=cfg) -> tuple:
+                return tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
+                    cp.int32(n_rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
+            sink.zero_()
+            small, why = measure(fn, args_for(rows_small), grid, reps, sink)
+            y.fill_(float("nan"))   # poisoned: a row the full-size launches never write fails the check
+            times, why2 = measure(fn, args_for(rows), grid, reps, sink) if why is None else ([], why)
+            why = why or why2
             rel = rel_error(y, xs[cfg.n], w) if cfg.checked and why is None else None
         except cuda_errors as e:   # a CUDA error is sticky: keep what was measured, name the rest
             lost = ", ".join(c.label() for c in config_grid()[i + 1:])
@@ -219,14 +247,16 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
             ok_all = False
             print(f"{cfg.label()}: {why}", file=sys.stderr, flush=True)
             continue
-        ms = common.median(times)
+        ms, ms_small = common.median(times), common.median(small)
         ok_all &= rel is None or rel <= TOL
         gbps = nbytes / (ms * 1e-3) / 1e9
-        us_chunk = ms * 1e3 / chunks
-        rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel))
+        us_chunk = (ms - ms_small) * 1e3 / (chunks - chunks_small)
+        fixed_us = ms * 1e3 - us_chunk * chunks
+        rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel, fixed_us=fixed_us))
         print(" | ".join(rows_md[-1]), flush=True)
         rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, int(cfg.resident), int(cfg.warp_arrive),
-                         f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", "" if rel is None else f"{rel:.2e}"])
+                         f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", f"{fixed_us:.2f}",
+                         "" if rel is None else f"{rel:.2e}"])
     title = (f"### wgmma_probe: {name}, {grid} SMs, {nbytes / 1e9:.2f} GB per launch ({chunks} chunks of 32 KB "
              f"per SM), median of {reps} ({WARMUP} warm-up), commit {commit}, {date}")
     notes = ("Chunks of 64 rows x 256 columns (one 128B-swizzled tensor-map copy), 5 slots, K 1024. mma.sync: 8 "
@@ -235,7 +265,10 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
              "group is issued and this one's done; wgmma-B: chunks of 16 rows x 1024 columns, the weights as B "
              "(N 16), x as A (M 64), 32 wgmma.m64n16k16 per warpgroup a chunk; mma.sync-1M: mma.sync on those "
              "chunks, 8 k-steps of one M-tile a warp. resident: the first 5 chunks copied, then only arrivals (the "
-             f"consumers' own rate; y meaningless). check: max |y - x W^T| / max |x W^T| <= {TOL}.")
+             "consumers' own rate; y meaningless). us/chunk/SM: (full launch - half launch) / their chunks' "
+             f"difference ({chunks} and {chunks_small} a CTA), timed back to back. Compare like with like: wgmma with "
+             "mma.sync (4 chunks a 64-row block), wgmma-B with mma.sync-1M (one chunk a block, an epilogue each). "
+             f"check: max |y - x W^T| / max |x W^T| <= {TOL}.")
     md = "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""])
     return md, rows_csv, ok_all
 

@@ -36,9 +36,11 @@ def test_every_config_compiles_without_spills_or_warnings(tmp_path, cfg):
     assert re.search(r"Compiling entry function 'wgmma_probe' for 'sm_90a'", log), log[-2000:]
     assert re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log) == [("0", "0")], log[-2000:]
     assert "warning" not in log.lower(), log[-2000:]
+    # ptxas reports serialized wgmma (a register touched between them) only as an info line (C7520)
+    assert "Potential Performance Loss" not in log, log[-2000:]
 
 
-@pytest.mark.parametrize("mode, n, hgmmas", [(2, 16, 8), (2, 8, 8), (3, 8, 32)])
+@pytest.mark.parametrize("mode, n, hgmmas", [(2, 16, 8), (2, 8, 8), (3, 8, 32), (3, 16, 32)])
 def test_the_wgmma_configs_issue_warpgroup_mmas(tmp_path, mode, n, hgmmas):
     """The SASS of modes 2 and 3 has 8 / 32 HGMMA a chunk (one unrolled loop: mode 3's B is 16 weight rows at any
     token count), waits on its groups and has no register-fed HMMA."""
@@ -49,6 +51,7 @@ def test_the_wgmma_configs_issue_warpgroup_mmas(tmp_path, mode, n, hgmmas):
                           check=True).stdout
     shape = f"64x{16 if mode == 3 else n}x16"
     assert len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16", sass)) == hgmmas, sass[-3000:]
+    assert len(re.findall(r"HGMMA[^;]*gsb0 ;", sass)) == 1, "serialized: more than one group barrier a chunk"
     assert "WARPGROUP.DEPBAR.LE" in sass and "HMMA" not in sass.replace("HGMMA", "")
 
 
@@ -236,6 +239,7 @@ def test_run_keeps_the_rows_before_a_fault_and_reports_timeouts(monkeypatch, tmp
             return 0.25
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     real_measure = wp.measure
 
     def measure(fn, args, grid, reps, sink):
@@ -255,6 +259,7 @@ def test_run_keeps_the_rows_before_a_fault_and_reports_timeouts(monkeypatch, tmp
     csv_rows = (tmp_path / "p.csv").read_text().splitlines()
     assert len(csv_rows) == 1 + first_wgmma - 1   # the header, every row before the fault but the timed-out one
     assert all(",ok" not in r for r in csv_rows) and "0.2500" in csv_rows[1]
-    # each config launched WARMUP + reps times but the timed-out one (0 here: measure replaced) and the faulting one
-    assert len(launched) == (first_wgmma - 1) * (wp.WARMUP + 3) + 1
+    # each config launched WARMUP + reps times at two sizes but the timed-out one (0 here: measure replaced) and the
+    # faulting one (its first launch)
+    assert len(launched) == (first_wgmma - 1) * 2 * (wp.WARMUP + 3) + 1
     assert "not run: wgmma N16 streamed" in capsys.readouterr().err
