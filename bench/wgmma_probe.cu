@@ -23,6 +23,10 @@
 //     8g..8g+7. 4x the tensor work of mode 2 at N 16 (8x at N 8), no new chunk geometry.
 //   4: mode 1's MMAs on mode 3's chunk: one M-tile, warp w takes k-steps w, w + 8, .., w + 56 (8 a chunk, one
 //     accumulator chain per n-tile): the megakernel's one-M-tile tasks (qkv_rope, o_proj, down at 1B batch 1).
+//   5: mode 3 with x in a compact K-major layout without swizzle, [K / 8][B][16 B] (B = WP_B real tokens), the A
+//     descriptor's leading (K-direction) byte offset B * 16: at B < 8 a core matrix's rows past the batch alias the
+//     next core matrices (read and dropped). Whether that overlap is legal and what it costs: a megakernel at batch
+//     1-7 and large K would need it (the 128B-swizzle layout pads x to 8 rows a column group).
 //   WP_N 8 or 16: tokens (the megakernel's NT = 1 / 2).
 //   WP_RESIDENT 1: after the first NS chunks the producer only arrives on the full barrier (no copy): the
 //     consumers' own rate on resident data (results meaningless, timing only).
@@ -43,9 +47,12 @@
 #ifndef WP_WARP_ARRIVE
 #define WP_WARP_ARRIVE 0
 #endif
+#ifndef WP_B
+#define WP_B WP_N   // mode 5: the real tokens (rows of A) of the N-token tile
+#endif
 
 constexpr int WP_NS = 5;                     // ring slots
-#if WP_MODE == 3 || WP_MODE == 4
+#if WP_MODE >= 3
 constexpr int WP_ROWS = 16;                  // rows per chunk: today's unit, the wgmma's N
 constexpr int WP_KC = 1024;                  // columns per chunk (today's CHUNK_COLS)
 #else
@@ -69,6 +76,7 @@ static_assert(WP_CHUNK_BYTES == 32768 && WP_CHUNK_BYTES % 1024 == 0, "1024-byte 
 static_assert(WP_NT * 8 == WP_N && WP_SMEM <= 232448, "an H200's opt-in shared memory per block");
 static_assert(WP_MTC * 16 == WP_ROWS && WP_JJ * 128 == WP_KC, "modes 1 / 4: M-tiles and k-steps of a chunk");
 static_assert(!WP_WARP_ARRIVE || WP_MODE == 1 || WP_MODE == 4, "WP_WARP_ARRIVE: modes 1 and 4 only");
+static_assert(WP_B >= 1 && WP_B <= WP_N && (WP_MODE == 5 || WP_B == WP_N), "WP_B: 1..WP_N, mode 5 only");
 
 // probe_wait, except that once some wait has timed out (sink[0] set) a slow wait returns at once: a broken
 // configuration then costs one wait budget (~2 s), not one per chunk and thread.
@@ -101,6 +109,13 @@ __device__ __forceinline__ void wp_mma(float (&c)[4], const unsigned (&a)[4], un
 // Byte offset of 16-byte unit `u` (0..7) of row `r` in a 128B-swizzled [row][128 B] atom stack (TMA's 128-byte
 // swizzle: the unit's index XOR the row's index within its 8-row atom).
 __device__ __forceinline__ unsigned wp_swz(int r, int u) { return (unsigned)(r * 128 + ((u ^ (r & 7)) << 4)); }
+
+// wgmma shared-memory matrix descriptor without swizzle (mode 5): K-major core matrices of 8 rows x 16 bytes, lbo
+// bytes apart along K, sbo bytes apart along M.
+__device__ __forceinline__ unsigned long long wp_desc_ns(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32);
+}
 
 // wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart (SBO), the
 // leading offset unused for a K extent inside one 128-byte line (1), base offset 0 (atoms 1024-byte aligned).
@@ -164,11 +179,16 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // x into its swizzled layout, by the consumers: 16-byte unit u of (token n, column group g)
+  // x into its swizzled layout, by the consumers: 16-byte unit u of (token n, column group g); mode 5: the compact
+  // [K / 8][B][16 B] layout of its B real tokens
   for (int i = threadIdx.x; i < WP_N * (K / 8); i += WP_THREADS) {
     const int n = i / (K / 8), k8 = i % (K / 8), g = k8 >> 3, u = k8 & 7;
     const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)n * K + k8 * 8);
-    *reinterpret_cast<uint4*>(smem + WP_NS * WP_CHUNK_BYTES + g * WP_N * 128 + wp_swz(n, u)) = v;
+    if (WP_MODE == 5) {
+      if (n < WP_B) *reinterpret_cast<uint4*>(smem + WP_NS * WP_CHUNK_BYTES + (k8 * WP_B + n) * 16) = v;
+    } else {
+      *reinterpret_cast<uint4*>(smem + WP_NS * WP_CHUNK_BYTES + g * WP_N * 128 + wp_swz(n, u)) = v;
+    }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma's async-proxy reads
   __syncthreads();
@@ -209,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   float d[WP_N / 2];
   const int wg = warp >> 2;
   int prev_slot = -1;
-#elif WP_MODE == 3
+#elif WP_MODE == 3 || WP_MODE == 5
   float d[8];
   const int wg = warp >> 2;
   int prev_slot = -1;
@@ -225,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #elif WP_MODE == 2
 #pragma unroll
     for (int e = 0; e < WP_N / 2; ++e) d[e] = 0.f;
-#elif WP_MODE == 3
+#elif WP_MODE == 3 || WP_MODE == 5
 #pragma unroll
     for (int e = 0; e < 8; ++e) d[e] = 0.f;
 #endif
@@ -267,13 +287,15 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
       wp_wgmma_wait<1>();   // the group before this one has read its slot
       if (prev_slot >= 0) probe_arrive(empty0 + 8 * prev_slot);
       prev_slot = slot;
-#elif WP_MODE == 3
+#elif WP_MODE == 3 || WP_MODE == 5
       wp_wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 32; ++kk) {
         const int g = 8 * wg + (kk >> 2), kg = kc * WP_GROUPS + g;
-        wp_wgmma<16>(d, wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32),
-                     wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32));
+        const unsigned long long da = WP_MODE == 5
+            ? wp_desc_ns(xs + (kg * 8 + (kk & 3) * 2) * WP_B * 16, WP_B * 16, 128)   // 16 columns = 2 core matrices
+            : wp_desc(xs + kg * WP_N * 128 + (kk & 3) * 32);
+        wp_wgmma<16>(d, da, wp_desc(sb + g * WP_GROUP_BYTES + (kk & 3) * 32));
       }
       wp_wgmma_commit();
       wp_wgmma_wait<1>();
@@ -335,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
       }
     }
     wp_consumer_sync();
-#elif WP_MODE == 3
+#elif WP_MODE == 3 || WP_MODE == 5
     wp_wgmma_wait<0>();
     probe_arrive(empty0 + 8 * prev_slot);
     prev_slot = -1;
@@ -352,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
         const int tok = lane >> 2, wr = rb + 8 * j + (lane & 3) * 2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {   // tokens tok, tok + 8
-          if (tok + 8 * h < WP_N) {
+          if (tok + 8 * h < WP_B) {
             y[(size_t)(tok + 8 * h) * rows_total + wr] = d[4 * j + 2 * h] + red[(4 * j + 2 * h) * 32 + lane];
             y[(size_t)(tok + 8 * h) * rows_total + wr + 1] = d[4 * j + 2 * h + 1] + red[(4 * j + 2 * h + 1) * 32 + lane];
           }

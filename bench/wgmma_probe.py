@@ -14,7 +14,9 @@ down find their chunks resident) and in batch 16's chunk work the consumers, not
   wgmma-B (3): the weights as wgmma's B (N = 16 rows) in today's chunk of 16 rows x 1024 columns (MK_W_TMA's
   layout) and x as A (M = 64, rows past the tokens dropped): 32 wgmma.m64n16k16 per warpgroup a chunk, 4-8x the
   tensor work of (2) but no new chunk geometry for the megakernel's 16-row units; mma.sync-1M (4): (1)'s MMAs on
-  (3)'s chunk, one M-tile and 8 k-steps a warp (the megakernel's one-M-tile tasks: qkv, o_proj, down at 1B batch 1).
+  (3)'s chunk, one M-tile and 8 k-steps a warp (the megakernel's one-M-tile tasks: qkv, o_proj, down at 1B batch 1);
+  wgmma-B compact (5): (3) with x in a compact unswizzled layout of its B real tokens, the A descriptor's K-direction
+  offset B * 16 (rows past the batch alias the next core matrices at B < 8: is that legal?).
 Streaming rows time the copy with the consumers behind it and check y against torch (fp32); resident rows copy
 the first 5 chunks only and time the consumers alone (their y is meaningless). Reading the table:
 - us/chunk of the resident rows is the consumers' own cost per 32 KB; the streaming rows' is max(copy, consumers).
@@ -52,9 +54,9 @@ WARMUP = 2
 DEVICE = "cuda"          # where run() puts its tensors (a CPU test of its plumbing sets "cpu" with a fake CuPy)
 TOL = 1e-3               # max |y - ref| / max |ref|: fp32 sums of bf16 products in another order
 CSV = common.RESULTS / "wgmma_probe.csv"
-CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
+CSV_HEADER = ("date", "gpu", "commit", "mode", "n", "b", "resident", "warp_arrive", "ms", "gbps", "us_per_chunk",
               "fixed_us", "rel_err")
-MODES = ("sync-wait", "mma.sync", "wgmma", "wgmma-B", "mma.sync-1M")
+MODES = ("sync-wait", "mma.sync", "wgmma", "wgmma-B", "mma.sync-1M", "wgmma-B compact")
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,29 @@ class Config:
     n: int               # tokens: 8 or 16
     resident: bool       # copy the first NS chunks only (the consumers' own rate)
     warp_arrive: bool = False   # modes 1, 4: one arrive per warp instead of per thread
+    b: int = 0           # mode 5: the real tokens (1..n; 0 = n)
 
     def __post_init__(self) -> None:
-        if self.mode not in (0, 1, 2, 3, 4) or self.n not in (8, 16) or (self.warp_arrive and self.mode not in (1, 4)):
-            raise ValueError(f"{self}: mode 0..4, n 8 or 16, warp_arrive only with modes 1 and 4")
+        if self.mode not in range(6) or self.n not in (8, 16) or (self.warp_arrive and self.mode not in (1, 4)):
+            raise ValueError(f"{self}: mode 0..5, n 8 or 16, warp_arrive only with modes 1 and 4")
+        if self.b and (self.mode != 5 or not 1 <= self.b <= self.n):
+            raise ValueError(f"{self}: b (real tokens) 1..n, mode 5 only")
+
+    @property
+    def tokens(self) -> int:
+        return self.b or self.n
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DWP_MODE={self.mode}", f"-DWP_N={self.n}", f"-DWP_RESIDENT={int(self.resident)}",
-                f"-DWP_WARP_ARRIVE={int(self.warp_arrive)}")
+                f"-DWP_WARP_ARRIVE={int(self.warp_arrive)}") + ((f"-DWP_B={self.b}",) if self.b else ())
 
     @property
     def checked(self) -> bool:
         return self.mode != 0 and not self.resident
 
     def label(self) -> str:
-        return (f"{MODES[self.mode]} N{self.n} {'resident' if self.resident else 'streamed'}"
-                f"{' warp-arrive' if self.warp_arrive else ''}")
+        return (f"{MODES[self.mode]} N{self.n}{f' B{self.b}' if self.b else ''} "
+                f"{'resident' if self.resident else 'streamed'}{' warp-arrive' if self.warp_arrive else ''}")
 
 
 def config_grid() -> list[Config]:
@@ -90,6 +99,7 @@ def config_grid() -> list[Config]:
     g += [Config(m, n, res) for m in (1, 4) for res in (False, True) for n in (8, 16)]
     g += [Config(m, n, True, True) for m in (1, 4) for n in (8, 16)]
     g += [Config(m, n, res) for m in (2, 3) for res in (False, True) for n in (8, 16)]
+    g += [Config(5, 16, False, b=b) for b in (16, 4, 1)] + [Config(5, 16, True, b=1)]
     return g
 
 
@@ -116,7 +126,7 @@ def weight_map_args(rows_total: int, mode: int):
     """W [rows_total, K] as (64 columns, rows, K / 64 column groups) with the 128-byte swizzle, box (64, 64, 4): a
     chunk lands as [column group][64 rows][128 B]; mode 3's box (64, 16, 16): [column group][16 rows][128 B]."""
     from mk_plugin.persistent.tensormap import _SWIZZLE_128B, TileMapArgs
-    rows, kc = (ROWS_B, KC_B) if mode in (3, 4) else (ROWS, KC)
+    rows, kc = (ROWS_B, KC_B) if mode >= 3 else (ROWS, KC)
     return TileMapArgs(dims=(64, rows_total, K // 64), strides=(K * 2, 128), box=(64, rows, kc // 64),
                        swizzle=_SWIZZLE_128B)
 
@@ -130,7 +140,7 @@ def table_row(cfg: Config, ms: float | None, gbps: float, us_chunk: float, rel: 
     """us/chunk/SM: the full-size launch's time less the half-size one's over their chunks' difference (the
     consumers' or the copy's per-chunk time, whichever bounds); fixed us: what is left of a launch (start, x staging,
     the first copies, the drain). GB/s and % of 4.26: the full-size launch's, fixed costs included."""
-    head = [MODES[cfg.mode], str(cfg.n), "resident" if cfg.resident else "streamed",
+    head = [MODES[cfg.mode], f"{cfg.n} (B {cfg.b})" if cfg.b else str(cfg.n), "resident" if cfg.resident else "streamed",
             "per warp" if cfg.warp_arrive else "per thread"]
     if ms is None:
         return head + ["", "", "", "", "", failed or "not run"]
@@ -225,7 +235,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
             continue
         try:
             y = ys[cfg.n]
-            wmap = wmaps[3 if cfg.mode in (3, 4) else 0]
+            wmap = wmaps[3 if cfg.mode >= 3 else 0]
 
             def args_for(n_rows: int, y=y, wmap=wmap, cfg=cfg) -> tuple:
                 return tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
@@ -235,7 +245,8 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
             y.fill_(float("nan"))   # poisoned: a row the full-size launches never write fails the check
             times, why2 = measure(fn, args_for(rows), grid, reps, sink) if why is None else ([], why)
             why = why or why2
-            rel = rel_error(y, xs[cfg.n], w) if cfg.checked and why is None else None
+            t = cfg.tokens   # mode 5 writes y for its real tokens only
+            rel = rel_error(y[:t], xs[cfg.n][:t], w) if cfg.checked and why is None else None
         except cuda_errors as e:   # a CUDA error is sticky: keep what was measured, name the rest
             lost = ", ".join(c.label() for c in config_grid()[i + 1:])
             rows_md.append(table_row(cfg, None, 0.0, 0.0, None, f"ERROR {type(e).__name__}: {str(e)[:120]}"))
@@ -254,7 +265,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
         fixed_us = ms * 1e3 - us_chunk * chunks
         rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel, fixed_us=fixed_us))
         print(" | ".join(rows_md[-1]), flush=True)
-        rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, int(cfg.resident), int(cfg.warp_arrive),
+        rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, cfg.tokens, int(cfg.resident), int(cfg.warp_arrive),
                          f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", f"{fixed_us:.2f}",
                          "" if rel is None else f"{rel:.2e}"])
     title = (f"### wgmma_probe: {name}, {grid} SMs, {nbytes / 1e9:.2f} GB per launch ({chunks} chunks of 32 KB "

@@ -40,7 +40,7 @@ def test_every_config_compiles_without_spills_or_warnings(tmp_path, cfg):
     assert "Potential Performance Loss" not in log, log[-2000:]
 
 
-@pytest.mark.parametrize("mode, n, hgmmas", [(2, 16, 8), (2, 8, 8), (3, 8, 32), (3, 16, 32)])
+@pytest.mark.parametrize("mode, n, hgmmas", [(2, 16, 8), (2, 8, 8), (3, 8, 32), (3, 16, 32), (5, 16, 32)])
 def test_the_wgmma_configs_issue_warpgroup_mmas(tmp_path, mode, n, hgmmas):
     """The SASS of modes 2 and 3 has 8 / 32 HGMMA a chunk (one unrolled loop: mode 3's B is 16 weight rows at any
     token count), waits on its groups and has no register-fed HMMA."""
@@ -75,10 +75,16 @@ def test_constants_match_the_kernel():
     assert "constexpr int WP_RED_BYTES = 8 * 4 * 2 * 32 * 16;" in src
 
 
+def mode5_defines_ok(grid) -> bool:
+    """Mode 5's configs pass their real tokens as -DWP_B, the others not at all."""
+    return all(any(d.startswith("-DWP_B=") for d in c.defines()) == (c.mode == 5) for c in grid)
+
+
 def test_grid_and_geometry():
     grid = wp.config_grid()
     assert len(set(grid)) == len(grid) and all(c.checked == (c.mode != 0 and not c.resident) for c in grid)
-    assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3, 4) for n in (8, 16)}
+    assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3, 4) for n in (8, 16)} | {(5, 16)}
+    assert sorted(c.tokens for c in grid if c.mode == 5) == [1, 1, 4, 16] and mode5_defines_ok(grid)
     rows, chunks = wp.geometry(1.0, 132)
     assert rows % wp.ROWS == 0 and chunks == rows // 64 * 4 and rows * 132 * wp.K * 2 <= 1e9
     for bad in (0.0, -1.0, float("nan"), 1e-6):
@@ -263,3 +269,34 @@ def test_run_keeps_the_rows_before_a_fault_and_reports_timeouts(monkeypatch, tmp
     # faulting one (its first launch)
     assert len(launched) == (first_wgmma - 1) * 2 * (wp.WARMUP + 3) + 1
     assert "not run: wgmma N16 streamed" in capsys.readouterr().err
+
+
+def _ns_desc_read(smem, start, lbo, sbo, rows):
+    """What wgmma reads through a K-major no-swizzle descriptor: core matrices of 8 rows x 16 bytes (rows 16 bytes
+    apart), lbo bytes apart along K (2 per 16-column k-step), sbo bytes apart along M: [rows, 16]."""
+    import numpy as np
+    out = np.zeros((rows, 16), dtype=np.int64)
+    for m in range(rows):
+        for k in range(16):
+            addr = start + (m // 8) * sbo + (m % 8) * 16 + (k // 8) * lbo + (k % 8) * 2
+            out[m, k] = smem[addr // 2] if addr // 2 < smem.size else 0
+    return out
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_compact_x_descriptor_reads_the_real_tokens(b):
+    """Mode 5: x's B real tokens as [K / 8][B][16 B]; the A descriptor at (16 columns from c0) starts at c0 / 8 * B
+    * 16 with LBO B * 16 and SBO 128: rows < B are x[row, c0 .. c0 + 16] (rows >= B alias other tokens' bytes)."""
+    import numpy as np
+    rng = np.random.default_rng(b)
+    K = wp.K
+    x = rng.integers(1, 1 << 15, size=(b, K))
+    smem = np.zeros(K * b, dtype=np.int64)          # 2 B K bytes of uint16
+    for t in range(b):
+        for k8 in range(K // 8):
+            smem[(k8 * b + t) * 8:(k8 * b + t) * 8 + 8] = x[t, k8 * 8:(k8 + 1) * 8]
+    for kg in (0, 7, 15):
+        for kk in range(4):
+            c0 = kg * 64 + kk * 16
+            a = _ns_desc_read(smem, (kg * 8 + kk * 2) * b * 16, b * 16, 128, 64)[:b]
+            assert (a == x[:, c0:c0 + 16]).all(), (b, kg, kk)
