@@ -2,8 +2,8 @@
 # Session 27's GPU calls (bench/NOTES.md session 26, "Next"). `bash bench/gpu_session35.sh N $OUT` from the project
 # root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the 64 MiB
 # limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the machine
-# stays warm. Order: 1, 7, 10, 11, 12, 3, 4, 5, 6, then 8 and 2 if time is left (session 27 had no GPU: its plan
-# moved here unchanged, with call 10, the consumer probe, added).
+# stays warm. Order: 1, 7, 10, 9, 11, 12, 3, 4, 5, 6, then 8 and 2 if time is left (session 27 had no GPU: its plan
+# moved here unchanged, with call 10, the consumer probe, and call 9, MK_WGMMA_B's tests and A/B, added).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto(), tbt_1layer_profiled()
@@ -35,6 +35,15 @@ case $n in
       # session 27; prediction and rule in bench/NOTES.md session 27): 26 configs, one compile each, launches at two sizes
       timeout 150 python3 bench/wgmma_probe.py --csv "$out/wgmma_probe.csv" \
         --out "$out/wgmma_probe_$(date -u +%Y-%m-%d)_${commit}.md" 2>&1 | tail -38 ;;
+  9) # issue 11: MK_WGMMA_B (built in session 27; prediction and rule in bench/NOTES.md session 27): its GPU tests,
+     # then against the default and MK_W_TMA alone at 1B batch 1 / 2 / 4, and against the table's 8B entries at 8B
+     # batch 1 / 2 (they already copy by tensor maps), 2 alternated rounds. Run it after call 10 (the probe's
+     # wgmma-B rows say whether the pattern and the compact layout work at all).
+     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_b_gpu.py 2>&1 | tail -6
+     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
+       --batch 1 2 4 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_WGMMA_B=1
+     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
+       --batch 1 2 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_B=1 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issues 11 and 12: 8B, stock alternated with auto and the megakernel, 2 rounds, batch 1 / 4 / 8 / 16
      # at prompt 512 (issue 11: megakernel <= 0.85x stock at b1 and b8; issue 12: auto <= stock at every batch)

@@ -89,6 +89,12 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     wp.K = hi - lo;
   }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
+#if MK_WGMMA_B   // A/B switch: batch <= 8, x staged whole, whole chunks: the task on the warpgroup MMA, inline
+  if (wgb_pass(wp.K, P.batch, nw != nullptr)) {
+    it = wgb_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+    return;
+  }
+#endif
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else

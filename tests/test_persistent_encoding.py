@@ -180,6 +180,12 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     with pytest.raises(ValueError, match="rstd_epi=True needs the fused rounding"):
         KernelVariant(rstd_epi=True, rounding=enc.Rounding.STOCK)
     assert "#define MK_RSTD_EPI 0" in (ROOT / "csrc" / "tasks.h").read_text()
+    # MK_WGMMA_B (A/B switch, session 27): needs the tensor-map weight chunks it reads as wgmma's B operand
+    g = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_B=1"])
+    assert g.wgmma_b and g.defines() == ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1") and g.label() == "w_tma,wgmma_b"
+    with pytest.raises(ValueError, match="wgmma_b=True reads the weights in MK_W_TMA's chunk layout"):
+        KernelVariant.parse(["MK_WGMMA_B=1"])
+    assert "#define MK_WGMMA_B 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

@@ -32,7 +32,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"))
+                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_B", "wgmma_b", "wgmma_b"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -76,6 +76,10 @@ class KernelVariant:
     # accumulators by rstd[b] in the epilogue; the first pass sums x^2 from the column groups as they go by, so the
     # task starts its chunk loop without rows_rstd's L2 rounds (four at batch 16). FUSED rounding only.
     rstd_epi: bool = False
+    # MK_WGMMA_B (A/B switch, session 27; off; needs w_tma): a matvec pass at batch <= 8 whose x is staged whole runs
+    # its chunks on the warpgroup MMA (wgmma) with the weight tile as its B operand and the normalised x in a compact
+    # shared-memory layout as its A operand, walking the pass M-tile-major (csrc/matvec_wgmma.cuh).
+    wgmma_b: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -94,9 +98,12 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi"):
+        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if self.wgmma_b and not self.w_tma:
+            raise ValueError("wgmma_b=True reads the weights in MK_W_TMA's chunk layout: set w_tma=True too "
+                             "(MK_W_TMA=1)")
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
