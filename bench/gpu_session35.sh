@@ -32,7 +32,7 @@ case $n in
      timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
        --batch 3 8 16 --rounds 2 --build default --build MK_RSTD_EPI=1 ;;
   10) # issue 11: the consumers' own cost per 32 KB chunk, mma.sync against wgmma (bench/wgmma_probe.py, written in
-      # session 27; prediction and rule in bench/NOTES.md session 27): 26 configs, one compile each, launches at two sizes
+      # session 27; prediction and rule in bench/NOTES.md session 27): 28 configs, one compile each, launches at two sizes
       timeout 150 python3 bench/wgmma_probe.py --csv "$out/wgmma_probe.csv" \
         --out "$out/wgmma_probe_$(date -u +%Y-%m-%d)_${commit}.md" 2>&1 | tail -38 ;;
   9) # issue 11: MK_WGMMA_B (built in session 27; prediction and rule in bench/NOTES.md session 27): its GPU tests,

@@ -147,6 +147,12 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
   const int wg = warp >> 2;
   const unsigned lbo = (unsigned)B * 16;
   unsigned long long wc = 0;   // in a register: the caller's counter is in memory (its address goes to matvec_task)
+  // a slow wait's timeout, recorded after the M-tile's last group: watchdog_record is a call, and no wgmma group may be
+  // in flight across a call (ptxas then serialises every wgmma of the function, C7510); nor may a wait_group sit in
+  // a branch the warpgroup's threads take apart (wait_group is .aligned)
+  unsigned to_chunk = ~0u;
+  int to_slot = 0;
+  unsigned long long to_ns = 0;
   for (int m = 0; m < mt; ++m) {
     float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int prev = -1;
@@ -154,11 +160,15 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
       const int slot = it % NUM_STAGES;
       const long long c0 = clock64();
       int ws = WAIT_OK;
-      if (!mbar_try_wait(S.full_bar(slot), (it / NUM_STAGES) & 1)) {
-        // the slow wait may call watchdog_record: no wgmma group may be in flight across a call (ptxas then
-        // serialises every wgmma of the function, C7510)
-        wgb_wait<0>();
-        ws = ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+      if (!mbar_try_wait(S.full_bar(slot), (it / NUM_STAGES) & 1)) {   // ring_wait's slow path, inline, no call
+        unsigned long long waited = 0;
+        ws = mbar_wait_slow(S.full_bar(slot), (it / NUM_STAGES) & 1, S.abort_flag(), P.budget_ns, waited);
+        if (ws == WAIT_TIMEOUT) {
+          to_chunk = it;
+          to_slot = slot;
+          to_ns = waited;
+          *S.abort_flag() = 1;
+        }
       }
       wc += clock64() - c0;
       const unsigned sb = S.ring(slot) + wg * (W_CHUNK_KG / 2) * W_KG_BYTES;   // this warpgroup's half of the columns
@@ -175,6 +185,11 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
     }
     wgb_wait<0>();
     if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+    if (to_chunk != ~0u) {   // as ring_wait records it
+      watchdog_record(P, ERR_MBAR_TIMEOUT, *S.cur_task(), MBAR_TAG_FULL + to_slot, (int)((to_chunk / NUM_STAGES) & 1),
+                      (int)to_chunk, to_ns);
+      to_chunk = ~0u;
+    }
     if ((warp & 3) == 0) sums[(wg * ACC_TILES + m) * 32 + lane] = make_float4(d[0], d[1], d[4], d[5]);
   }
   wait_cycles += wc;

@@ -3,7 +3,8 @@ whole run their chunks on the warpgroup MMA (the MK_W_TMA weight tile as wgmma's
 shared-memory layout as its A operand, the pass walked M-tile-major by the producer and the consumers alike). Against
 the fp32 reference and the Triton path, bitwise repeatable (fixed-order sums), op by op against the VM (the same
 products in another fp32 order: within tolerance), with a K-split program, and at batch sizes where only some ops
-take the wgmma path (1B batch 4 / 5: o_proj yes, qkv_rope / gate_up / down no). The helpers and the weights fixture
+take the wgmma path (1B batch 5: o_proj and lm_head yes, qkv_rope / gate_up / down no; batch 8: none, the switch's
+build on the default path; 8B: o_proj and lm_head at batch <= 2 only). The helpers and the weights fixture
 are test_persistent_gpu.py's."""
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_grid_and_geometry():
     grid = wp.config_grid()
     assert len(set(grid)) == len(grid) and all(c.checked == (c.mode != 0 and not c.resident) for c in grid)
     assert {(c.mode, c.n) for c in grid if c.checked} == {(m, n) for m in (1, 2, 3, 4) for n in (8, 16)} | {(5, 16)}
-    assert sorted(c.tokens for c in grid if c.mode == 5) == [1, 1, 4, 16] and mode5_defines_ok(grid)
+    assert sorted(c.tokens for c in grid if c.mode == 5) == [1, 1, 2, 3, 5, 16] and mode5_defines_ok(grid)
     rows, chunks = wp.geometry(1.0, 132)
     assert rows % wp.ROWS == 0 and chunks == rows // 64 * 4 and rows * 132 * wp.K * 2 <= 1e9
     for bad in (0.0, -1.0, float("nan"), 1e-6):
@@ -283,7 +283,7 @@ def _ns_desc_read(smem, start, lbo, sbo, rows):
     return out
 
 
-@pytest.mark.parametrize("b", [1, 4, 16])
+@pytest.mark.parametrize("b", [1, 2, 3, 5, 16])
 def test_compact_x_descriptor_reads_the_real_tokens(b):
     """Mode 5: x's B real tokens as [K / 8][B][16 B]; the A descriptor at (16 columns from c0) starts at c0 / 8 * B
     * 16 with LBO B * 16 and SBO 128: rows < B are x[row, c0 .. c0 + 16] (rows >= B alias other tokens' bytes)."""
