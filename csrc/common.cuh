@@ -126,7 +126,10 @@ constexpr int RING_OFF = 0;
 // map's 128-byte swizzle: csrc/weight_tma.cuh) inside the same region.
 constexpr int RING_STRIDE = MK_W_TMA ? 32768 : SLOT_BYTES;
 static_assert(RING_STRIDE <= SLOT_BYTES && RING_STRIDE % 128 == 0, "ring slot stride");
-constexpr int UNION_OFF = NUM_STAGES * SLOT_BYTES;
+// MK_WGMMA_A: the scratch right after the 32 KB slots, 1024-byte aligned for its x groups' 128-byte swizzle (the
+// slots' padding, NUM_STAGES x 256 bytes, is then left after the scratch); every other build as measured.
+constexpr int UNION_OFF = MK_WGMMA_A ? NUM_STAGES * RING_STRIDE : NUM_STAGES * SLOT_BYTES;
+static_assert(!MK_WGMMA_A || (MK_W_TMA && UNION_OFF % 1024 == 0), "MK_WGMMA_A: 1024-byte aligned scratch");
 constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
 constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
 constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes

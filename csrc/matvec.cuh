@@ -368,5 +368,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
 
 }  // namespace mk
 
-// MK_WGMMA_B's tasks (compiled out of other builds; after the epilogue declarations above)
+// MK_WGMMA_B's and MK_WGMMA_A's tasks (compiled out of other builds; after the epilogue declarations above)
 #include "matvec_wgmma.cuh"
+#include "matvec_wgmma_a.cuh"

@@ -21,6 +21,7 @@
 #include "weight_tma.cuh"
 #include "matvec_plan.cuh"
 #include "x_frags.cuh"
+#include "wgmma.cuh"
 
 namespace mk {
 
@@ -45,38 +46,6 @@ __device__ __forceinline__ int wgb_sum_off(int K, int B, bool norm) {
 __device__ __forceinline__ bool wgb_pass(int K, int B, bool norm) {
   return batch_ntiles(B) == 1 && K % CHUNK_COLS == 0 && staged_fits(K, B, norm) &&
          wgb_sum_off(K, B, norm) + WGB_SUM_BYTES <= UNION_BYTES - STAGE_PART_BYTES;
-}
-
-__device__ __forceinline__ void wgb_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void wgb_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgb_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgb_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-
-// Shared-memory matrix descriptors (K-major): x' without swizzle (core matrices of 8 rows x 16 bytes, lbo bytes
-// apart along K, sbo along M); a weight tile with the 128-byte swizzle (8-row atoms 1024 bytes apart, the start
-// advanced 32 bytes per k-step inside the atom).
-__device__ __forceinline__ unsigned long long wgb_desc_a(unsigned addr, unsigned lbo) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-         ((unsigned long long)(128 >> 4) << 32);
-}
-__device__ __forceinline__ unsigned long long wgb_desc_b(unsigned addr) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-         (1ull << 62);
-}
-
-__device__ __forceinline__ void wgb_mma(float (&d)[8], unsigned long long da, unsigned long long db) {
-#if MK_DTYPE_BF16
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, "
-               "p, 1, 1, 0, 0;\n\t}"
-#else
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, "
-               "p, 1, 1, 0, 0;\n\t}"
-#endif
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(da), "l"(db));
 }
 
 // x' of the pass into the compact layout at xs + wgb_xa_off: unit (k8, b) at (k8 * B + b) * 16. A norm-fused op
@@ -132,7 +101,7 @@ __device__ __noinline__ WgbStaged wgb_stage(const Smem S, const Params& P, const
       }
     }
   }
-  wgb_fence_proxy();   // each writer's generic stores before the wgmmas' async-proxy reads
+  wg_fence_proxy();   // each writer's generic stores before the wgmmas' async-proxy reads
   consumer_sync();
   st.xa = smem_addr(xa);
   return st;
@@ -147,49 +116,31 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
   const int wg = warp >> 2;
   const unsigned lbo = (unsigned)B * 16;
   unsigned long long wc = 0;   // in a register: the caller's counter is in memory (its address goes to matvec_task)
-  // a slow wait's timeout, recorded after the M-tile's last group: watchdog_record is a call, and no wgmma group may be
-  // in flight across a call (ptxas then serialises every wgmma of the function, C7510); nor may a wait_group sit in
-  // a branch the warpgroup's threads take apart (wait_group is .aligned)
-  unsigned to_chunk = ~0u;
-  int to_slot = 0;
-  unsigned long long to_ns = 0;
+  WgTimeout to;   // a slow wait's timeout, recorded after the M-tile's last group (no wait_group may sit in a
+                  // branch the warpgroup's threads take apart: wait_group is .aligned)
   for (int m = 0; m < mt; ++m) {
     float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int prev = -1;
     for (int k0 = 0; k0 < K; k0 += CHUNK_COLS) {
       const int slot = it % NUM_STAGES;
       const long long c0 = clock64();
-      int ws = WAIT_OK;
-      if (!mbar_try_wait(S.full_bar(slot), (it / NUM_STAGES) & 1)) {   // ring_wait's slow path, inline, no call
-        unsigned long long waited = 0;
-        ws = mbar_wait_slow(S.full_bar(slot), (it / NUM_STAGES) & 1, S.abort_flag(), P.budget_ns, waited);
-        if (ws == WAIT_TIMEOUT) {
-          to_chunk = it;
-          to_slot = slot;
-          to_ns = waited;
-          *S.abort_flag() = 1;
-        }
-      }
+      const int ws = wg_slot_wait(S, P, slot, it, to);
       wc += clock64() - c0;
       const unsigned sb = S.ring(slot) + wg * (W_CHUNK_KG / 2) * W_KG_BYTES;   // this warpgroup's half of the columns
       const unsigned a0 = xa + (unsigned)((k0 / 8 + wg * (CHUNK_COLS / 16)) * B * 16);
-      wgb_fence();
+      wg_fence();
 #pragma unroll
       for (int j = 0; j < CHUNK_COLS / 32; ++j)   // k-step j of the half: 16 columns, 2 core matrices of x'
-        wgb_mma(d, wgb_desc_a(a0 + (unsigned)(2 * j * B * 16), lbo), wgb_desc_b(sb + (j >> 2) * W_KG_BYTES + (j & 3) * 32));
-      wgb_commit();
-      wgb_wait<1>();   // the previous chunk's group has read its slot
+        wg_mma_m64n16(d, wg_desc_plain(a0 + (unsigned)(2 * j * B * 16), lbo), wg_desc_sw128(sb + (j >> 2) * W_KG_BYTES + (j & 3) * 32));
+      wg_commit();
+      wg_wait<1>();   // the previous chunk's group has read its slot
       if (prev >= 0) mbar_arrive(S.empty_bar(prev));
       prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
       ++it;
     }
-    wgb_wait<0>();
+    wg_wait<0>();
     if (prev >= 0) mbar_arrive(S.empty_bar(prev));
-    if (to_chunk != ~0u) {   // as ring_wait records it
-      watchdog_record(P, ERR_MBAR_TIMEOUT, *S.cur_task(), MBAR_TAG_FULL + to_slot, (int)((to_chunk / NUM_STAGES) & 1),
-                      (int)to_chunk, to_ns);
-      to_chunk = ~0u;
-    }
+    wg_record(S, P, to);
     if ((warp & 3) == 0) sums[(wg * ACC_TILES + m) * 32 + lane] = make_float4(d[0], d[1], d[4], d[5]);
   }
   wait_cycles += wc;

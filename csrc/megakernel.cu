@@ -95,6 +95,12 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     return;
   }
 #endif
+#if MK_WGMMA_A   // A/B switch: batch 9..16, whole 256-column chunks: the task on the warpgroup MMA, inline
+  if (wga_pass(wp.K, P.batch)) {
+    it = wga_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
+    return;
+  }
+#endif
   if (batch_ntiles(P.batch) == 1)
     it = matvec_task<1>(S, P, t, wp, x, nw, staged, it, warp, lane, &wait_cycles);
   else

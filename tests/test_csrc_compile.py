@@ -49,7 +49,8 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_ATT_TMA=1", "-DMK_NUM_STAGES=5"), ("-DMK_ATT_TMA=128", "-DMK_NUM_STAGES=4"),
             ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"), ("-DMK_RSTD_EPI=1",),
             ("-DMK_RSTD_EPI=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128")]
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1", "-DMK_NUM_STAGES=5")]
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -76,7 +77,8 @@ def test_megakernel_compiles_without_spills(tmp_path):
         [(s, ("-DMK_ATT_TMA=128",)) for s in _specs() if s.name != one_b.name] + \
         [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs() if s.name == "llama-3.1-8b"] + \
-        [(s, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")) for s in _specs() if s.name == "llama-3.1-8b"]
+        [(s, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")) for s in _specs() if s.name == "llama-3.1-8b"] + \
+        [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=1")) for s in _specs() if s.name == "llama-3.1-8b"]
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):
@@ -87,7 +89,7 @@ def test_megakernel_compiles_without_spills(tmp_path):
         bad = [s for s in spills if s != (0, 0)]
         assert not bad, f"{name}: register spills {bad}:\n{log[-4000:]}"
         assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]
-        # MK_WGMMA_B: ptxas serialises wgmma only with an info line (C7510 / C7520: a call or divergence in the way)
+        # MK_WGMMA_B / _A: ptxas serialises wgmma only with an info line (C7510 / C7520: a call or divergence in the way)
         assert "Potential Performance Loss" not in log, f"{name}: wgmma serialised:\n{log[-2000:]}"
 
 
@@ -101,6 +103,7 @@ def test_nvrtc_compiles_the_runtime_source():
     builds.append((_specs()[2], ("-DMK_ATT_TMA=128",)))   # the ring's tensor-core attention (inline PTX)
     one_b = LlamaSpec.from_json_file(MODELS / "llama-3.2-1b")   # the warpgroup MMA (A/B switch; K % 64 == 0)
     builds.append((one_b, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")))
+    builds.append((one_b, ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1")))
     for spec, extra in builds:
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))
         assert rc == 0, f"{spec.name}: NVRTC failed:\n{log[-4000:]}"

@@ -186,6 +186,14 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     with pytest.raises(ValueError, match="wgmma_b=True reads the weights in MK_W_TMA's chunk layout"):
         KernelVariant.parse(["MK_WGMMA_B=1"])
     assert "#define MK_WGMMA_B 0" in (ROOT / "csrc" / "tasks.h").read_text()
+    # MK_WGMMA_A (A/B switch, session 28): copies its 64-row chunks with MK_W_TMA's maps; x' normalised before the MMAs
+    a = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=1"])
+    assert a.wgmma_a and a.defines() == ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1") and a.label() == "w_tma,wgmma_a"
+    with pytest.raises(ValueError, match="wgmma_a=True copies its chunks with MK_W_TMA's tensor maps"):
+        KernelVariant.parse(["MK_WGMMA_A=1"])
+    with pytest.raises(ValueError, match="wgmma_a=True normalises x' with the rows' rstd"):
+        KernelVariant(w_tma=True, wgmma_a=True, rstd_epi=True)
+    assert "#define MK_WGMMA_A 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

@@ -32,7 +32,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_B", "wgmma_b", "wgmma_b"))
+                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_B", "wgmma_b", "wgmma_b"),
+                   ("MK_WGMMA_A", "wgmma_a", "wgmma_a"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -80,6 +81,10 @@ class KernelVariant:
     # its chunks on the warpgroup MMA (wgmma) with the weight tile as its B operand and the normalised x in a compact
     # shared-memory layout as its A operand, walking the pass M-tile-major (csrc/matvec_wgmma.cuh).
     wgmma_b: bool = False
+    # MK_WGMMA_A (A/B switch, session 28; off; needs w_tma): a matvec pass at batch 9..16 streams 64-row x 256-column
+    # chunks and runs them on wgmma with the weights as its A operand (M = the pass's 64 rows) and x' as its B operand
+    # (N = 16 tokens), both from shared memory (csrc/matvec_wgmma_a.cuh).
+    wgmma_a: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -98,12 +103,18 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b"):
+        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b", "wgmma_a"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if self.wgmma_b and not self.w_tma:
             raise ValueError("wgmma_b=True reads the weights in MK_W_TMA's chunk layout: set w_tma=True too "
                              "(MK_W_TMA=1)")
+        if self.wgmma_a and not self.w_tma:
+            raise ValueError("wgmma_a=True copies its chunks with MK_W_TMA's tensor maps: set w_tma=True too "
+                             "(MK_W_TMA=1)")
+        if self.wgmma_a and self.rstd_epi:
+            raise ValueError("wgmma_a=True normalises x' with the rows' rstd before its MMAs: it is not built with "
+                             "rstd_epi=True (MK_RSTD_EPI=1)")
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")

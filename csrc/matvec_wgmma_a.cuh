@@ -1,0 +1,219 @@
+// MK_WGMMA_A (A/B switch, session 28, default off; variant.KernelVariant.wgmma_a; needs MK_W_TMA): a matvec pass at
+// two n-tiles (batch 9..16) runs on Hopper's warpgroup MMA with the weights as wgmma's A operand (M = 64 rows: the
+// pass's four M-tiles) and x' = the normalised activations as its B operand (N = 16 tokens), both read from shared
+// memory by descriptor: no fragments, no ldmatrix, one m64n16k16 per 16 columns and warpgroup.
+//
+// Why: at batch 16 the consumers, not the copies, bound the chunk loop (bench/NOTES.md sessions 11-27: 8B batch 16's
+// qkv / o_proj chunks take 1.1-1.3 us where the copy needs 1.0; ring depth, copy size and in-flight caps measured
+// out). Per 32 KB chunk the register-fed path issues 128 mma.m16n8k16 and 64 ldmatrix.x4 over 8 warps; this path 16
+// wgmma (8 per warpgroup), the useful tensor work exactly (64 rows x 256 columns x 16 tokens), issued async.
+// bench/wgmma_probe.py's mode 2 is this pattern alone (its x layout is this one's).
+//
+// Chunk geometry (this path only; the producer walks it alike: wga_produce): a chunk is the pass's rows (up to 4
+// M-tiles of 16) x 256 columns, 32 KB, laid out as [column group 0..3][row 0..63][128 B] with the tensor map's
+// 128-byte swizzle: M-tile m's box (MK_W_TMA's one-column-group map: 16 rows x 64 columns, 2 KB) lands at
+// g * 8 KB + m * 2 KB, so the 8-row atoms of all 64 rows are 1024 bytes apart, the K-major SW128 layout wgmma reads.
+// A pass of mt < 4 M-tiles copies mt boxes per group; the rows past them hold stale bytes whose sums are dropped.
+// Warpgroup g takes the chunk's column groups 2g, 2g + 1 (k-steps 8g .. 8g + 7); the two halves' sums are added in
+// the epilogue in a fixed order (deterministic; the default path's products in another fp32 order: within
+// tolerance of it, not bitwise).
+//
+// x: one column group of 512 columns at a time (two chunks), double-buffered through cp.async as the default path's
+// group staging, but laid out for wgmma: [64-column group c 0..7][token 0..15][128 B], 16-byte unit u of a token's
+// line at u ^ (token & 7) (the 128-byte swizzle; tokens past the batch are never written, their sums are dropped).
+// Norm-fused ops normalise their own copied units in place (norm_pair with rows_rstd's rstd: the default's x' bits).
+#pragma once
+#include "common.cuh"
+#include "weight_tma.cuh"
+#include "matvec_plan.cuh"
+#include "x_frags.cuh"
+#include "wgmma.cuh"
+
+namespace mk {
+
+#if MK_WGMMA_A
+static_assert(MK_W_TMA, "MK_WGMMA_A copies its chunks with MK_W_TMA's one-column-group tensor maps");
+static_assert(!MK_RSTD_EPI, "MK_WGMMA_A: normalises x' with rows_rstd's rstd (MK_RSTD_EPI's epilogue scaling not built)");
+
+constexpr int WGA_KC = 256;                       // columns per chunk
+constexpr int WGA_GROUPS = WGA_KC / W_KG_COLS;    // 64-column groups per chunk
+constexpr int WGA_MT = ACC_TILES / 2;             // M-tiles per pass (NT = 2)
+constexpr int WGA_GROUP_BYTES = WGA_MT * W_KG_BYTES;   // one column group of the chunk's 64 rows: 8 KB
+constexpr int WGA_XG = 512;                       // x columns staged at once (two chunks)
+constexpr int WGA_XLINE = 16 * 128;               // one 64-column group of x: 16 token lines of 128 B
+static_assert(WGA_GROUPS * WGA_GROUP_BYTES == 32768 && WGA_MT * 16 == 64, "a chunk is 64 rows x 256 columns");
+static_assert((WGA_XG / W_KG_COLS) * WGA_XLINE <= GROUP_BYTES, "an x group fits a staging buffer");
+static_assert(MAX_BATCH == 16, "x' is one n16 operand");
+
+// Whether a pass of this task takes this path (the producer and the consumers decide alike): two n-tiles, whole
+// 256-column chunks (K, or a K-split part's width).
+__device__ __forceinline__ bool wga_pass(int K, int B) { return batch_ntiles(B) == 2 && K % WGA_KC == 0; }
+
+// ---- producer: one chunk per 256 columns, mt x 4 boxes of 16 rows x 64 columns ----
+__device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int p0, int mt, int klo,
+                                            int khi, const void* wmap_one, unsigned& it, int ti, int lane) {
+  for (int k0 = klo; k0 < khi; k0 += WGA_KC) {
+    const int slot = it % NUM_STAGES;
+    if (producer_slot_wait(S, P, it, ti) != WAIT_OK) return false;
+    if (lane == 0) {
+      if (MK_DIAG & 2)
+        mbar_arrive(S.full_bar(slot));
+      else
+        mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(mt * WGA_GROUPS * W_KG_BYTES));
+    }
+    __syncwarp();
+    if (!(MK_DIAG & 2) && lane < mt * WGA_GROUPS) {   // lane = (M-tile, column group)
+      const int m = lane / WGA_GROUPS, g = lane % WGA_GROUPS;
+      tma_w(S.ring(slot) + g * WGA_GROUP_BYTES + m * W_KG_BYTES, wmap_one, t.opcode == OP_QKV_ROPE,
+            weight_row(t.opcode, p0, m * 16), k0 / W_KG_COLS + g, S.full_bar(slot));
+    }
+    ++it;
+  }
+  return true;
+}
+
+// ---- consumers ----
+// x's 16-byte unit u (0..WGA_XG / 8) of token b in a staging buffer.
+__device__ __forceinline__ int wga_xunit(int b, int u) { return (u >> 3) * WGA_XLINE + b * 128 + (((u & 7) ^ (b & 7)) << 4); }
+
+// The copies of x[:, k0 : k0 + WGA_XG) (fewer at K's end) into buffer gb; thread idx takes units idx, idx + 256, ..
+// (wga_group_ready normalises the same units).
+__device__ __forceinline__ void wga_group_issue(unsigned char* gb, const elem_t* x, int K, int ldx, int k0, int B) {
+  constexpr int UPR = WGA_XG / 8;
+  const int valid = min(WGA_XG, K - k0) / 8;
+  for (int idx = threadIdx.x; idx < B * UPR; idx += CONSUMER_THREADS) {
+    const int b = idx / UPR, u = idx - b * UPR;
+    if (u < valid) cp_async16(smem_addr(gb + wga_xunit(b, u)), x + (size_t)b * ldx + k0 + u * 8);
+  }
+  cp_async_commit();
+}
+
+// Buffer gb's group (columns k0 ..) landed and, for a norm-fused op, normalised in place (x' = norm_pair(x, rstd[b],
+// nw), the default path's bits), visible to the wgmmas; then the next group's copies go into the other buffer (its
+// last wgmmas completed before this call: the caller's wait_group 0). Out of line: no wgmma is in flight here.
+__device__ __noinline__ void wga_group_ready(const Smem S, unsigned char* gb, unsigned char* next, const elem_t* x,
+                                             const elem_t* nw, int K, int ldx, int k0, int B) {
+  constexpr int UPR = WGA_XG / 8;
+  cp_async_wait_all();   // this thread's copies: the units it normalises below are its own
+  if (nw != nullptr) {
+    const float* rstd = S.rstd();
+    const int valid = min(WGA_XG, K - k0) / 8;
+    for (int idx = threadIdx.x; idx < B * UPR; idx += CONSUMER_THREADS) {
+      const int b = idx / UPR, u = idx - b * UPR;
+      if (u < valid) {
+        uint4* p = reinterpret_cast<uint4*>(gb + wga_xunit(b, u));
+        uint4 v = *p;
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(nw + k0 + u * 8));
+        const float r = rstd[b];
+        v.x = norm_pair(v.x, r, w.x);
+        v.y = norm_pair(v.y, r, w.y);
+        v.z = norm_pair(v.z, r, w.z);
+        v.w = norm_pair(v.w, r, w.w);
+        *p = v;
+      }
+    }
+  }
+  wg_fence_proxy();
+  consumer_sync();   // everyone's units are in; the other buffer's readers are done
+  if (next != nullptr) wga_group_issue(next, x, K, ldx, k0 + WGA_XG, B);
+}
+
+// A pass's start, out of line (nothing in flight): the epilogue's early loads as matvec_task's (o_proj / down
+// residuals, qkv's cos|sin: warp = M-tile * 2 + n-tile) and, on a later pass, group 0's copies (the previous pass's
+// epilogue has left the scratch).
+struct WgaStart {
+  unsigned r[4];
+};
+__device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, const Task t, int p0, int mt,
+                                                unsigned char* xs, const elem_t* x, int K, int ldx, bool issue, int warp,
+                                                int lane) {
+  WgaStart st{{0u, 0u, 0u, 0u}};
+  if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0 && warp / 2 < mt)
+    residual_prefetch(P, t, p0, warp / 2, warp % 2, lane, st.r);
+  else if (t.opcode == OP_QKV_ROPE && warp / 2 < mt)
+    rope_prefetch(S, P, p0, warp / 2, warp % 2, lane, st.r);
+  if (issue) wga_group_issue(xs, x, K, ldx, 0, P.batch);
+  return st;
+}
+
+// The pass's sums, red[warpgroup][M-tile][n-tile][lane] (float4: the mma accumulator layout of tile (m, n)), to the
+// epilogue: warp w = m * 2 + n takes tile (m, n), the two warpgroups' halves added in a fixed order (out of line).
+__device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const Task t, int p0, int mt, int mtpu,
+                                          const float4* red, int warp, int lane, unsigned r0, unsigned r1, unsigned r2,
+                                          unsigned r3) {
+  const int m = warp / 2, n = warp % 2;
+  if (m < mt && !(mtpu == 2 && (m & 1))) {
+    const unsigned rres[4] = {r0, r1, r2, r3};
+    float v[4], vu[4] = {0.f, 0.f, 0.f, 0.f};
+    const float4 a = red[((0 * WGA_MT + m) * 2 + n) * 32 + lane], b = red[((1 * WGA_MT + m) * 2 + n) * 32 + lane];
+    v[0] = a.x + b.x; v[1] = a.y + b.y; v[2] = a.z + b.z; v[3] = a.w + b.w;
+    if (mtpu == 2) {
+      const float4 c = red[((0 * WGA_MT + m + 1) * 2 + n) * 32 + lane], e = red[((1 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
+      vu[0] = c.x + e.x; vu[1] = c.y + e.y; vu[2] = c.z + e.z; vu[3] = c.w + e.w;
+    }
+    matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
+  }
+}
+
+// A whole task (matvec_dispatch, megakernel.cu: inlined into mk_decode, since ptxas serialises the wgmma of a called
+// function, C7510). (No MK_TRACE_PHASES phases for these tasks.)
+__device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
+                                             const elem_t* x, const elem_t* nw, unsigned it, int warp, int lane,
+                                             unsigned long long& wait_cycles) {
+  const int B = P.batch, K = wp.K, upp = WGA_MT / wp.mtpu, uend = t.arg0 + t.arg1, wg = warp >> 2;
+  unsigned char* xs = reinterpret_cast<unsigned char*>(S.scratch());
+  const float4* red = reinterpret_cast<const float4*>(xs);   // the pass's sums, once its wgmmas are done with x
+  // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task)
+  wga_group_issue(xs, x, K, wp.ldx, 0, B);
+  if (nw != nullptr) rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
+  unsigned long long wc = 0;
+  WgTimeout to;
+  for (int p0 = t.arg0; p0 < uend; p0 += upp) {
+    const int mt = min(upp, uend - p0) * wp.mtpu;
+    const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
+    float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int gi = 0;
+    for (int kg = 0; kg < K; kg += WGA_XG, ++gi) {
+      unsigned char* gb = xs + (gi & 1) * GROUP_BYTES;
+      wga_group_ready(S, gb, kg + WGA_XG < K ? xs + ((gi + 1) & 1) * GROUP_BYTES : nullptr, x, nw, K, wp.ldx, kg, B);
+      const unsigned xg = smem_addr(gb);
+      const int nc = min(WGA_XG, K - kg) / WGA_KC;
+      int prev = -1;
+      for (int c = 0; c < nc; ++c) {
+        const int slot = it % NUM_STAGES;
+        const long long c0 = clock64();
+        const int ws = wg_slot_wait(S, P, slot, it, to);
+        wc += clock64() - c0;
+        // this warpgroup's k-steps 8 wg + j: the chunk's column group 2 wg + j / 4, x's 64-column group 4 c + 2 wg + j / 4
+        const unsigned wa = S.ring(slot) + 2 * wg * WGA_GROUP_BYTES, xb = xg + (4 * c + 2 * wg) * WGA_XLINE;
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          wg_mma_m64n16(d, wg_desc_sw128(wa + (j >> 2) * WGA_GROUP_BYTES + (j & 3) * 32),
+                        wg_desc_sw128(xb + (j >> 2) * WGA_XLINE + (j & 3) * 32));
+        wg_commit();
+        wg_wait<1>();   // the previous chunk's group has read its slot
+        if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+        prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
+        ++it;
+      }
+      wg_wait<0>();   // this group's x and slots are read: the buffer may be refilled, the last slot freed
+      if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+    }
+    wg_record(S, P, to);
+    consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
+    float4* sums = reinterpret_cast<float4*>(xs);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+      sums[((wg * WGA_MT + (warp & 3)) * 2 + n) * 32 + lane] = make_float4(d[4 * n], d[4 * n + 1], d[4 * n + 2], d[4 * n + 3]);
+    consumer_sync();
+    wga_epilogue(S, P, t, p0, mt, wp.mtpu, red, warp, lane, st.r[0], st.r[1], st.r[2], st.r[3]);
+    consumer_sync();   // the epilogue's reads of the sums before the next pass's group 0 lands there
+  }
+  wait_cycles += wc;
+  if (is_ksplit(t)) ksplit_merge(S, P, t);   // o_proj.cuh: the last part of the range adds the parts
+  return it;
+}
+#endif
+
+}  // namespace mk

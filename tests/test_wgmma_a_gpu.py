@@ -1,0 +1,63 @@
+"""MK_WGMMA_A on the GPU (A/B switch, session 28; csrc/matvec_wgmma_a.cuh): matvec passes at batch 9..16 stream chunks
+of the pass's 64 rows x 256 columns (MK_W_TMA's 16-row boxes placed as one 64-row swizzled tile) and run them on the
+warpgroup MMA, the weights as its A operand and x' (one 512-column group at a time, in the 128-byte swizzled layout) as
+its B operand. Against the fp32 reference and the Triton path, bitwise repeatable (fixed-order sums), op by op against
+the VM (the same products in another fp32 order: within tolerance), with the packaged tables' K-split programs (1B
+down / 4, 8B down / 2: parts of 2048 and 7168 columns, whole chunks), at a shallower ring (its scratch moves with the
+ring's depth) and at batch 8, where no pass takes the path (the switch's build on the default path). The helpers and
+the weights fixture are test_persistent_gpu.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_persistent_gpu import (
+    DEV,
+    _assert_step_matches_ref_and_triton,
+    _run_mk,
+    gpu_batch,
+    models,  # noqa: F401 (the fixture)
+    op_by_op_failures,
+)
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.tuning import ScheduleTuning
+from mk_plugin.persistent.variant import KernelVariant
+
+pytestmark = pytest.mark.gpu
+WGMMA_A = KernelVariant(w_tma=True, wgmma_a=True)
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 9), ("llama-3.2-1b", 13), ("llama-3.2-1b", 16),
+                                      ("llama-3.2-1b", 8), ("llama-3.1-8b", 11), ("llama-3.1-8b", 16)])
+def test_wgmma_a_tasks_match_the_reference(models, name, bsz):  # noqa: F811 (fixture)
+    spec, w = models(name, 2)
+    seq_lens = [(61 * i + 5) % 700 + 1 for i in range(bsz)]
+    batch = gpu_batch(spec, seq_lens, seed=bsz + 11)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=WGMMA_A)
+    (o0, l0, c0), (o1, l1, c1) = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+
+
+@pytest.mark.parametrize("name,parts,stages", [("llama-3.2-1b", 4, 0), ("llama-3.1-8b", 2, 0), ("llama-3.2-1b", 4, 5)])
+def test_wgmma_a_tasks_with_a_k_split_and_ring_depths(models, name, parts, stages):  # noqa: F811 (fixture)
+    """down cut over K as the packaged tables cut it at batch 16 (the parts' merge after the wgmma sums), the ring-fed
+    attention on, and a 5-slot ring (the scratch then starts at another offset, still 1024-byte aligned)."""
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [300 + 37 * i for i in range(16)], seed=parts + stages)
+    cs = ref.rope_cos_sin_cache(spec, 1000).to(DEV)
+    tuning = ScheduleTuning(ksplit=(("down", parts),), att_tma=128, num_stages=stages)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=WGMMA_A, tuning={16: tuning})
+    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 16), ("llama-3.1-8b", 10)])
+def test_wgmma_a_tasks_match_the_vm_op_by_op(models, name, bsz):  # noqa: F811 (fixture)
+    spec, w = models(name, 1)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=WGMMA_A)
+    failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, [40 + 23 * i for i in range(bsz)], seed=2))
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
