@@ -1,7 +1,10 @@
-// MK_WGMMA_A (A/B switch, session 28, default off; variant.KernelVariant.wgmma_a; needs MK_W_TMA): a matvec pass at
-// two n-tiles (batch 9..16) runs on Hopper's warpgroup MMA with the weights as wgmma's A operand (M = 64 rows: the
-// pass's four M-tiles) and x' = the normalised activations as its B operand (N = 16 tokens), both read from shared
-// memory by descriptor: no fragments, no ldmatrix, one m64n16k16 per 16 columns and warpgroup.
+// MK_WGMMA_A = R (A/B switch, session 28, default 0 = off; variant.KernelVariant.wgmma_a; needs MK_W_TMA): a matvec
+// task at two n-tiles (batch 9..16) runs on Hopper's warpgroup MMA with the weights as wgmma's A operand (M = 64 rows,
+// four M-tiles: a row block) and x' = the normalised activations as its B operand (N = 16 tokens), both read from
+// shared memory by descriptor: no fragments, no ldmatrix, one m64n16k16 per 16 columns, row block and warpgroup. A
+// pass holds up to R row blocks (R = 1, 2 or 4: 4 R M-tiles, 8 R accumulator registers a thread), so x is staged once
+// per 64 R rows instead of once per 64 (the default path's pass): 8B batch 16's gate_up stages x in 2 passes at R = 4
+// instead of 4.
 //
 // Why: at batch 16 the consumers, not the copies, bound the chunk loop (bench/NOTES.md sessions 11-27: 8B batch 16's
 // qkv / o_proj chunks take 1.1-1.3 us where the copy needs 1.0; ring depth, copy size and in-flight caps measured
@@ -9,11 +12,11 @@
 // wgmma (8 per warpgroup), the useful tensor work exactly (64 rows x 256 columns x 16 tokens), issued async.
 // bench/wgmma_probe.py's mode 2 is this pattern alone (its x layout is this one's).
 //
-// Chunk geometry (this path only; the producer walks it alike: wga_produce): a chunk is the pass's rows (up to 4
-// M-tiles of 16) x 256 columns, 32 KB, laid out as [column group 0..3][row 0..63][128 B] with the tensor map's
+// Chunk geometry (this path only; the producer walks it alike: wga_produce): a chunk is one row block of the pass (up
+// to 4 M-tiles of 16 rows) x 256 columns, 32 KB, in the order (column step, row block), laid out as [column group 0..3][row 0..63][128 B] with the tensor map's
 // 128-byte swizzle: M-tile m's box (MK_W_TMA's one-column-group map: 16 rows x 64 columns, 2 KB) lands at
 // g * 8 KB + m * 2 KB, so the 8-row atoms of all 64 rows are 1024 bytes apart, the K-major SW128 layout wgmma reads.
-// A pass of mt < 4 M-tiles copies mt boxes per group; the rows past them hold stale bytes whose sums are dropped.
+// A row block of mt < 4 M-tiles copies mt boxes per group; the rows past them hold stale bytes whose sums are dropped.
 // Warpgroup g takes the chunk's column groups 2g, 2g + 1 (k-steps 8g .. 8g + 7); the two halves' sums are added in
 // the epilogue in a fixed order (deterministic; the default path's products in another fp32 order: within
 // tolerance of it, not bitwise).
@@ -35,39 +38,51 @@ namespace mk {
 static_assert(MK_W_TMA, "MK_WGMMA_A copies its chunks with MK_W_TMA's one-column-group tensor maps");
 static_assert(!MK_RSTD_EPI, "MK_WGMMA_A: normalises x' with rows_rstd's rstd (MK_RSTD_EPI's epilogue scaling not built)");
 
+constexpr int WGA_RB = MK_WGMMA_A;                // row blocks (of 64 rows) per pass
+static_assert(WGA_RB == 1 || WGA_RB == 2 || WGA_RB == 4, "MK_WGMMA_A: 1, 2 or 4 row blocks per pass");
 constexpr int WGA_KC = 256;                       // columns per chunk
 constexpr int WGA_GROUPS = WGA_KC / W_KG_COLS;    // 64-column groups per chunk
-constexpr int WGA_MT = ACC_TILES / 2;             // M-tiles per pass (NT = 2)
-constexpr int WGA_GROUP_BYTES = WGA_MT * W_KG_BYTES;   // one column group of the chunk's 64 rows: 8 KB
-constexpr int WGA_XG = 512;                       // x columns staged at once (two chunks)
+constexpr int WGA_BT = 4;                         // M-tiles per row block
+constexpr int WGA_MT = WGA_BT * WGA_RB;           // M-tiles per pass
+constexpr int WGA_GROUP_BYTES = WGA_BT * W_KG_BYTES;   // one column group of a row block: 8 KB
+constexpr int WGA_XG = 512;                       // x columns staged at once (two column steps)
 constexpr int WGA_XLINE = 16 * 128;               // one 64-column group of x: 16 token lines of 128 B
-static_assert(WGA_GROUPS * WGA_GROUP_BYTES == 32768 && WGA_MT * 16 == 64, "a chunk is 64 rows x 256 columns");
+constexpr int WGA_SUM_BYTES = 2 * WGA_MT * 2 * 32 * 16;   // a pass's sums: [warpgroup][M-tile][n-tile][lane] float4
+static_assert(WGA_GROUPS * WGA_GROUP_BYTES == 32768, "a chunk is 64 rows x 256 columns");
 static_assert((WGA_XG / W_KG_COLS) * WGA_XLINE <= GROUP_BYTES, "an x group fits a staging buffer");
+static_assert(WGA_SUM_BYTES <= UNION_BYTES, "a pass's sums fit the scratch");
 static_assert(MAX_BATCH == 16, "x' is one n16 operand");
 
 // Whether a pass of this task takes this path (the producer and the consumers decide alike): two n-tiles, whole
 // 256-column chunks (K, or a K-split part's width).
-__device__ __forceinline__ bool wga_pass(int K, int B) { return batch_ntiles(B) == 2 && K % WGA_KC == 0; }
+__device__ __forceinline__ bool wga_takes(int K, int B) { return batch_ntiles(B) == 2 && K % WGA_KC == 0; }
 
-// ---- producer: one chunk per 256 columns, mt x 4 boxes of 16 rows x 64 columns ----
-__device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int p0, int mt, int klo,
-                                            int khi, const void* wmap_one, unsigned& it, int ti, int lane) {
-  for (int k0 = klo; k0 < khi; k0 += WGA_KC) {
-    const int slot = it % NUM_STAGES;
-    if (producer_slot_wait(S, P, it, ti) != WAIT_OK) return false;
-    if (lane == 0) {
-      if (MK_DIAG & 2)
-        mbar_arrive(S.full_bar(slot));
-      else
-        mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(mt * WGA_GROUPS * W_KG_BYTES));
+// ---- producer: a task's passes, each column step's row blocks, mt x 4 boxes of 16 rows x 64 columns a chunk ----
+__device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int mtpu, int klo, int khi,
+                                            const void* wmap_one, unsigned& it, int ti, int lane) {
+  const int upp = WGA_MT / mtpu, uend = t.arg0 + t.arg1;
+  for (int p0 = t.arg0; p0 < uend; p0 += upp) {
+    const int mt = min(upp, uend - p0) * mtpu;
+    for (int k0 = klo; k0 < khi; k0 += WGA_KC) {
+      for (int m0 = 0; m0 < mt; m0 += WGA_BT) {
+        const int mb = min(WGA_BT, mt - m0);   // the row block's M-tiles
+        const int slot = it % NUM_STAGES;
+        if (producer_slot_wait(S, P, it, ti) != WAIT_OK) return false;
+        if (lane == 0) {
+          if (MK_DIAG & 2)
+            mbar_arrive(S.full_bar(slot));
+          else
+            mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(mb * WGA_GROUPS * W_KG_BYTES));
+        }
+        __syncwarp();
+        if (!(MK_DIAG & 2) && lane < mb * WGA_GROUPS) {   // lane = (M-tile, column group)
+          const int m = lane / WGA_GROUPS, g = lane % WGA_GROUPS;
+          tma_w(S.ring(slot) + g * WGA_GROUP_BYTES + m * W_KG_BYTES, wmap_one, t.opcode == OP_QKV_ROPE,
+                weight_row(t.opcode, p0, (m0 + m) * 16), k0 / W_KG_COLS + g, S.full_bar(slot));
+        }
+        ++it;
+      }
     }
-    __syncwarp();
-    if (!(MK_DIAG & 2) && lane < mt * WGA_GROUPS) {   // lane = (M-tile, column group)
-      const int m = lane / WGA_GROUPS, g = lane % WGA_GROUPS;
-      tma_w(S.ring(slot) + g * WGA_GROUP_BYTES + m * W_KG_BYTES, wmap_one, t.opcode == OP_QKV_ROPE,
-            weight_row(t.opcode, p0, m * 16), k0 / W_KG_COLS + g, S.full_bar(slot));
-    }
-    ++it;
   }
   return true;
 }
@@ -118,9 +133,9 @@ __device__ __noinline__ void wga_group_ready(const Smem S, unsigned char* gb, un
   if (next != nullptr) wga_group_issue(next, x, K, ldx, k0 + WGA_XG, B);
 }
 
-// A pass's start, out of line (nothing in flight): the epilogue's early loads as matvec_task's (o_proj / down
-// residuals, qkv's cos|sin: warp = M-tile * 2 + n-tile) and, on a later pass, group 0's copies (the previous pass's
-// epilogue has left the scratch).
+// A pass's start, out of line (nothing in flight): the epilogue's early loads of this warp's first tile (tile = warp:
+// M-tile warp / 2, n-tile warp % 2; o_proj / down residuals, qkv's cos|sin) as matvec_task's, and, on a later pass,
+// group 0's copies (the previous pass's epilogue has left the scratch).
 struct WgaStart {
   unsigned r[4];
 };
@@ -136,14 +151,79 @@ __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, c
   return st;
 }
 
-// The pass's sums, red[warpgroup][M-tile][n-tile][lane] (float4: the mma accumulator layout of tile (m, n)), to the
-// epilogue: warp w = m * 2 + n takes tile (m, n), the two warpgroups' halves added in a fixed order (out of line).
+// One pass of NRB row blocks: its x groups and chunks, then its sums to the scratch (red: [warpgroup][M-tile][n-tile]
+// [lane] float4, the mma accumulator layout of tile (m, n): warp w % 4 of a warpgroup holds M-tile 4 rb + w % 4 of
+// row block rb). Inlined (the wgmma must not cross a call); a template so that every accumulator index is a constant.
+template <int NRB>
+__device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, unsigned char* xs, const elem_t* x,
+                                             const elem_t* nw, int K, int ldx, unsigned it, int warp, int lane,
+                                             WgTimeout& to, unsigned& wc) {
+  const int wg = warp >> 2, B = P.batch;
+  float d[NRB][8];
+#pragma unroll
+  for (int rb = 0; rb < NRB; ++rb)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) d[rb][e] = 0.f;
+  int gi = 0;
+  for (int kg = 0; kg < K; kg += WGA_XG, ++gi) {
+    unsigned char* gb = xs + (gi & 1) * GROUP_BYTES;
+    wga_group_ready(S, gb, kg + WGA_XG < K ? xs + ((gi + 1) & 1) * GROUP_BYTES : nullptr, x, nw, K, ldx, kg, B);
+    const int nc = min(WGA_XG, K - kg) / WGA_KC;
+    int prev = -1;
+    for (int c = 0; c < nc; ++c) {
+      // this warpgroup's k-steps 8 wg + j: the chunk's column group 2 wg + j / 4, x's 64-column group 4 c + 2 wg + j / 4
+      const unsigned xb = smem_addr(gb) + (4 * c + 2 * wg) * WGA_XLINE;
+#pragma unroll
+      for (int rb = 0; rb < NRB; ++rb) {
+        const int slot = it % NUM_STAGES;
+        const unsigned c0 = (unsigned)clock64();
+        const int ws = wg_slot_wait(S, P, slot, it, to);
+        wc += (unsigned)clock64() - c0;
+        const unsigned wa = S.ring(slot) + 2 * wg * WGA_GROUP_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          wg_mma_m64n16(d[rb], wg_desc_sw128(wa + (j >> 2) * WGA_GROUP_BYTES + (j & 3) * 32),
+                        wg_desc_sw128(xb + (j >> 2) * WGA_XLINE + (j & 3) * 32));
+        wg_commit();
+        wg_wait<1>();   // the previous chunk's group has read its slot
+        if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+        prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
+        ++it;
+      }
+    }
+    wg_wait<0>();   // this group's x and slots are read: the buffer may be refilled, the last slot freed
+    if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+  }
+  wg_record(S, P, to);
+  consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
+  float4* red = reinterpret_cast<float4*>(xs);
+#pragma unroll
+  for (int rb = 0; rb < NRB; ++rb)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+      red[((wg * WGA_MT + WGA_BT * rb + (warp & 3)) * 2 + n) * 32 + lane] =
+          make_float4(d[rb][4 * n], d[rb][4 * n + 1], d[rb][4 * n + 2], d[rb][4 * n + 3]);
+  consumer_sync();
+  return it;
+}
+
+// The pass's sums to the epilogue (out of line): warp w takes tiles w, w + 8, .. (tile = M-tile * 2 + n-tile), the
+// two warpgroups' halves added in a fixed order. Its first tile's early loads came with the pass's start; a later
+// tile's (M-tile >= 4: only gate_up has so many, and it loads none) are loaded here.
 __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const Task t, int p0, int mt, int mtpu,
                                           const float4* red, int warp, int lane, unsigned r0, unsigned r1, unsigned r2,
                                           unsigned r3) {
-  const int m = warp / 2, n = warp % 2;
-  if (m < mt && !(mtpu == 2 && (m & 1))) {
-    const unsigned rres[4] = {r0, r1, r2, r3};
+  for (int tile = warp; tile < 2 * mt; tile += CONSUMER_WARPS) {
+    const int m = tile / 2, n = tile % 2;
+    if (mtpu == 2 && (m & 1)) continue;   // gate_up's up tile: read with its gate tile
+    unsigned rres[4] = {r0, r1, r2, r3};
+    if (tile >= CONSUMER_WARPS) {
+      if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0)
+        residual_prefetch(P, t, p0, m, n, lane, rres);
+      else if (t.opcode == OP_QKV_ROPE)
+        rope_prefetch(S, P, p0, m, n, lane, rres);
+    }
     float v[4], vu[4] = {0.f, 0.f, 0.f, 0.f};
     const float4 a = red[((0 * WGA_MT + m) * 2 + n) * 32 + lane], b = red[((1 * WGA_MT + m) * 2 + n) * 32 + lane];
     v[0] = a.x + b.x; v[1] = a.y + b.y; v[2] = a.z + b.z; v[3] = a.w + b.w;
@@ -160,54 +240,23 @@ __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const T
 __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
                                              const elem_t* x, const elem_t* nw, unsigned it, int warp, int lane,
                                              unsigned long long& wait_cycles) {
-  const int B = P.batch, K = wp.K, upp = WGA_MT / wp.mtpu, uend = t.arg0 + t.arg1, wg = warp >> 2;
+  const int B = P.batch, K = wp.K, upp = WGA_MT / wp.mtpu, uend = t.arg0 + t.arg1;
   unsigned char* xs = reinterpret_cast<unsigned char*>(S.scratch());
-  const float4* red = reinterpret_cast<const float4*>(xs);   // the pass's sums, once its wgmmas are done with x
   // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task)
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
   if (nw != nullptr) rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
-  unsigned long long wc = 0;
+  unsigned wc = 0;   // wait cycles, in a register (the caller's counter is in memory)
   WgTimeout to;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
     const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
-    float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int gi = 0;
-    for (int kg = 0; kg < K; kg += WGA_XG, ++gi) {
-      unsigned char* gb = xs + (gi & 1) * GROUP_BYTES;
-      wga_group_ready(S, gb, kg + WGA_XG < K ? xs + ((gi + 1) & 1) * GROUP_BYTES : nullptr, x, nw, K, wp.ldx, kg, B);
-      const unsigned xg = smem_addr(gb);
-      const int nc = min(WGA_XG, K - kg) / WGA_KC;
-      int prev = -1;
-      for (int c = 0; c < nc; ++c) {
-        const int slot = it % NUM_STAGES;
-        const long long c0 = clock64();
-        const int ws = wg_slot_wait(S, P, slot, it, to);
-        wc += clock64() - c0;
-        // this warpgroup's k-steps 8 wg + j: the chunk's column group 2 wg + j / 4, x's 64-column group 4 c + 2 wg + j / 4
-        const unsigned wa = S.ring(slot) + 2 * wg * WGA_GROUP_BYTES, xb = xg + (4 * c + 2 * wg) * WGA_XLINE;
-        wg_fence();
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          wg_mma_m64n16(d, wg_desc_sw128(wa + (j >> 2) * WGA_GROUP_BYTES + (j & 3) * 32),
-                        wg_desc_sw128(xb + (j >> 2) * WGA_XLINE + (j & 3) * 32));
-        wg_commit();
-        wg_wait<1>();   // the previous chunk's group has read its slot
-        if (prev >= 0) mbar_arrive(S.empty_bar(prev));
-        prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
-        ++it;
-      }
-      wg_wait<0>();   // this group's x and slots are read: the buffer may be refilled, the last slot freed
-      if (prev >= 0) mbar_arrive(S.empty_bar(prev));
-    }
-    wg_record(S, P, to);
-    consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
-    float4* sums = reinterpret_cast<float4*>(xs);
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-      sums[((wg * WGA_MT + (warp & 3)) * 2 + n) * 32 + lane] = make_float4(d[4 * n], d[4 * n + 1], d[4 * n + 2], d[4 * n + 3]);
-    consumer_sync();
-    wga_epilogue(S, P, t, p0, mt, wp.mtpu, red, warp, lane, st.r[0], st.r[1], st.r[2], st.r[3]);
+    const int nrb = (mt + WGA_BT - 1) / WGA_BT;   // the whole wgmma sequence inside one branch: no predicate in a group
+    if (WGA_RB == 1 || nrb == 1) it = wga_pass<1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
+    else if (WGA_RB == 2 || nrb == 2) it = wga_pass<WGA_RB >= 2 ? 2 : 1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
+    else if (nrb == 3) it = wga_pass<WGA_RB >= 3 ? 3 : 1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
+    else it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
+    wga_epilogue(S, P, t, p0, mt, wp.mtpu, reinterpret_cast<const float4*>(xs), warp, lane, st.r[0], st.r[1], st.r[2],
+                 st.r[3]);
     consumer_sync();   // the epilogue's reads of the sums before the next pass's group 0 lands there
   }
   wait_cycles += wc;

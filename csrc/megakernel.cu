@@ -96,7 +96,7 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
   }
 #endif
 #if MK_WGMMA_A   // A/B switch: batch 9..16, whole 256-column chunks: the task on the warpgroup MMA, inline
-  if (wga_pass(wp.K, P.batch)) {
+  if (wga_takes(wp.K, P.batch)) {
     it = wga_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
     return;
   }

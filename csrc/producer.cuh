@@ -58,9 +58,9 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
 __device__ __forceinline__ bool wgb_pass(int K, int B, bool norm);
 #endif
 #if MK_WGMMA_A   // matvec_wgmma_a.cuh (included after this file): which passes take 64-row chunks, and their copies
-__device__ __forceinline__ bool wga_pass(int K, int B);
-__device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int p0, int mt, int klo,
-                                            int khi, const void* wmap_one, unsigned& it, int ti, int lane);
+__device__ __forceinline__ bool wga_takes(int K, int B);
+__device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int mtpu, int klo, int khi,
+                                            const void* wmap_one, unsigned& it, int ti, int lane);
 #endif
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c);
@@ -107,14 +107,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     if (lane == 0) tensormap_acquire(wmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
 #endif
+#if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
+    if (wga_takes(khi - klo, P.batch)) {
+      if (!wga_produce(S, P, t, wp.mtpu, klo, khi, wmap_one, it, ti, lane)) goto drain;
+    } else
+#endif
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
       const int mt = min(upp, uend - p0) * wp.mtpu;
-#if MK_WGMMA_A   // batch 9..16: the pass's rows x 256 columns a chunk (matvec_wgmma_a.cuh)
-      if (wga_pass(khi - klo, P.batch)) {
-        if (!wga_produce(S, P, t, p0, mt, klo, khi, wmap_one, it, ti, lane)) goto drain;
-        continue;
-      }
-#endif
 #if MK_WGMMA_B   // a wgmma pass walks its (M-tile, column step) pairs M-tile-major, as its consumers (matvec_wgmma.cuh)
       const bool wgb = wgb_pass(khi - klo, P.batch, t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP);
       const int nm = wgb ? mt : 1, nk0 = wgb ? 1 : mt;   // outer M-tiles (wgmma) or one; inner M-tiles (default) or one

@@ -186,13 +186,17 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     with pytest.raises(ValueError, match="wgmma_b=True reads the weights in MK_W_TMA's chunk layout"):
         KernelVariant.parse(["MK_WGMMA_B=1"])
     assert "#define MK_WGMMA_B 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    # MK_WGMMA_A (A/B switch, session 28): copies its 64-row chunks with MK_W_TMA's maps; x' normalised before the MMAs
-    a = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=1"])
-    assert a.wgmma_a and a.defines() == ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1") and a.label() == "w_tma,wgmma_a"
-    with pytest.raises(ValueError, match="wgmma_a=True copies its chunks with MK_W_TMA's tensor maps"):
+    # MK_WGMMA_A (A/B switch, session 28): 64-row blocks per pass; copies its chunks with MK_W_TMA's maps; x' normalised
+    # before the MMAs
+    a = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=4"])
+    assert a.wgmma_a == 4 and a.defines() == ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4") and a.label() == "w_tma,wgmma_a=4"
+    with pytest.raises(ValueError, match="wgmma_a=1 copies its chunks with MK_W_TMA's tensor maps"):
         KernelVariant.parse(["MK_WGMMA_A=1"])
-    with pytest.raises(ValueError, match="wgmma_a=True normalises x' with the rows' rstd"):
-        KernelVariant(w_tma=True, wgmma_a=True, rstd_epi=True)
+    with pytest.raises(ValueError, match="wgmma_a=2 normalises x' with the rows' rstd"):
+        KernelVariant(w_tma=True, wgmma_a=2, rstd_epi=True)
+    for bad in (3, 8, True):
+        with pytest.raises(ValueError, match=r"0 \(off\) or the 64-row blocks per pass, 1, 2, 4"):
+            KernelVariant(w_tma=True, wgmma_a=bad)
     assert "#define MK_WGMMA_A 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):

@@ -40,6 +40,8 @@ ATT_TMA_TUNED = 128
 ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any context the kernel runs)
 # MK_INFLIGHT's largest cap a tuning may set: below every ring depth (STAGE_CHOICES), so any tuning's ring takes it
 INFLIGHT_MAX = min(STAGE_CHOICES) - 1
+# MK_WGMMA_A's values: off, or the 64-row blocks a pass holds (8 accumulator registers a thread each)
+WGMMA_A_CHOICES = (0, 1, 2, 4)
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
 
@@ -81,10 +83,11 @@ class KernelVariant:
     # its chunks on the warpgroup MMA (wgmma) with the weight tile as its B operand and the normalised x in a compact
     # shared-memory layout as its A operand, walking the pass M-tile-major (csrc/matvec_wgmma.cuh).
     wgmma_b: bool = False
-    # MK_WGMMA_A (A/B switch, session 28; off; needs w_tma): a matvec pass at batch 9..16 streams 64-row x 256-column
-    # chunks and runs them on wgmma with the weights as its A operand (M = the pass's 64 rows) and x' as its B operand
-    # (N = 16 tokens), both from shared memory (csrc/matvec_wgmma_a.cuh).
-    wgmma_a: bool = False
+    # MK_WGMMA_A = R (A/B switch, session 28; 0 = off; needs w_tma): a matvec task at batch 9..16 streams 64-row x
+    # 256-column chunks and runs them on wgmma with the weights as its A operand (M = a row block of 64 rows) and x' as
+    # its B operand (N = 16 tokens), both from shared memory, up to R row blocks (1, 2 or 4) per pass of x
+    # (csrc/matvec_wgmma_a.cuh).
+    wgmma_a: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -103,18 +106,21 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b", "wgmma_a"):
+        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if self.wgmma_b and not self.w_tma:
             raise ValueError("wgmma_b=True reads the weights in MK_W_TMA's chunk layout: set w_tma=True too "
                              "(MK_W_TMA=1)")
+        if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
+            raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
+                             f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
         if self.wgmma_a and not self.w_tma:
-            raise ValueError("wgmma_a=True copies its chunks with MK_W_TMA's tensor maps: set w_tma=True too "
-                             "(MK_W_TMA=1)")
+            raise ValueError(f"wgmma_a={self.wgmma_a} copies its chunks with MK_W_TMA's tensor maps: set "
+                             "w_tma=True too (MK_W_TMA=1)")
         if self.wgmma_a and self.rstd_epi:
-            raise ValueError("wgmma_a=True normalises x' with the rows' rstd before its MMAs: it is not built with "
-                             "rstd_epi=True (MK_RSTD_EPI=1)")
+            raise ValueError(f"wgmma_a={self.wgmma_a} normalises x' with the rows' rstd before its MMAs: it is not "
+                             "built with rstd_epi=True (MK_RSTD_EPI=1)")
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
