@@ -61,6 +61,7 @@ from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program
+from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import bf16_ulp, make_decode_batch, rel_fro
 from mk_plugin.triton_ops.paged_attention import choose_num_splits, tile_tokens
@@ -200,7 +201,8 @@ def step_emulated(kind: str, spec: LlamaSpec, w: ModelWeights, ids: torch.Tensor
 
 def step_vm(program, w32: ModelWeights, hidden: torch.Tensor, positions, caches, block_table, seq_lens, slots, cs,
             stop_after: int | None = None, rounding: Rounding = Rounding.FUSED) -> vm.VMState:
-    st = vm.make_state(program, w32, hidden, positions, caches, block_table, seq_lens, slots, cs, rounding=rounding)
+    st = vm.make_state(program, w32, hidden, positions, caches, block_table, seq_lens, slots, cs,
+                       variant=KernelVariant(rounding=rounding))
     return vm.run(program, st, stop_after=stop_after)
 
 

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def vm_run(stop_after: int | None):
         st = vm.make_state(prog, wc, hidden_c, b.positions, b.clone_caches(), b.block_table, b.seq_lens,
-                           b.slot_mapping, cs, rounding=dec.rounding)
+                           b.slot_mapping, cs, variant=dec.variant_for(a.batch))   # the build the GPU ran
         vm.run(prog, st, stop_after=stop_after)
         return st.bufs
 

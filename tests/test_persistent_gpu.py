@@ -122,8 +122,7 @@ def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
         out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=n)
         vcaches = [c.cpu() for c in batch.kv_caches]
         st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
-                           bc.seq_lens, bc.slot_mapping, cs.cpu(), rounding=dec.rounding,  # as compiled
-                           att_tma=v.att_tma, rstd_epi=v.rstd_epi, num_stages=v.num_stages)
+                           bc.seq_lens, bc.slot_mapping, cs.cpu(), variant=v)   # as compiled
         vm.run(prog, st, stop_after=n)
         gbufs = dec.buffers(len(seq_lens))
         gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits
@@ -406,7 +405,7 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
                  block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
     vcaches = [c.cpu() for c in batch.kv_caches]
     st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table, bc.seq_lens,
-                       bc.slot_mapping, cs.cpu(), rounding=dec.rounding)
+                       bc.slot_mapping, cs.cpu(), variant=dec.variant_for(bsz))
     vm.run(prog, st)
     for got, want, what in ((out, st.bufs[Buf.OUT], "out"), (logits, st.bufs[Buf.LOGITS], "logits"),
                             (dec.buffers(bsz)[Buf.RESID], st.bufs[Buf.RESID], "resid")):

@@ -14,6 +14,7 @@ from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program, check_ordering
 from mk_plugin.persistent.tuning import DEFAULT_TUNING, ScheduleTuning
+from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import assert_matches, make_decode_batch
 from mk_plugin.weights import random_weights
@@ -248,7 +249,7 @@ def _vm_step_rounding(spec, w, batch, cs, hidden, rounding, stop_after=None):
     p = build_program(spec, hidden.shape[0], 132, lm_head=True)
     caches = batch.clone_caches()
     st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                        batch.slot_mapping, cs, rounding=rounding)
+                        batch.slot_mapping, cs, variant=KernelVariant(rounding=rounding))
     vm.run(p, st_, stop_after=stop_after)
     return p, st_, caches
 
@@ -384,7 +385,7 @@ def test_vm_models_rstd_epi_where_the_kernel_takes_it():
         for epi in (False, True):
             caches = batch.clone_caches()
             st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                                batch.slot_mapping, cs, rstd_epi=epi, num_stages=stages)
+                                batch.slot_mapping, cs, variant=KernelVariant(rstd_epi=epi, num_stages=stages))
             vm.run(p, st_)
             outs[epi] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
         same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
@@ -393,7 +394,6 @@ def test_vm_models_rstd_epi_where_the_kernel_takes_it():
         assert_matches(outs[True][0], hn, torch.bfloat16, "step")
         assert_matches(outs[True][1], logits, torch.bfloat16, "step")
         if applies:   # the CPU decoder runs the VM with its batch's variant: MK_RSTD_EPI included
-            from mk_plugin.persistent.variant import KernelVariant
             dec = MegakernelDecoder(spec, w, 8, "cpu", lm_head=True, num_sms=5, variant=KernelVariant(rstd_epi=True))
             out = torch.full_like(hidden, float("nan"))
             dec(hidden, batch.positions, batch.clone_caches(), batch.block_table, batch.seq_lens, batch.slot_mapping,

@@ -92,8 +92,7 @@ class VMExecutorMixin:
         v = self.variant_for(b)   # the build the GPU would run: the VM rounds where it rounds
         st = _vm.VMState(self.spec, b, e.program.attn_chunks, self.weights, self._bufs(b, io), io.kv_caches,
                          io.positions, io.slot_mapping, io.seq_lens, io.block_table, io.cos_sin,
-                         [0] * e.program.num_counters, rounding=self.rounding, att_tma=v.att_tma,
-                         rstd_epi=v.rstd_epi, num_stages=v.num_stages)
+                         [0] * e.program.num_counters, variant=v)
         if Buf.LOGITS not in st.bufs:
             st.bufs[Buf.LOGITS] = torch.empty(b, self.spec.vocab_size, dtype=torch.float32)
         for step in e.program.steps:

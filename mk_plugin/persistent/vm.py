@@ -23,7 +23,6 @@ import torch
 from ..spec import LlamaSpec
 from ..weights import ModelWeights
 from .encoding import (
-    LAYOUT,
     TASK_FIELDS,
     Buf,
     DecodedProgram,
@@ -37,6 +36,7 @@ from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
 from .tasks import UNIT, qkv_unit, qkv_unit_dims, qkv_unit_rows
 from .tuning import KSPLIT_MAX
+from .variant import KernelVariant
 
 
 class DeadlockError(RuntimeError):
@@ -155,22 +155,25 @@ class VMState:
     cos_sin: torch.Tensor
     counters: list[int]
     executed: list[int] = field(default_factory=list)   # tids in execution order
-    rounding: Rounding = Rounding.FUSED                 # the kernel's -DMK_ROUNDING (encoding.Rounding)
-    att_tma: int = 0   # the kernel's MK_ATT_TMA: attention tasks of >= att_tma tokens take the ring (0: none)
-    rstd_epi: bool = False   # the kernel's MK_RSTD_EPI: 1/rms in the epilogue of norm-fused ops not staged whole
-    num_stages: int = LAYOUT.num_stages   # the kernel's ring depth: what fits the scratch (staged_fits)
+    # the build the GPU runs for this batch (decoder.variant_for): the VM rounds where it rounds. Read here: its
+    # rounding points (MK_ROUNDING), MK_ATT_TMA (attention tasks of >= att_tma tokens take the ring), MK_RSTD_EPI
+    # (1/rms in the epilogue of norm-fused ops not staged whole) and the ring depth (what fits the scratch)
+    variant: KernelVariant = field(default_factory=KernelVariant)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.bufs[Buf.RESID].dtype
 
+    @property
+    def rounding(self) -> Rounding:
+        return self.variant.rounding
+
 
 def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[torch.Tensor], block_table: torch.Tensor, seq_lens: torch.Tensor,
-               slot_mapping: torch.Tensor, cos_sin: torch.Tensor, rounding: Rounding = Rounding.FUSED,
-               att_tma: int = 0, rstd_epi: bool = False, num_stages: int = LAYOUT.num_stages) -> VMState:
-    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step. rounding, att_tma, rstd_epi,
-    num_stages: the kernel variant's (decoder.variant_for(batch)), so that the VM rounds where that build rounds."""
+               slot_mapping: torch.Tensor, cos_sin: torch.Tensor, variant: KernelVariant | None = None) -> VMState:
+    """Fresh buffers (poisoned with NaN, so an unwritten read shows) for one VM step. variant: the build the GPU runs
+    for this batch (decoder.variant_for(batch); default: the default build), so that the VM rounds where it rounds."""
     spec, b, C = program.spec, program.batch, program.attn_chunks
     dt, dev = hidden.dtype, hidden.device
     if hidden.shape != (b, spec.hidden_size):
@@ -193,8 +196,7 @@ def make_state(program: Program, weights: ModelWeights, hidden: torch.Tensor, po
         Buf.PART_K: torch.full((KSPLIT_MAX, b, spec.hidden_size), float("nan"), dtype=torch.float32, device=dev),
     }
     return VMState(spec, b, C, weights, bufs, kv_caches, positions, slot_mapping, seq_lens, block_table,
-                   cos_sin, [0] * program.num_counters, rounding=Rounding(rounding), att_tma=int(att_tma),
-                   rstd_epi=bool(rstd_epi), num_stages=int(num_stages))
+                   cos_sin, [0] * program.num_counters, variant=variant or KernelVariant())
 
 
 def _rnd(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
@@ -227,7 +229,7 @@ def _norm_operand(st: VMState, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.
     """A norm-fused linear's B operand and the per-token factor its sums take after the MMAs (None: none): under
     MK_RSTD_EPI, where x is not staged whole (the column-group path), round(x * w) and 1/rms (csrc/matvec.cuh: the
     epilogue scales the accumulators), else _normed's round(x * rstd * w)."""
-    if st.rstd_epi and not LAYOUT.with_stages(st.num_stages).staged_fits(x.shape[1], x.shape[0], True):
+    if st.variant.rstd_epi and not st.variant.layout.staged_fits(x.shape[1], x.shape[0], True):
         return _rnd(x.float() * w.float()[None, :], st.dtype), _rstd(x, st.spec.rms_eps)[:, None]
     return _normed(st, x, w), None
 
@@ -314,7 +316,7 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         m = s.max(-1).values
         p = torch.exp(s - m[:, None])
         l_ = p.sum(-1)
-        if st.att_tma and hi - lo >= st.att_tma and G <= 4:   # csrc att_tma_task (G == ATT_HG: 1-4 heads)
+        if st.variant.att_tma and hi - lo >= st.variant.att_tma and G <= 4:   # csrc att_tma_task (G == ATT_HG: 1-4 heads)
             # a slot of 32 KB holds 1024 / d groups: a multiple of 8 (warp = group % 8) for d in 32, 64, 128
             assert d in (32, 64, 128), f"the VM's ring model assumes head_dim 32, 64 or 128, not {d}"
             o = ring_pv_weights(s, lo, st.dtype) @ v
