@@ -2,9 +2,9 @@
 # Sessions 27-28's GPU calls (bench/NOTES.md sessions 26-28, "Next"). `bash bench/gpu_session35.sh N $OUT` from the
 # project root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the
 # 64 MiB limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the
-# machine stays warm. Order: 10, 13, 14, 1, 7, 9, then 11, 12, 3, 4, 5, 6, 8 and 2 if time is left (sessions 27 and 28
-# had no GPU: session 26's plan moved here with call 10, the consumer probe, call 9, MK_WGMMA_B's tests and A/B, and
-# calls 13-14, MK_WGMMA_A's, added).
+# machine stays warm. Order: 10, 13, 14, 15, 1, 7, 9, then 11, 12, 3, 4, 5, 6, 8 and 2 if time is left (sessions 27 and
+# 28 had no GPU: session 26's plan moved here with call 10, the consumer probe, call 9, MK_WGMMA_B's tests and A/B,
+# calls 13-14, MK_WGMMA_A's, and 15, MK_WARP_ARRIVE's A/B, added).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto(), tbt_1layer_profiled()
@@ -47,13 +47,21 @@ case $n in
        --batch 1 2 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_B=1 ;;
   13) # issue 11: MK_WGMMA_A's GPU tests (built in session 28; bench/NOTES.md session 28): reference, Triton, bitwise
       # repeatable, the tables' K-splits with the ring-fed attention, a 5-slot ring, op by op against the VM
-      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py 2>&1 | tail -8 ;;
+      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py 2>&1 | tail -8
+      # MK_WARP_ARRIVE (session 28): bitwise the default builds it is added to
+      timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_warp_arrive_gpu.py 2>&1 | tail -5 ;;
   14) # issue 11: MK_WGMMA_A's A/B against the tables' builds at batch 12 / 16 (every matvec task takes it) and 8 (none
       # does: the build's cost elsewhere), R = 1 and 4, 2 alternated rounds (prediction and rule in NOTES session 28)
       timeout 260 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
         --batch 8 12 16 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_A=1 --build MK_W_TMA=1,MK_WGMMA_A=4
       timeout 320 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
         --batch 8 16 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_A=1 --build MK_W_TMA=1,MK_WGMMA_A=4 ;;
+  15) # issue 11: MK_WARP_ARRIVE's A/B (session 28; prediction and rule in NOTES session 28) on the tables' builds, the
+      # chain's resident chunks (batch 1) and the consumer-bound ones (batch 16), 2 alternated rounds
+      timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
+        --batch 1 8 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1
+      timeout 260 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
+        --batch 1 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1 ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issues 11 and 12: 8B, stock alternated with auto and the megakernel, 2 rounds, batch 1 / 4 / 8 / 16
      # at prompt 512 (issue 11: megakernel <= 0.85x stock at b1 and b8; issue 12: auto <= stock at every batch)

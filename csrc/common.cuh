@@ -127,7 +127,7 @@ constexpr int RING_OFF = 0;
 constexpr int RING_STRIDE = MK_W_TMA ? 32768 : SLOT_BYTES;
 static_assert(RING_STRIDE <= SLOT_BYTES && RING_STRIDE % 128 == 0, "ring slot stride");
 // MK_WGMMA_A: the scratch right after the 32 KB slots, 1024-byte aligned for its x groups' 128-byte swizzle (the
-// slots' padding, NUM_STAGES x 256 bytes, is then left after the scratch); every other build as measured.
+// slots' padding, NUM_STAGES x 256 bytes, is then left unused after the misc block); every other build as measured.
 constexpr int UNION_OFF = MK_WGMMA_A ? NUM_STAGES * RING_STRIDE : NUM_STAGES * SLOT_BYTES;
 static_assert(!MK_WGMMA_A || (MK_W_TMA && UNION_OFF % 1024 == 0), "MK_WGMMA_A: 1024-byte aligned scratch");
 constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
@@ -259,6 +259,20 @@ __device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigne
     *S.abort_flag() = 1;
   }
   return ws;
+}
+
+// A consumer thread is done reading ring slot `slot` (ok: its full-barrier wait succeeded; a thread whose wait failed
+// never frees the slot: its copy may still be landing). Default: every consumer thread arrives on the slot's empty
+// barrier (count CONSUMER_THREADS). MK_WARP_ARRIVE (A/B switch, session 28; variant.KernelVariant.warp_arrive): one
+// arrive per warp (count CONSUMER_WARPS), lane 0's after the warp's lanes meet, when every lane's wait succeeded --
+// 8 shared-memory atomics on the barrier a chunk instead of 256 (bench/wgmma_probe.py's warp_arrive rows price it
+// for the register-fed consumers). Called by all 32 lanes of the warp together.
+__device__ __forceinline__ void slot_free(const Smem& S, int slot, bool ok) {
+#if MK_WARP_ARRIVE
+  if (__all_sync(0xffffffffu, ok) && (threadIdx.x & 31) == 0) mbar_arrive(S.empty_bar(slot));
+#else
+  if (ok) mbar_arrive(S.empty_bar(slot));
+#endif
 }
 
 __device__ __forceinline__ const elem_t* weight_ptr(const Params& P, int layer, int slot) {

@@ -120,7 +120,8 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
                   // branch the warpgroup's threads take apart: wait_group is .aligned)
   for (int m = 0; m < mt; ++m) {
     float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int prev = -1;
+    int prev = -1;     // the previous chunk's slot (none yet: -1) and whether this thread's wait for it succeeded
+    bool pok = false;
     for (int k0 = 0; k0 < K; k0 += CHUNK_COLS) {
       const int slot = it % NUM_STAGES;
       const long long c0 = clock64();
@@ -134,12 +135,13 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
         wg_mma_m64n16(d, wg_desc_plain(a0 + (unsigned)(2 * j * B * 16), lbo), wg_desc_sw128(sb + (j >> 2) * W_KG_BYTES + (j & 3) * 32));
       wg_commit();
       wg_wait<1>();   // the previous chunk's group has read its slot
-      if (prev >= 0) mbar_arrive(S.empty_bar(prev));
-      prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
+      if (prev >= 0) slot_free(S, prev, pok);
+      prev = slot;
+      pok = ws == WAIT_OK;   // not OK (this CTA is stopping): never free a slot still landing
       ++it;
     }
     wg_wait<0>();
-    if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+    if (prev >= 0) slot_free(S, prev, pok);
     wg_record(S, P, to);
     if ((warp & 3) == 0) sums[(wg * ACC_TILES + m) * 32 + lane] = make_float4(d[0], d[1], d[4], d[5]);
   }

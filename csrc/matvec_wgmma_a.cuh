@@ -13,9 +13,10 @@
 // bench/wgmma_probe.py's mode 2 is this pattern alone (its x layout is this one's).
 //
 // Chunk geometry (this path only; the producer walks it alike: wga_produce): a chunk is one row block of the pass (up
-// to 4 M-tiles of 16 rows) x 256 columns, 32 KB, in the order (column step, row block), laid out as [column group 0..3][row 0..63][128 B] with the tensor map's
-// 128-byte swizzle: M-tile m's box (MK_W_TMA's one-column-group map: 16 rows x 64 columns, 2 KB) lands at
-// g * 8 KB + m * 2 KB, so the 8-row atoms of all 64 rows are 1024 bytes apart, the K-major SW128 layout wgmma reads.
+// to 4 M-tiles of 16 rows) x 256 columns, 32 KB, in the order (column step, row block), laid out as [column group
+// 0..3][row 0..63][128 B] with the tensor map's 128-byte swizzle: M-tile m's box (MK_W_TMA's one-column-group map:
+// 16 rows x 64 columns, 2 KB) lands at g * 8 KB + m * 2 KB, so the 8-row atoms of all 64 rows are 1024 bytes apart,
+// the K-major SW128 layout wgmma reads.
 // A row block of mt < 4 M-tiles copies mt boxes per group; the rows past them hold stale bytes whose sums are dropped.
 // Warpgroup g takes the chunk's column groups 2g, 2g + 1 (k-steps 8g .. 8g + 7); the two halves' sums are added in
 // the epilogue in a fixed order (deterministic; the default path's products in another fp32 order: within
@@ -36,7 +37,7 @@ namespace mk {
 
 #if MK_WGMMA_A
 static_assert(MK_W_TMA, "MK_WGMMA_A copies its chunks with MK_W_TMA's one-column-group tensor maps");
-static_assert(!MK_RSTD_EPI, "MK_WGMMA_A: normalises x' with rows_rstd's rstd (MK_RSTD_EPI's epilogue scaling not built)");
+static_assert(!MK_RSTD_EPI, "MK_WGMMA_A: x' normalised with rows_rstd's rstd (MK_RSTD_EPI's scaling not built)");
 
 constexpr int WGA_RB = MK_WGMMA_A;                // row blocks (of 64 rows) per pass
 static_assert(WGA_RB == 1 || WGA_RB == 2 || WGA_RB == 4, "MK_WGMMA_A: 1, 2 or 4 row blocks per pass");
@@ -89,7 +90,9 @@ __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, cons
 
 // ---- consumers ----
 // x's 16-byte unit u (0..WGA_XG / 8) of token b in a staging buffer.
-__device__ __forceinline__ int wga_xunit(int b, int u) { return (u >> 3) * WGA_XLINE + b * 128 + (((u & 7) ^ (b & 7)) << 4); }
+__device__ __forceinline__ int wga_xunit(int b, int u) {
+  return (u >> 3) * WGA_XLINE + b * 128 + (((u & 7) ^ (b & 7)) << 4);
+}
 
 // The copies of x[:, k0 : k0 + WGA_XG) (fewer at K's end) into buffer gb; thread idx takes units idx, idx + 256, ..
 // (wga_group_ready normalises the same units).
@@ -140,8 +143,8 @@ struct WgaStart {
   unsigned r[4];
 };
 __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, const Task t, int p0, int mt,
-                                                unsigned char* xs, const elem_t* x, int K, int ldx, bool issue, int warp,
-                                                int lane) {
+                                                unsigned char* xs, const elem_t* x, int K, int ldx, bool issue,
+                                                int warp, int lane) {
   WgaStart st{{0u, 0u, 0u, 0u}};
   if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0 && warp / 2 < mt)
     residual_prefetch(P, t, p0, warp / 2, warp % 2, lane, st.r);
@@ -151,13 +154,20 @@ __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, c
   return st;
 }
 
+// MK_TRACE_PHASES (bench only; thread 0): as matvec_task's phases -- stage (group 0's copies at a later pass, each
+// group's wait, normalise and barrier), chunks (the wgmma loops to each group's drain and the sums' barrier), reduce
+// (the sums, the epilogue, its barrier) -- lapped only where no wgmma group is in flight.
+struct WgaPhases {
+  unsigned long long mark = 0, stage = 0, chunks = 0, reduce = 0;
+};
+
 // One pass of NRB row blocks: its x groups and chunks, then its sums to the scratch (red: [warpgroup][M-tile][n-tile]
 // [lane] float4, the mma accumulator layout of tile (m, n): warp w % 4 of a warpgroup holds M-tile 4 rb + w % 4 of
 // row block rb). Inlined (the wgmma must not cross a call); a template so that every accumulator index is a constant.
 template <int NRB>
 __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, unsigned char* xs, const elem_t* x,
                                              const elem_t* nw, int K, int ldx, unsigned it, int warp, int lane,
-                                             WgTimeout& to, unsigned& wc) {
+                                             WgTimeout& to, unsigned& wc, bool ph_on, WgaPhases& ph) {
   const int wg = warp >> 2, B = P.batch;
   float d[NRB][8];
 #pragma unroll
@@ -167,11 +177,15 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
   int gi = 0;
   for (int kg = 0; kg < K; kg += WGA_XG, ++gi) {
     unsigned char* gb = xs + (gi & 1) * GROUP_BYTES;
+    if (ph_on) phase_lap(ph.mark, ph.chunks);
     wga_group_ready(S, gb, kg + WGA_XG < K ? xs + ((gi + 1) & 1) * GROUP_BYTES : nullptr, x, nw, K, ldx, kg, B);
+    if (ph_on) phase_lap(ph.mark, ph.stage);
     const int nc = min(WGA_XG, K - kg) / WGA_KC;
-    int prev = -1;
+    int prev = -1;     // the previous chunk's slot (none yet: -1) and whether this thread's wait for it succeeded
+    bool pok = false;
     for (int c = 0; c < nc; ++c) {
-      // this warpgroup's k-steps 8 wg + j: the chunk's column group 2 wg + j / 4, x's 64-column group 4 c + 2 wg + j / 4
+      // this warpgroup's k-steps 8 wg + j: the chunk's column group 2 wg + j / 4, x's 64-column group
+      // 4 c + 2 wg + j / 4
       const unsigned xb = smem_addr(gb) + (4 * c + 2 * wg) * WGA_XLINE;
 #pragma unroll
       for (int rb = 0; rb < NRB; ++rb) {
@@ -187,16 +201,18 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
                         wg_desc_sw128(xb + (j >> 2) * WGA_XLINE + (j & 3) * 32));
         wg_commit();
         wg_wait<1>();   // the previous chunk's group has read its slot
-        if (prev >= 0) mbar_arrive(S.empty_bar(prev));
-        prev = ws == WAIT_OK ? slot : -1;   // not OK (this CTA is stopping): never free a slot still landing
+        if (prev >= 0) slot_free(S, prev, pok);
+        prev = slot;
+        pok = ws == WAIT_OK;   // not OK (this CTA is stopping): never free a slot still landing
         ++it;
       }
     }
     wg_wait<0>();   // this group's x and slots are read: the buffer may be refilled, the last slot freed
-    if (prev >= 0) mbar_arrive(S.empty_bar(prev));
+    if (prev >= 0) slot_free(S, prev, pok);
   }
   wg_record(S, P, to);
   consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
+  if (ph_on) phase_lap(ph.mark, ph.chunks);
   float4* red = reinterpret_cast<float4*>(xs);
 #pragma unroll
   for (int rb = 0; rb < NRB; ++rb)
@@ -228,7 +244,8 @@ __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const T
     const float4 a = red[((0 * WGA_MT + m) * 2 + n) * 32 + lane], b = red[((1 * WGA_MT + m) * 2 + n) * 32 + lane];
     v[0] = a.x + b.x; v[1] = a.y + b.y; v[2] = a.z + b.z; v[3] = a.w + b.w;
     if (mtpu == 2) {
-      const float4 c = red[((0 * WGA_MT + m + 1) * 2 + n) * 32 + lane], e = red[((1 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
+      const float4 c = red[((0 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
+      const float4 e = red[((1 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
       vu[0] = c.x + e.x; vu[1] = c.y + e.y; vu[2] = c.z + e.z; vu[3] = c.w + e.w;
     }
     matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
@@ -236,7 +253,7 @@ __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const T
 }
 
 // A whole task (matvec_dispatch, megakernel.cu: inlined into mk_decode, since ptxas serialises the wgmma of a called
-// function, C7510). (No MK_TRACE_PHASES phases for these tasks.)
+// function, C7510).
 __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, const Task& t, const WeightPlan& wp,
                                              const elem_t* x, const elem_t* nw, unsigned it, int warp, int lane,
                                              unsigned long long& wait_cycles) {
@@ -244,21 +261,36 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
   unsigned char* xs = reinterpret_cast<unsigned char*>(S.scratch());
   // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task)
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
-  if (nw != nullptr) rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
-  unsigned wc = 0;   // wait cycles, in a register (the caller's counter is in memory)
+  if (nw != nullptr)
+    rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
+  // wait cycles (the trace's), in a 32-bit register (the caller's counter is in memory): it wraps only after 2^32
+  // cycles (~2.2 s) of one task's waits, i.e. past a watchdog timeout
+  unsigned wc = 0;
   WgTimeout to;
+  const bool ph_on = MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0;
+  WgaPhases ph;
+  const unsigned long long ph_entry = ph_on ? global_ns() : 0ull;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
+    if (ph_on) ph.mark = global_ns();
     const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
+    if (ph_on) phase_lap(ph.mark, ph.stage);
     const int nrb = (mt + WGA_BT - 1) / WGA_BT;   // the whole wgmma sequence inside one branch: no predicate in a group
-    if (WGA_RB == 1 || nrb == 1) it = wga_pass<1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
-    else if (WGA_RB == 2 || nrb == 2) it = wga_pass<WGA_RB >= 2 ? 2 : 1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
-    else if (nrb == 3) it = wga_pass<WGA_RB >= 3 ? 3 : 1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
-    else it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc);
+    constexpr int R2 = WGA_RB >= 2 ? 2 : 1, R3 = WGA_RB >= 3 ? 3 : 1;   // the row-block counts this build has
+    if (WGA_RB == 1 || nrb == 1)
+      it = wga_pass<1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+    else if (WGA_RB == 2 || nrb == 2)
+      it = wga_pass<R2>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+    else if (nrb == 3)
+      it = wga_pass<R3>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+    else
+      it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
     wga_epilogue(S, P, t, p0, mt, wp.mtpu, reinterpret_cast<const float4*>(xs), warp, lane, st.r[0], st.r[1], st.r[2],
                  st.r[3]);
     consumer_sync();   // the epilogue's reads of the sums before the next pass's group 0 lands there
+    if (ph_on) phase_lap(ph.mark, ph.reduce);
   }
+  if (ph_on) trace_phase_times(S, P, ph.stage, ph.chunks, ph.reduce, ph_entry);
   wait_cycles += wc;
   if (is_ksplit(t)) ksplit_merge(S, P, t);   // o_proj.cuh: the last part of the range adds the parts
   return it;

@@ -248,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (!stop) {
       for (int s = 0; s < NUM_STAGES; ++s) {
         mbar_init(S.full_bar(s), 1);
-        mbar_init(S.empty_bar(s), CONSUMER_THREADS);  // every consumer thread frees its own reads
+        mbar_init(S.empty_bar(s), MK_WARP_ARRIVE ? CONSUMER_WARPS : CONSUMER_THREADS);  // slot_free's arrivals
       }
       fence_mbar_init();
     }

@@ -69,7 +69,8 @@ __device__ __forceinline__ int wg_slot_wait(const Smem& S, const Params& P, int 
   }
   return ws;
 }
-// As ring_wait records a timeout (once no wgmma group is in flight); the wait gave up after the budget.
+// As ring_wait records a timeout (once no wgmma group is in flight), but with the budget as the time waited (the wait
+// gave up after it; the measured figure, a few polls more, would hold a 64-bit register across the chunk loop).
 __device__ __forceinline__ void wg_record(const Smem& S, const Params& P, WgTimeout& to) {
   if (to.chunk != ~0u) {
     watchdog_record(P, ERR_MBAR_TIMEOUT, *S.cur_task(), MBAR_TAG_FULL + (int)(to.chunk % NUM_STAGES),

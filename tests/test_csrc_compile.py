@@ -49,15 +49,23 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_ATT_TMA=1", "-DMK_NUM_STAGES=5"), ("-DMK_ATT_TMA=128", "-DMK_NUM_STAGES=4"),
             ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"), ("-DMK_RSTD_EPI=1",),
             ("-DMK_RSTD_EPI=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_NUM_STAGES=5")]
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"),
+            # session 28's A/B switches: MK_WGMMA_A at each pass size, 5 stages, its phase build; MK_WARP_ARRIVE alone
+            # and with the warpgroup paths
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_NUM_STAGES=5"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1"),
+            ("-DMK_WARP_ARRIVE=1",), ("-DMK_WARP_ARRIVE=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4"),
+            ("-DMK_WARP_ARRIVE=1", "-DMK_W_TMA=1", "-DMK_WGMMA_B=1")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at
 # 8B with the ring-fed attention (its 32 accumulator registers): the trace's task start time, stored once per task
 # and reloaded once after it (SASS, session 28), not in any chunk loop.
 KNOWN_VARIANT_SPILLS: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {
-    ("llama-3.1-8b", ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4")): (16, 16)}
+    ("llama-3.1-8b", ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4")): (16, 16),
+    # its phase-trace build (bench only): the phases' 64-bit sums
+    ("llama-3.2-1b", ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1")): (4, 16)}
 
 
 def _compile(nvcc: str, src: Path, spec: LlamaSpec, tmp: Path, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -86,7 +94,9 @@ def test_megakernel_compiles_without_spills(tmp_path):
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", f"-DMK_WGMMA_A={a}")) for s in _specs() if s.name == "llama-3.1-8b"
-         for a in (1, 4)]
+         for a in (1, 4)] + \
+        [(s, ("-DMK_WARP_ARRIVE=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs()
+         if s.name == "llama-3.1-8b"]
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):

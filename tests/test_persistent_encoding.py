@@ -198,6 +198,10 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         with pytest.raises(ValueError, match=r"0 \(off\) or the 64-row blocks per pass, 1, 2, 4"):
             KernelVariant(w_tma=True, wgmma_a=bad)
     assert "#define MK_WGMMA_A 0" in (ROOT / "csrc" / "tasks.h").read_text()
+    # MK_WARP_ARRIVE (A/B switch, session 28): a 0/1 switch of its own
+    wa = KernelVariant.parse(["MK_WARP_ARRIVE=1"])
+    assert wa.warp_arrive and wa.defines() == ("-DMK_WARP_ARRIVE=1",) and wa.label() == "warp_arrive"
+    assert "#define MK_WARP_ARRIVE 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):

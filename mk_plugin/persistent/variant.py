@@ -33,7 +33,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_B", "wgmma_b", "wgmma_b"),
-                   ("MK_WGMMA_A", "wgmma_a", "wgmma_a"))
+                   ("MK_WGMMA_A", "wgmma_a", "wgmma_a"), ("MK_WARP_ARRIVE", "warp_arrive", "warp_arrive"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -88,6 +88,9 @@ class KernelVariant:
     # its B operand (N = 16 tokens), both from shared memory, up to R row blocks (1, 2 or 4) per pass of x
     # (csrc/matvec_wgmma_a.cuh).
     wgmma_a: int = 0
+    # MK_WARP_ARRIVE (A/B switch, session 28; off): a ring slot's consumers free it with one mbarrier arrive per warp
+    # (lane 0, once all its lanes are done) instead of one per thread (csrc/common.cuh slot_free)
+    warp_arrive: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -106,7 +109,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b"):
+        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b", "warp_arrive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if self.wgmma_b and not self.w_tma:
