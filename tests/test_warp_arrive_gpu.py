@@ -1,9 +1,9 @@
 """MK_WARP_ARRIVE on the GPU (A/B switch, session 28; csrc/common.cuh slot_free): ring slots freed by one mbarrier arrive
 per consumer warp instead of one per thread. Only the hand-back of the slots changes, so every output is bitwise the
-default build's: with the packaged tables' programs (the ring-fed attention, K-split down, tensor-map copies where they
-turn them on) at batch 1, 8 and 16, with the warpgroup-MMA switches (their own slot hand-back), and under
-stop_after cuts (a launch that ends between tasks still frees what it read). The helpers and the weights fixture are
-test_persistent_gpu.py's."""
+default build's: with the packaged tables' programs (the ring-fed attention and K-split down at 1B batch 16) at 1B
+batch 1 and 16, with MK_WGMMA_A at 8B batch 16 (its own slot hand-back, on the table's ring and K-split), and under
+stop_after cuts (a launch that ends between tasks still frees what it read). Few builds: each costs a compile on the
+GPU host. The helpers and the weights fixture are test_persistent_gpu.py's."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -29,10 +29,7 @@ def _same(a, b) -> bool:
     return torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(x, y) for x, y in zip(c0, c1))
 
 
-@pytest.mark.parametrize("name,bsz,base", [("llama-3.2-1b", 1, KernelVariant()), ("llama-3.2-1b", 8, KernelVariant()),
-                                           ("llama-3.2-1b", 16, KernelVariant()), ("llama-3.1-8b", 1, KernelVariant()),
-                                           ("llama-3.1-8b", 16, KernelVariant()),
-                                           ("llama-3.2-1b", 2, KernelVariant(w_tma=True, wgmma_b=True)),
+@pytest.mark.parametrize("name,bsz,base", [("llama-3.2-1b", 1, KernelVariant()), ("llama-3.2-1b", 16, KernelVariant()),
                                            ("llama-3.1-8b", 16, KernelVariant(w_tma=True, wgmma_a=4))])
 def test_warp_arrive_is_bitwise_the_default(models, name, bsz, base):  # noqa: F811 (fixture)
     spec, w = models(name, 2)
@@ -47,10 +44,10 @@ def test_warp_arrive_is_bitwise_the_default(models, name, bsz, base):  # noqa: F
 
 def test_warp_arrive_under_stop_after_cuts(models):  # noqa: F811 (fixture)
     spec, w = models("llama-3.2-1b", 2)
-    batch = gpu_batch(spec, [200, 31, 517], seed=9)
+    batch = gpu_batch(spec, [200], seed=9)
     cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
     decs = [MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(warp_arrive=a)) for a in (False, True)]
-    prog = decs[0].program(3)
+    prog = decs[0].program(1)
     for op in ("L0.gate_up", "L1.attention", "L1.down"):
         n = prog.op_end(op)
         assert _same(*(_run_mk(d, spec, w, batch, cs, stop_after=n) for d in decs)), op
