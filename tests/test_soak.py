@@ -1,5 +1,6 @@
-"""CPU tests of bench/soak.py (the continuous-batching soak): the seeded schedule, the driving loop on
-a fake engine, the per-request verdict, the memory check and the report. No vLLM engine, no GPU."""
+"""CPU tests of bench/soak.py (the continuous-batching soak) and its pure parts, bench/soak_schedule.py and
+bench/soak_verdicts.py: the seeded schedule, the driving loop on a fake engine, the per-request verdict, the memory
+check and the report. No vLLM engine, no GPU."""
 from __future__ import annotations
 
 import itertools
@@ -15,26 +16,28 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import soak
+import soak_schedule
+import soak_verdicts
 import vllm_correctness as vc
 
 VOCAB = 128256
-PARAMS = soak.ScheduleParams(requests=2000, vocab=VOCAB, min_prompt=1, max_prompt=3000, min_out=1, max_out=128,
-                             mean_gap=8.0, seed=0)
+PARAMS = soak_schedule.ScheduleParams(requests=2000, vocab=VOCAB, min_prompt=1, max_prompt=3000, min_out=1,
+                                      max_out=128, mean_gap=8.0, seed=0)
 
 
 # ---- schedule -------------------------------------------------------------------------------------
 def test_schedule_is_seeded_and_deterministic() -> None:
-    a, b = soak.make_schedule(PARAMS), soak.make_schedule(PARAMS)
+    a, b = soak_schedule.make_schedule(PARAMS), soak_schedule.make_schedule(PARAMS)
     assert a == b
-    other = soak.make_schedule(soak.ScheduleParams(**{**asdict(PARAMS), "seed": 1}))
+    other = soak_schedule.make_schedule(soak_schedule.ScheduleParams(**{**asdict(PARAMS), "seed": 1}))
     assert [r.prompt_len for r in other] != [r.prompt_len for r in a]
     long = [r for r in a if r.prompt_len >= 10][:2]
-    assert soak.prompt_ids(PARAMS, long[0]) == soak.prompt_ids(PARAMS, long[0])
-    assert soak.prompt_ids(PARAMS, long[0])[:10] != soak.prompt_ids(PARAMS, long[1])[:10]
+    assert soak_schedule.prompt_ids(PARAMS, long[0]) == soak_schedule.prompt_ids(PARAMS, long[0])
+    assert soak_schedule.prompt_ids(PARAMS, long[0])[:10] != soak_schedule.prompt_ids(PARAMS, long[1])[:10]
 
 
 def test_schedule_within_bounds_and_poisson() -> None:
-    s = soak.make_schedule(PARAMS)
+    s = soak_schedule.make_schedule(PARAMS)
     assert [r.rid for r in s] == list(range(PARAMS.requests))
     assert all(1 <= r.prompt_len <= 3000 and 1 <= r.max_tokens <= 128 for r in s)
     # uniform over the whole range: 2,000 draws reach near both ends
@@ -48,18 +51,18 @@ def test_schedule_within_bounds_and_poisson() -> None:
 
 
 def test_prompt_ids_in_vocab_and_length() -> None:
-    for r in soak.make_schedule(PARAMS)[:20]:
-        ids = soak.prompt_ids(PARAMS, r)
+    for r in soak_schedule.make_schedule(PARAMS)[:20]:
+        ids = soak_schedule.prompt_ids(PARAMS, r)
         assert len(ids) == r.prompt_len and all(0 <= t < VOCAB for t in ids)
 
 
 def test_schedule_gap_zero_puts_everything_at_tick_zero() -> None:
-    s = soak.make_schedule(soak.ScheduleParams(**{**asdict(PARAMS), "requests": 50, "mean_gap": 0.0}))
+    s = soak_schedule.make_schedule(soak_schedule.ScheduleParams(**{**asdict(PARAMS), "requests": 50, "mean_gap": 0.0}))
     assert {r.arrival for r in s} == {0}
 
 
 def test_schedule_params_survive_the_child_payload() -> None:
-    assert soak.ScheduleParams(**json.loads(json.dumps(asdict(PARAMS)))) == PARAMS
+    assert soak_schedule.ScheduleParams(**json.loads(json.dumps(asdict(PARAMS)))) == PARAMS
 
 
 # ---- driving loop on a fake engine ----------------------------------------------------------------------
@@ -97,10 +100,10 @@ class FakeEngine:
 
 
 def test_drive_adds_while_busy_and_collects_every_token() -> None:
-    p = soak.ScheduleParams(**{**asdict(PARAMS), "requests": 40, "max_prompt": 20, "max_out": 12, "mean_gap": 2.0})
-    sched = soak.make_schedule(p)
+    p = soak_schedule.ScheduleParams(**{**asdict(PARAMS), "requests": 40, "max_prompt": 20, "max_out": 12, "mean_gap": 2.0})
+    sched = soak_schedule.make_schedule(p)
     eng = FakeEngine(cap=3)
-    res = soak.drive(eng, sched, lambda r: soak.prompt_ids(p, r), lambda r: r.max_tokens,
+    res = soak_schedule.drive(eng, sched, lambda r: soak_schedule.prompt_ids(p, r), lambda r: r.max_tokens,
                      sample=lambda d: {"step": d.steps}, sample_every=5)
     assert sorted(res.outputs) == list(range(40))
     for r in sched:
@@ -109,7 +112,7 @@ def test_drive_adds_while_busy_and_collects_every_token() -> None:
         assert o["tokens"] == [(r.rid * 7 + k) % 100 for k in range(r.max_tokens)]
         assert o["top2"][0] == [[o["tokens"][0], -1.0], [o["tokens"][0] + 1, -2.0]]  # sorted by rank
     assert [a[0] for a in eng.added] == [str(r.rid) for r in sched]
-    assert eng.added[5][1] == soak.prompt_ids(p, sched[5])
+    assert eng.added[5][1] == soak_schedule.prompt_ids(p, sched[5])
     assert res.added_while_busy > 0 and res.steps == len(res.batch_sizes)
     assert len(set(res.batch_sizes)) > 1 and max(res.batch_sizes) <= 3
     assert [s["step"] for s in res.samples[:-1]] == list(range(5, res.steps + 1, 5))
@@ -117,28 +120,28 @@ def test_drive_adds_while_busy_and_collects_every_token() -> None:
 
 
 def test_drive_jumps_the_clock_when_idle() -> None:
-    sched = [soak.SoakRequest(0, 0, 5, 2), soak.SoakRequest(1, 1000, 5, 2)]
-    res = soak.drive(FakeEngine(), sched, lambda r: [1] * r.prompt_len, lambda r: r.max_tokens)
+    sched = [soak_schedule.SoakRequest(0, 0, 5, 2), soak_schedule.SoakRequest(1, 1000, 5, 2)]
+    res = soak_schedule.drive(FakeEngine(), sched, lambda r: [1] * r.prompt_len, lambda r: r.max_tokens)
     assert res.idle_jumps == 1 and res.steps == 4 and res.clock == 1002 and res.added_while_busy == 0
     assert all(res.outputs[i]["finished"] for i in (0, 1))
 
 
 def test_batch_stats() -> None:
-    b = soak.batch_stats([1, 2, 2, 3])
+    b = soak_schedule.batch_stats([1, 2, 2, 3])
     assert b["steps"] == 4 and b["max"] == 3 and b["mean"] == 2.0 and b["distinct"] == 3
     assert b["changed"] == pytest.approx(2 / 3)
-    assert soak.batch_stats([])["steps"] == 0
+    assert soak_schedule.batch_stats([])["steps"] == 0
 
 
 def test_metric_totals_sums_labels_and_skips_histograms() -> None:
     ms = [SimpleNamespace(name="vllm:num_preemptions", value=3), SimpleNamespace(name="vllm:num_preemptions", value=2),
           SimpleNamespace(name="vllm:num_requests_running", value=7.0),
           SimpleNamespace(name="vllm:e2e", buckets={}, count=1, sum=2.0), SimpleNamespace(name="flag", value=True)]
-    assert soak.metric_totals(ms) == {"vllm:num_preemptions": 5.0, "vllm:num_requests_running": 7.0}
+    assert soak_schedule.metric_totals(ms) == {"vllm:num_preemptions": 5.0, "vllm:num_requests_running": 7.0}
 
 
 # ---- verdicts -------------------------------------------------------------------------------------------
-REQ = soak.SoakRequest(rid=7, arrival=0, prompt_len=100, max_tokens=4)
+REQ = soak_schedule.SoakRequest(rid=7, arrival=0, prompt_len=100, max_tokens=4)
 
 
 def out(tokens: list[int], gaps: list[float] | None = None, finished: bool = True) -> dict[str, Any]:
@@ -148,22 +151,22 @@ def out(tokens: list[int], gaps: list[float] | None = None, finished: bool = Tru
 
 
 def test_judge_identical() -> None:
-    v = soak.judge(REQ, out([1, 2, 3, 4]), out([1, 2, 3, 4]))
+    v = soak_verdicts.judge(REQ, out([1, 2, 3, 4]), out([1, 2, 3, 4]))
     assert v.kind == "identical" and v.first_diff is None
 
 
 def test_judge_accepts_a_near_tie() -> None:
-    v = soak.judge(REQ, out([1, 2, 3, 4], [1.0, 1.0, 0.01, 1.0]), out([1, 2, 9, 9]))
+    v = soak_verdicts.judge(REQ, out([1, 2, 3, 4], [1.0, 1.0, 0.01, 1.0]), out([1, 2, 9, 9]))
     assert v.kind == "near tie" and v.first_diff == 2 and v.gap == pytest.approx(0.01)
 
 
 def test_judge_flags_a_non_tie_divergence() -> None:
-    v = soak.judge(REQ, out([1, 2, 3, 4], [1.0, 0.3, 1.0, 1.0]), out([1, 9, 3, 4]))
+    v = soak_verdicts.judge(REQ, out([1, 2, 3, 4], [1.0, 0.3, 1.0, 1.0]), out([1, 9, 3, 4]))
     assert v.kind == "BUG" and v.first_diff == 1 and v.gap == pytest.approx(0.3) and "not a near tie" in v.note
 
 
 def test_judge_gap_at_the_threshold_is_a_bug() -> None:
-    v = soak.judge(REQ, out([1, 2, 3, 4], [vc.TIE_GAP] * 4), out([5, 2, 3, 4]))
+    v = soak_verdicts.judge(REQ, out([1, 2, 3, 4], [vc.TIE_GAP] * 4), out([5, 2, 3, 4]))
     assert v.kind == "BUG"  # near tie means strictly below TIE_GAP
 
 
@@ -177,30 +180,30 @@ def test_judge_gap_at_the_threshold_is_a_bug() -> None:
      "no top-2"),
 ])
 def test_judge_flags_broken_outputs(stock: Any, plugin: Any, note: str) -> None:
-    v = soak.judge(REQ, stock, plugin)
+    v = soak_verdicts.judge(REQ, stock, plugin)
     assert v.kind == "BUG" and note in v.note
 
 
 def test_summarize_needs_99_percent_identical_and_no_bug() -> None:
-    ident = soak.Verdict(1, 10, 4, "identical")
-    tie = soak.Verdict(2, 10, 4, "near tie", 1, 0.01)
-    bug = soak.Verdict(3, 10, 4, "BUG", 1, 0.5)
-    assert soak.summarize([ident] * 99 + [tie])["ok"]
-    s = soak.summarize([ident] * 98 + [tie] * 2)
+    ident = soak_verdicts.Verdict(1, 10, 4, "identical")
+    tie = soak_verdicts.Verdict(2, 10, 4, "near tie", 1, 0.01)
+    bug = soak_verdicts.Verdict(3, 10, 4, "BUG", 1, 0.5)
+    assert soak_verdicts.summarize([ident] * 99 + [tie])["ok"]
+    s = soak_verdicts.summarize([ident] * 98 + [tie] * 2)
     assert not s["ok"] and s["identical"] == 98 and len(s["near_ties"]) == 2
-    s = soak.summarize([ident] * 999 + [bug])
+    s = soak_verdicts.summarize([ident] * 999 + [bug])
     assert not s["ok"] and s["bugs"] == [bug]
-    assert not soak.summarize([])["ok"]
+    assert not soak_verdicts.summarize([])["ok"]
 
 
 def test_memory_growth_skips_warmup_and_the_idle_final_sample() -> None:
     samples = [{"step": 100, "alloc_mib": 500.0}, {"step": 300, "alloc_mib": 1000.0},
                {"step": 400, "alloc_mib": 1010.0}, {"step": 500, "alloc_mib": 1004.0},
                {"step": 510, "alloc_mib": 9999.0, "final": True}]
-    g = soak.memory_growth(samples, "alloc_mib", warmup_steps=200)
+    g = soak_verdicts.memory_growth(samples, "alloc_mib", warmup_steps=200)
     assert g == {"first": 1000.0, "last": 1004.0, "max": 1010.0, "growth": 4.0, "samples": 3}
-    assert soak.memory_growth(samples, "alloc_mib", warmup_steps=450) is None
-    assert soak.memory_growth(samples, "smi_mib", warmup_steps=0) is None
+    assert soak_verdicts.memory_growth(samples, "alloc_mib", warmup_steps=450) is None
+    assert soak_verdicts.memory_growth(samples, "smi_mib", warmup_steps=0) is None
 
 
 def test_default_kv_blocks_force_preemption() -> None:
@@ -221,7 +224,7 @@ def engine_result(preemptions: int | None, alloc: list[float], status: list[dict
                for i, m in enumerate(alloc)]
     samples.append({"step": 250 * len(alloc) + 3, "smi_mib": 20000.0, "alloc_mib": 1.0, "final": True})
     return {"startup_s": 40.0, "steps": 250 * len(alloc) + 3, "wall_s": 10.0, "tokens": 5000, "added_while_busy": 90,
-            "batch": soak.batch_stats([1, 3, 2, 5]), "samples": samples, "preemptions": preemptions,
+            "batch": soak_schedule.batch_stats([1, 3, 2, 5]), "samples": samples, "preemptions": preemptions,
             "status": status, "block_size": 16}
 
 
@@ -233,10 +236,10 @@ def test_report_renders_pass_and_fail() -> None:
             "runner": "default", "command": "python3 bench/soak.py", "setup": "setup line"}
     good = {"stock": engine_result(12, [9000.0] * 8, [{"class": "LlamaForCausalLM"}]),
             "megakernel": engine_result(15, [9000.0] * 8, MK_STATUS)}
-    vs = [soak.Verdict(i, 10, 4, "identical") for i in range(199)] + [soak.Verdict(199, 2999, 100, "near tie", 41, 0.02)]
-    summary = soak.summarize(vs)
-    checks = soak.make_checks(summary, good, "megakernel", "ok", 1000, 64.0, 256.0)
-    text = soak.render(meta, summary, good, checks, 1000)
+    vs = [soak_verdicts.Verdict(i, 10, 4, "identical") for i in range(199)] + [soak_verdicts.Verdict(199, 2999, 100, "near tie", 41, 0.02)]
+    summary = soak_verdicts.summarize(vs)
+    checks = soak_verdicts.make_checks(summary, good, "megakernel", "ok", 1000, 64.0, 256.0)
+    text = soak_verdicts.render(meta, summary, good, checks, 1000)
     assert "OVERALL: PASS" in text and "FAIL" not in text
     assert "abc1234" in text and "NVIDIA H200" in text and "python3 bench/soak.py" in text
     assert "| 199 | 2999 | 100 | 41 | 0.0200 |" in text and "199/200 (99.50%)" in text
@@ -245,20 +248,20 @@ def test_report_renders_pass_and_fail() -> None:
     assert "'decode:4': 9" in text
 
     leaky = {**good, "megakernel": engine_result(0, [9000.0, 9000.0, 9000.0, 9000.0, 9100.0, 9200.0], MK_STATUS)}
-    bug = soak.Verdict(5, 1234, 64, "BUG", 3, 0.7, note="not a near tie")
-    summary = soak.summarize(vs[:-1] + [bug])
-    checks = soak.make_checks(summary, leaky, "megakernel", "no decode step took the mk path", 1000, 64.0, 256.0)
+    bug = soak_verdicts.Verdict(5, 1234, 64, "BUG", 3, 0.7, note="not a near tie")
+    summary = soak_verdicts.summarize(vs[:-1] + [bug])
+    checks = soak_verdicts.make_checks(summary, leaky, "megakernel", "no decode step took the mk path", 1000, 64.0, 256.0)
     failed = {c[0] for c in checks if not c[2]}
     assert any(c.startswith("bugs") for c in failed) and any("mk decode path" in c for c in failed)
     assert any("preemption" in c for c in failed) and any("memory_allocated" in c for c in failed)
     assert not any("nvidia-smi" in c for c in failed)
-    text = soak.render(meta, summary, leaky, checks, 1000)
+    text = soak_verdicts.render(meta, summary, leaky, checks, 1000)
     assert "OVERALL: FAIL" in text and "| 5 | 1234 | 64 | 3 | 0.7000 |" in text
 
 
 def test_make_checks_preemption_counter_unavailable_is_not_faked() -> None:
     eng = {"stock": engine_result(None, [1.0] * 3, []), "triton": engine_result(None, [1.0] * 3, MK_STATUS)}
-    checks = soak.make_checks(soak.summarize([soak.Verdict(0, 1, 1, "identical")]), eng, "triton", "ok", 0, 64, 256)
+    checks = soak_verdicts.make_checks(soak_verdicts.summarize([soak_verdicts.Verdict(0, 1, 1, "identical")]), eng, "triton", "ok", 0, 64, 256)
     pre = [c for c in checks if "preemption" in c[0]]
     assert len(pre) == 2 and all(c[1] == "counter not available" and c[2] for c in pre)
 
@@ -268,8 +271,8 @@ def test_main_compares_the_engines_and_writes_the_record(tmp_path: Path, monkeyp
     and the exit status follows them."""
     args = ["--requests", "30", "--max-prompt", "50", "--max-out", "6", "--mode", "triton", "--outdir", str(tmp_path),
             "--no-fp32-rule"]   # the fp32 truth needs a GPU child: test_fp32_rule_rejudges_first_differences
-    p = soak.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
-    sched = soak.make_schedule(p)
+    p = soak_schedule.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
+    sched = soak_schedule.make_schedule(p)
     target = sched[4]
     case: dict[str, float | None] = {"gap": None}  # stock's top-2 gap where the plugin diverges (None: no divergence)
 
@@ -345,7 +348,7 @@ def test_accumulate_on_vllm_delta_outputs() -> None:
                                finish_reason=FinishReason.LENGTH if k == len(steps) - 1 else None)
         outs = proc.process_outputs([eco]).request_outputs
         assert len(outs) == 1 and outs[0].request_id == "7"  # DELTA: an output every step, external id
-        soak.accumulate(acc, outs[0])
+        soak_schedule.accumulate(acc, outs[0])
     assert acc == {7: {"tokens": [10, 20, 30], "finished": True,
                        "top2": [[[t, a], [s, b]] for t, s, a, b in steps]}}
 
@@ -358,8 +361,8 @@ def test_control_engine_is_stock_at_other_batching_and_reported_not_judged() -> 
     assert len(soak.engine_plan(soak.parse_args(["--control-max-num-seqs", "0"]), {"max_num_seqs": 16})) == 2
     with pytest.raises(SystemExit):
         soak.parse_args(["--control-max-num-seqs", "-1"])
-    p = soak.ScheduleParams(3, VOCAB, 1, 5, 2, 2, 0.0, 0)
-    sched = soak.make_schedule(p)
+    p = soak_schedule.ScheduleParams(3, VOCAB, 1, 5, 2, 2, 0.0, 0)
+    sched = soak_schedule.make_schedule(p)
     stock = {r.rid: out([1, 2], [1.0, 1.0]) for r in sched}
     stock[sched[1].rid] = out([1, 2], [1.0, 0.01])  # stock's top-2 gap 0.01 at the step where they part
     control = {**stock, sched[1].rid: out([1, 3], [1.0, 0.01])}
@@ -384,28 +387,28 @@ def test_mk_env_reaches_plugin_children_only_and_is_checked_early() -> None:
 
 
 def test_fp32_rule_rejudges_first_differences() -> None:
-    p = soak.ScheduleParams(4, VOCAB, 3, 5, 2, 2, 0.0, 0)
-    sched = soak.make_schedule(p)
+    p = soak_schedule.ScheduleParams(4, VOCAB, 3, 5, 2, 2, 0.0, 0)
+    sched = soak_schedule.make_schedule(p)
     stock = {r.rid: {"tokens": [1, 2], "top2": [], "finished": True} for r in sched}
     plugin = {r.rid: {"tokens": [1, 9], "top2": [], "finished": True} for r in sched}
-    vs = [soak.Verdict(sched[0].rid, sched[0].prompt_len, 2, "identical"),
-          soak.Verdict(sched[1].rid, sched[1].prompt_len, 2, "BUG", first_diff=1, gap=0.3, note="not a near tie"),
-          soak.Verdict(sched[2].rid, sched[2].prompt_len, 2, "near tie", first_diff=1, gap=0.01),
-          soak.Verdict(sched[3].rid, sched[3].prompt_len, 2, "BUG", note="plugin: not finished")]
-    items = soak.fp32_items(vs, sched, p, stock, plugin)
+    vs = [soak_verdicts.Verdict(sched[0].rid, sched[0].prompt_len, 2, "identical"),
+          soak_verdicts.Verdict(sched[1].rid, sched[1].prompt_len, 2, "BUG", first_diff=1, gap=0.3, note="not a near tie"),
+          soak_verdicts.Verdict(sched[2].rid, sched[2].prompt_len, 2, "near tie", first_diff=1, gap=0.01),
+          soak_verdicts.Verdict(sched[3].rid, sched[3].prompt_len, 2, "BUG", note="plugin: not finished")]
+    items = soak_verdicts.fp32_items(vs, sched, p, stock, plugin)
     assert [it["rid"] for it in items] == [sched[1].rid, sched[2].rid]
-    assert items[0]["tokens"] == soak.prompt_ids(p, sched[1]) + [1] and (items[0]["stock_tok"], items[0]["plugin_tok"]) == (2, 9)
-    out = soak.apply_fp32_rule(vs, {sched[1].rid: (False, 0.001), sched[2].rid: (True, 0.2)})
+    assert items[0]["tokens"] == soak_schedule.prompt_ids(p, sched[1]) + [1] and (items[0]["stock_tok"], items[0]["plugin_tok"]) == (2, 9)
+    out = soak_verdicts.apply_fp32_rule(vs, {sched[1].rid: (False, 0.001), sched[2].rid: (True, 0.2)})
     assert [v.kind for v in out] == ["identical", "fp32 ok", "BUG", "BUG"] and "+0.2000" in out[2].note
-    s = soak.summarize(out)
+    s = soak_verdicts.summarize(out)
     assert len(s["near_ties"]) == 1 and len(s["bugs"]) == 2
 
 
 def test_checks_hold_the_first_difference_rate_to_the_control() -> None:
     eng = {"triton": engine_result(3, [100.0] * 3, MK_STATUS)}
-    summary = soak.summarize([soak.Verdict(0, 1, 1, "identical"), soak.Verdict(1, 1, 1, "fp32 ok", first_diff=0)])
-    ok = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.4)[0]
-    bad = soak.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.2)[0]
+    summary = soak_verdicts.summarize([soak_verdicts.Verdict(0, 1, 1, "identical"), soak_verdicts.Verdict(1, 1, 1, "fp32 ok", first_diff=0)])
+    ok = soak_verdicts.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.4)[0]
+    bad = soak_verdicts.make_checks(summary, eng, "triton", "ok", 0, 64, 256, control_diff=0.2)[0]
     assert ok[2] and "vs control 40.00%" in ok[1] and not bad[2]
 
 
@@ -442,31 +445,31 @@ def test_an_engine_run_is_reused_only_for_the_same_payload_and_mode(tmp_path) ->
 def test_fp32_results_split_by_set_and_balance() -> None:
     got = {"plugin:3": [True, 0.05, 0.0156], "plugin:4": [False, -0.03, 0.0156], "control:3": [False, 0.01, 0.0156],
            "7": [False, 0.0, 0.0156]}   # an unkeyed item is the plugin's
-    s = soak.split_fp32(got)
+    s = soak_verdicts.split_fp32(got)
     assert s["plugin"][3] == (True, 0.05, 0.0156) and s["control"][3] == (False, 0.01, 0.0156) and 7 in s["plugin"]
-    assert soak.fp32_balance(s["plugin"]) == {"n": 3, "worse": 1, "better": 1, "within": 1}
-    assert soak.fp32_balance(s["control"]) == {"n": 1, "worse": 0, "better": 0, "within": 1}
+    assert soak_verdicts.fp32_balance(s["plugin"]) == {"n": 3, "worse": 1, "better": 1, "within": 1}
+    assert soak_verdicts.fp32_balance(s["control"]) == {"n": 1, "worse": 0, "better": 0, "within": 1}
 
 
 def test_checks_hold_the_fp32_rejections_to_the_controls() -> None:
     # issue 13's rule on both pairs: the plugin's fp32 "bugs" may be 1.5x the control's; other bugs are bugs
     eng = {"megakernel": engine_result(3, [100.0] * 3, MK_STATUS)}
-    fp32_bug = soak.Verdict(1, 1, 1, "BUG", first_diff=0, note="fp32: the plugin's token is +0.0300 below stock's")
-    summary = soak.summarize([soak.Verdict(0, 1, 1, "identical"), fp32_bug, fp32_bug])
-    rows = {c[0]: c for c in soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
+    fp32_bug = soak_verdicts.Verdict(1, 1, 1, "BUG", first_diff=0, note="fp32: the plugin's token is +0.0300 below stock's")
+    summary = soak_verdicts.summarize([soak_verdicts.Verdict(0, 1, 1, "identical"), fp32_bug, fp32_bug])
+    rows = {c[0]: c for c in soak_verdicts.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
                                               control_fp32={"n": 9, "worse": 2, "better": 2, "within": 5})}
     rule = next(c for k, c in rows.items() if k.startswith("first differences the fp32 rule rejects"))
     assert rule[2] and rule[1] == "2 vs control 2 (of 9)"
     assert rows["bugs other than the fp32 rule's (short/missing output or logprobs)"][2]
-    tight = soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
+    tight = soak_verdicts.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256,
                              control_fp32={"n": 9, "worse": 1, "better": 2, "within": 6})
     assert not next(c for c in tight if c[0].startswith("first differences the fp32 rule rejects"))[2]
-    short = soak.summarize([fp32_bug, soak.Verdict(2, 1, 1, "BUG", note="plugin: not finished")])
-    other = soak.make_checks(short, eng, "megakernel", "ok", 0, 64, 256,
+    short = soak_verdicts.summarize([fp32_bug, soak_verdicts.Verdict(2, 1, 1, "BUG", note="plugin: not finished")])
+    other = soak_verdicts.make_checks(short, eng, "megakernel", "ok", 0, 64, 256,
                              control_fp32={"n": 9, "worse": 2, "better": 2, "within": 5})
     assert not next(c for c in other if c[0].startswith("bugs other than"))[2]
     # without the control's fp32 judgement the rule's rejections are bugs outright, as before
-    plain = soak.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256)
+    plain = soak_verdicts.make_checks(summary, eng, "megakernel", "ok", 0, 64, 256)
     assert not next(c for c in plain if c[0].startswith("bugs (non-tie"))[2]
 
 
@@ -474,8 +477,8 @@ def test_main_judges_the_control_by_the_same_fp32_rule(tmp_path: Path, monkeypat
     """With the control engine and the fp32 rule: one child judges both pairs' first differences (keyed by set),
     and the plugin passes with as many rule rejections as the control has."""
     args = ["--requests", "30", "--max-prompt", "50", "--max-out", "6", "--mode", "triton", "--outdir", str(tmp_path)]
-    p = soak.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
-    sched = soak.make_schedule(p)
+    p = soak_schedule.ScheduleParams(30, VOCAB, 1, 50, 1, 6, 8.0, 0)
+    sched = soak_schedule.make_schedule(p)
     diverge = {"triton": sched[4].rid, soak.CONTROL: sched[7].rid}
 
     def fake_run_engines(a: Any, payload: dict[str, Any], tag: str, work: Path
