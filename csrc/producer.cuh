@@ -107,7 +107,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     if (lane == 0) tensormap_acquire(wmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
 #endif
-#if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
+#if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 x MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
     if (wga_takes(khi - klo, P.batch)) {
       if (!wga_produce(S, P, t, wp.mtpu, klo, khi, wmap_one, it, ti, lane)) goto drain;
     } else
