@@ -2,9 +2,9 @@
 # Sessions 27-28's GPU calls (bench/NOTES.md sessions 26-28, "Next"). `bash bench/gpu_session35.sh N $OUT` from the
 # project root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the
 # 64 MiB limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the
-# machine stays warm. Order: 10, 13, 14, 15, 1, 7, 9, then 11, 12, 3, 4, 5, 6, 8 and 2 if time is left (sessions 27 and
-# 28 had no GPU: session 26's plan moved here with call 10, the consumer probe, call 9, MK_WGMMA_B's tests and A/B,
-# calls 13-14, MK_WGMMA_A's, and 15, MK_WARP_ARRIVE's A/B, added).
+# machine stays warm. Order: 10, 13, 14, 15, 1, 7, 9, then 11, 12, 3, 4, 5, 6, 8, 2 and 16 if time is left (sessions 27
+# and 28 had no GPU: session 26's plan moved here with call 10, the consumer probe, call 9, MK_WGMMA_B's tests and A/B,
+# calls 13-14 and 16, MK_WGMMA_A's, and 15, MK_WARP_ARRIVE's A/B, added).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto(), tbt_1layer_profiled()
@@ -62,6 +62,13 @@ case $n in
         --batch 1 8 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1
       timeout 260 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
         --batch 1 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1 ;;
+  16) # issue 11, after call 14 if MK_WGMMA_A missed its prediction (or won, for the next budget): its phase traces at
+      # batch 16 (R = 4, both models), then against call 2's default traces (trace_phases --compare, on the CPU)
+      for m in llama-3.1-8b llama-3.2-1b; do
+        timeout 120 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+          --define MK_W_TMA=1 --define MK_WGMMA_A=4 --records-dir "$out" --model bench/models/$m --batch 16 2>&1 | tail -2
+      done
+      for f in "$out"/*WGMMA_A*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issues 11 and 12: 8B, stock alternated with auto and the megakernel, 2 rounds, batch 1 / 4 / 8 / 16
      # at prompt 512 (issue 11: megakernel <= 0.85x stock at b1 and b8; issue 12: auto <= stock at every batch)
