@@ -1,0 +1,59 @@
+"""MK_WGMMA_A on the CPU (A/B switch, session 28; csrc/matvec_wgmma_a.cuh): the premise of its A/B (bench/gpu_session35.sh
+call 14), that at batch 9..16 every matvec task of the measured models takes the wgmma path -- the kernel's wga_takes
+wants the task's width (K, or a K-split part's) a multiple of its 256-column chunk -- including the K-split parts of
+the packaged H200 table's batch 9..16 entries; and the variant's values. (The GPU test is test_wgmma_a_gpu.py.)"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mk_plugin.persistent.encoding import ksplit_range, spec_hash
+from mk_plugin.persistent.tuning import TuningTable, tuned_file
+from mk_plugin.persistent.variant import WGMMA_A_CHOICES, KernelVariant
+from mk_plugin.spec import LlamaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "bench" / "models"
+SRC = (ROOT / "csrc" / "matvec_wgmma_a.cuh").read_text()
+
+
+def _kernel_chunk_cols() -> int:
+    m = re.search(r"constexpr int WGA_KC = (\d+);", SRC)
+    assert m, "csrc/matvec_wgmma_a.cuh: WGA_KC not found"
+    return int(m.group(1))
+
+
+def _widths(spec: LlamaSpec) -> dict[str, int]:
+    """Each matvec op's reduction width (csrc/matvec_plan.cuh weight_plan)."""
+    return {"qkv_rope": spec.hidden_size, "o_proj": spec.q_size, "gate_up": spec.hidden_size,
+            "down": spec.intermediate_size, "lm_head": spec.hidden_size}
+
+
+def test_the_kernel_condition_is_the_one_checked_here():
+    assert _kernel_chunk_cols() == 256
+    assert re.search(r"bool wga_takes\(int K, int B\) \{ return batch_ntiles\(B\) == 2 && K % WGA_KC == 0; \}", SRC)
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_every_matvec_of_the_measured_models_takes_the_path(name):
+    spec = LlamaSpec.from_json_file(MODELS / name)
+    kc = _kernel_chunk_cols()
+    assert {op: k % kc for op, k in _widths(spec).items()} == dict.fromkeys(_widths(spec), 0)
+    # the packaged table's K-split parts at batch 9..16 (1B down / 4, 8B down / 2 when this was written)
+    table = TuningTable.load(tuned_file("NVIDIA H200"), "NVIDIA H200")
+    entries = [e for k, e in table.entries.items() if k.spec_hash == spec_hash(spec) and k.batch > 8]
+    assert entries, f"no batch 9..16 entry for {name} in the packaged H200 table"
+    for e in entries:
+        for op, parts in e.tuning.ksplit:
+            k = _widths(spec)[op]
+            spans = [ksplit_range(k, p, parts) for p in range(parts)]
+            assert all((hi - lo) % kc == 0 for lo, hi in spans), (name, e.key.batch, op, parts, spans)
+
+
+def test_variant_values():
+    assert WGMMA_A_CHOICES == (0, 1, 2, 4)
+    for r in WGMMA_A_CHOICES[1:]:
+        assert KernelVariant(w_tma=True, wgmma_a=r).defines() == ("-DMK_W_TMA=1", f"-DMK_WGMMA_A={r}")
+    assert KernelVariant().defines() == ()
