@@ -133,15 +133,10 @@ __device__ __forceinline__ unsigned wgb_chunks(const Smem& S, const Params& P, u
 #pragma unroll
       for (int j = 0; j < CHUNK_COLS / 32; ++j)   // k-step j of the half: 16 columns, 2 core matrices of x'
         wg_mma_m64n16(d, wg_desc_plain(a0 + (unsigned)(2 * j * B * 16), lbo), wg_desc_sw128(sb + (j >> 2) * W_KG_BYTES + (j & 3) * 32));
-      wg_commit();
-      wg_wait<1>();   // the previous chunk's group has read its slot
-      if (prev >= 0) slot_free(S, prev, pok);
-      prev = slot;
-      pok = ws == WAIT_OK;   // not OK (this CTA is stopping): never free a slot still landing
+      wg_chunk_issued(S, slot, ws, prev, pok);
       ++it;
     }
-    wg_wait<0>();
-    if (prev >= 0) slot_free(S, prev, pok);
+    wg_chunks_drained(S, prev, pok);
     wg_record(S, P, to);
     if ((warp & 3) == 0) sums[(wg * ACC_TILES + m) * 32 + lane] = make_float4(d[0], d[1], d[4], d[5]);
   }

@@ -199,16 +199,11 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
         for (int j = 0; j < 8; ++j)
           wg_mma_m64n16(d[rb], wg_desc_sw128(wa + (j >> 2) * WGA_GROUP_BYTES + (j & 3) * 32),
                         wg_desc_sw128(xb + (j >> 2) * WGA_XLINE + (j & 3) * 32));
-        wg_commit();
-        wg_wait<1>();   // the previous chunk's group has read its slot
-        if (prev >= 0) slot_free(S, prev, pok);
-        prev = slot;
-        pok = ws == WAIT_OK;   // not OK (this CTA is stopping): never free a slot still landing
+        wg_chunk_issued(S, slot, ws, prev, pok);
         ++it;
       }
     }
-    wg_wait<0>();   // this group's x and slots are read: the buffer may be refilled, the last slot freed
-    if (prev >= 0) slot_free(S, prev, pok);
+    wg_chunks_drained(S, prev, pok);   // this group's x and slots are read: the buffer may be refilled
   }
   wg_record(S, P, to);
   consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it

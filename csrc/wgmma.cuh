@@ -50,6 +50,22 @@ __device__ __forceinline__ void wg_mma_m64n16(float (&d)[8], unsigned long long 
                : "l"(da), "l"(db));
 }
 
+// After a chunk's wgmmas: commit them as one group, wait until the previous chunk's group has read its slot and free
+// that slot (pok: this thread's wait for it succeeded), then remember this chunk's. Not OK (this CTA is stopping): a
+// slot whose copy may still be landing is never freed. The loop's last slot: wg_chunks_drained.
+__device__ __forceinline__ void wg_chunk_issued(const Smem& S, int slot, int ws, int& prev, bool& pok) {
+  wg_commit();
+  wg_wait<1>();
+  if (prev >= 0) slot_free(S, prev, pok);
+  prev = slot;
+  pok = ws == WAIT_OK;
+}
+// Every group of the loop has completed (its shared-memory reads done); the last chunk's slot freed.
+__device__ __forceinline__ void wg_chunks_drained(const Smem& S, int prev, bool pok) {
+  wg_wait<0>();
+  if (prev >= 0) slot_free(S, prev, pok);
+}
+
 // A ring slot's full-barrier wait for a wgmma chunk loop: ring_wait's slow path inline (watchdog_record is a call, and
 // no wgmma group may be in flight across a call), a timeout stopping the CTA at once and recorded by wg_record after
 // the loop's last wait_group. Not OK (this CTA is stopping): the caller computes on whatever the slot holds and never
