@@ -78,6 +78,12 @@ def _run_mk(dec, spec, w, batch, cs, *, stop_after=None):
     return out, logits, caches
 
 
+def steps_equal(a, b) -> bool:
+    """Two steps' (out, logits, caches), as _run_mk returns them, bitwise equal."""
+    (o0, l0, c0), (o1, l1, c1) = a, b
+    return torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(x, y) for x, y in zip(c0, c1))
+
+
 # Which buffers each op writes (compared after the op's prefix).
 OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [Buf.RESID], "gate_up": [Buf.ACT],
               "down": [Buf.RESID], "final_norm": [Buf.OUT], "lm_head": [Buf.LOGITS]}
@@ -181,6 +187,13 @@ def _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
     for a, r, t in zip(caches, rcaches, tcaches):
         assert_matches(a, r, dt, "step")
         assert_matches(a, t, dt, "step")
+
+
+def assert_repeatable_step(dec, spec, w, batch, cs) -> None:
+    """dec's step run twice is bitwise the same (fixed-order sums), and matches the fp32 reference and Triton."""
+    first, second = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
+    assert steps_equal(first, second)
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *second)
 
 
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
@@ -438,10 +451,8 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     for v in (KernelVariant(), KernelVariant(w_tma=True)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning)
         runs.append(_run_mk(dec, spec, w, batch, cs))
-    (o0, l0, c0), (o1, l1, c1) = runs
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+    assert steps_equal(*runs)
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *runs[1])
 
 
 @pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("llama-3.2-1b", 1), ("llama-3.2-1b", 5),
@@ -457,10 +468,7 @@ def test_one_ntile_fragments_match_the_reference(models, name, bsz):
     batch = gpu_batch(spec, seq_lens, seed=bsz + 29)
     cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off")
-    (o0, l0, c0), (o1, l1, c1) = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+    assert_repeatable_step(dec, spec, w, batch, cs)
 
 
 @pytest.mark.parametrize("name,parts", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
@@ -475,8 +483,7 @@ def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
     ks = ScheduleTuning(ksplit=(("down", parts),))
     runs = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={9: t}), spec, w, batch, cs)
             for t in (ks, ks.with_piece_deps(True))]
-    (o0, l0, c0), (o1, l1, c1) = runs
-    assert torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
+    assert steps_equal(*runs)
 
 
 def test_a_tunings_weight_maps_and_cap_are_bitwise_the_default(models):

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 from test_persistent_gpu import (
     DEV,
     _run_mk,
     gpu_batch,
     models,  # noqa: F401 (the fixture)
+    steps_equal,
 )
 
 from mk_plugin import reference as ref
@@ -22,11 +22,6 @@ from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.variant import KernelVariant
 
 pytestmark = pytest.mark.gpu
-
-
-def _same(a, b) -> bool:
-    (o0, l0, c0), (o1, l1, c1) = a, b
-    return torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(x, y) for x, y in zip(c0, c1))
 
 
 @pytest.mark.parametrize("name,bsz,base", [("llama-3.2-1b", 1, KernelVariant()), ("llama-3.2-1b", 16, KernelVariant()),
@@ -39,7 +34,7 @@ def test_warp_arrive_is_bitwise_the_default(models, name, bsz, base):  # noqa: F
     for v in (base, replace(base, warp_arrive=True)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v)   # the packaged table's tuning
         runs.append(_run_mk(dec, spec, w, batch, cs))
-    assert _same(runs[0], runs[1])
+    assert steps_equal(runs[0], runs[1])
 
 
 def test_warp_arrive_under_stop_after_cuts(models):  # noqa: F811 (fixture)
@@ -50,4 +45,4 @@ def test_warp_arrive_under_stop_after_cuts(models):  # noqa: F811 (fixture)
     prog = decs[0].program(1)
     for op in ("L0.gate_up", "L1.attention", "L1.down"):
         n = prog.op_end(op)
-        assert _same(*(_run_mk(d, spec, w, batch, cs, stop_after=n) for d in decs)), op
+        assert steps_equal(*(_run_mk(d, spec, w, batch, cs, stop_after=n) for d in decs)), op

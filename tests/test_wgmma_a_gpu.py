@@ -9,11 +9,11 @@ the weights fixture are test_persistent_gpu.py's."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_persistent_gpu import (
     DEV,
     _assert_step_matches_ref_and_triton,
     _run_mk,
+    assert_repeatable_step,
     gpu_batch,
     models,  # noqa: F401 (the fixture)
     op_by_op_failures,
@@ -36,10 +36,7 @@ def test_wgmma_a_tasks_match_the_reference(models, name, bsz):  # noqa: F811 (fi
     batch = gpu_batch(spec, seq_lens, seed=bsz + 11)
     cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=WGMMA_A)
-    (o0, l0, c0), (o1, l1, c1) = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, o1, l1, c1)
+    assert_repeatable_step(dec, spec, w, batch, cs)
 
 
 @pytest.mark.parametrize("name,parts,stages", [("llama-3.2-1b", 4, 0), ("llama-3.1-8b", 2, 0), ("llama-3.2-1b", 4, 5)])
