@@ -91,8 +91,9 @@ class ScheduleTuning:
       order to the residual. The op keeps its task count (tasks_for); unlisted ops are not cut.
     att_tma: the ring-fed attention for this batch size (variant.KernelVariant.att_tma, a compile-time switch
       like num_stages): attention tasks of >= att_tma tokens stream their K/V through the weight ring;
-      0 = the decoder's variant (off by default), ATT_TMA_OFF = off even where the base has it. Session 18: 128 wins at 8B batch 8/16 (-45 / -48 us at ctx
-      512, -351 / -669 at ctx 4096) and loses +18..+21 us at 1B batch 1..8 ctx 512.
+      0 = the decoder's variant (off by default), ATT_TMA_OFF = off even where the base has it. Session 18: 128
+      wins at 8B batch 8/16 (-45 / -48 us at ctx 512, -351 / -669 at ctx 4096) and loses +18..+21 us at 1B batch
+      1..8 ctx 512.
     inflight: the producer's cap on weight chunks in flight per SM for this batch size (variant.KernelVariant.
       inflight, a compile-time switch like num_stages), 1..INFLIGHT_MAX; 0 = the decoder's variant (no cap).
       Session 20: 2 chunks -46 / -6 / -55 us at 8B batch 1 / 8 / 16, +2..+19 at 1B (bench/NOTES.md).
