@@ -33,6 +33,7 @@ from mk_plugin import reference as ref
 from mk_plugin.persistent.tuning import ScheduleTuning, parse_ksplit
 from mk_plugin.persistent.variant import KernelVariant
 from mk_plugin.spec import LlamaSpec
+from mk_plugin.testing import compare, poison_
 from mk_plugin.timing import graph_median_ms
 from mk_plugin.weights import random_weights
 
@@ -63,6 +64,34 @@ def build_label(variant: KernelVariant, tuning: ScheduleTuning | None = None) ->
     if tuning is not None:
         words.append(f"tuning {tuning.label()}")
     return " ".join(words) or "default"
+
+
+def check_builds(variants, decs, inputs, cs) -> list[bool]:
+    """One step of every build at every batch (poisoned output, the same pristine KV cache each) against the
+    first build's: within the tolerance table's whole-step bound, or the build is left out of the timed rounds
+    (a fast wrong build must not reach the table). The lines say each build's distance from the first."""
+    agree = [True] * len(decs)
+    for bsz, (hidden, pos, caches, bt, sl, slots, _, _) in inputs.items():
+        pristine = [c.clone() for c in caches]
+        first = None
+        for i, ((v, tuning), dec) in enumerate(zip(variants, decs)):
+            for c, p in zip(caches, pristine):
+                c.copy_(p)
+            out = poison_(torch.empty_like(hidden))
+            dec(hidden, pos, caches, bt, sl, slots, cs, out=out)
+            if first is None:
+                first = out.clone()
+                ok = bool(torch.isfinite(out.float()).all())
+                print(f"check batch {bsz} {build_label(v, tuning)}: {'finite' if ok else 'NON-FINITE'} (the reference build)")
+            else:
+                c = compare(out, first, out.dtype, "step")
+                ok = c["pass"]
+                print(f"check batch {bsz} {build_label(v, tuning)}: rel_fro {c['rel_fro']:.2e} max_abs {c['max_abs']:.3g} "
+                      f"against the first build: {'ok' if ok else 'MISMATCH, left out of the rounds'}")
+            agree[i] = agree[i] and ok
+        for c, p in zip(caches, pristine):
+            c.copy_(p)
+    return agree
 
 
 def main() -> None:
@@ -104,8 +133,11 @@ def main() -> None:
         inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), nbytes)
     commit, gpu, date = common.git_commit(), torch.cuda.get_device_name(), common.today()
     print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {commit}, gpu {gpu}, reps {args.reps}")
+    agree = check_builds(variants, decs, inputs, cs)
     for r in range(1, args.rounds + 1):
-        for (v, tuning), dec in zip(variants, decs):
+        for (v, tuning), dec, ok in zip(variants, decs, agree):
+            if not ok:
+                continue
             print(f"== round {r} {group}: {build_label(v, tuning)}")
             for bsz in args.batch:
                 hidden, pos, caches, bt, sl, slots, out, nbytes = inputs[bsz]

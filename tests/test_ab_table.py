@@ -92,3 +92,34 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
     assert q == mk_ab.parse_build("default")[0] and qt.piece_deps and mk_ab.build_label(q, qt) == "tuning down/k4,piece_deps"
     with pytest.raises(ValueError, match="attn_chunks=99"):
         mk_ab.parse_build("chunks=99")
+
+
+def test_mk_ab_check_leaves_out_a_build_that_disagrees_with_the_first():
+    """mk_ab.check_builds on the CPU (the VM executes the program): a build with another rounding agrees with the
+    default within the whole-step bound; a build whose output is off is left out of the timed rounds."""
+    import common
+    import mk_ab
+    import torch
+
+    from mk_plugin import reference as ref
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.spec import LlamaSpec
+    from mk_plugin.weights import random_weights
+
+    spec = LlamaSpec.tiny()
+    w = random_weights(spec, device="cpu")
+    cs = ref.rope_cos_sin_cache(spec, 64)
+    variants = [mk_ab.parse_build(b) for b in ("default", "MK_ROUNDING=1", "default")]
+    decs = [MegakernelDecoder(spec, w, 3, "cpu", variant=v) for v, _ in variants]
+
+    class Off:   # the third build: right program, wrong answer
+        def __call__(self, hidden, *a, out, **k):
+            decs[0](hidden, *a, out=out, **k)
+            out.mul_(1.5)
+
+    inputs = {}
+    for bsz in (1, 3):
+        b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, [9, 40, 17][:bsz], bsz, "cpu")
+        hidden = w.embed[b.input_ids]
+        inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), 0)
+    assert mk_ab.check_builds(variants, decs[:2] + [Off()], inputs, cs) == [True, True, False]
