@@ -136,7 +136,9 @@ def test_nvrtc_compiles_the_runtime_source():
 # the kernel's functions. Each was the measured winner regardless; listed so that a change is seen either way.
 # (8B batch 8, att_tma 128 + w_tma + inflight 2, spilled 4 / 8 bytes in mk_decode from session 21 until the ring's
 # CUDA-core consumer loop left in session 26: none since.)
-KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {}
+# 8B batch 12 / 16 (att_tma 128 + w_tma + wgmma_a 4, session 29): the traced task start time, 16 bytes stored once
+# per task before the chunk loops (session 28's SASS); measured -9% with it.
+KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {("llama-3.1-8b", 12): (16, 16), ("llama-3.1-8b", 16): (16, 16)}
 
 
 def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):

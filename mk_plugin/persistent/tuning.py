@@ -35,8 +35,8 @@ from pathlib import Path
 
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
-from .encoding import STAGE_CHOICES, spec_hash
-from .variant import ATT_TMA_MAX_TOKENS, ATT_TMA_TUNED, INFLIGHT_MAX, KernelVariant
+from .encoding import STAGE_CHOICES, Rounding, spec_hash
+from .variant import ATT_TMA_MAX_TOKENS, ATT_TMA_TUNED, INFLIGHT_MAX, WGMMA_A_CHOICES, KernelVariant
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -103,6 +103,15 @@ class ScheduleTuning:
       a down K-split.
     w_tma: one tensor-map copy per weight ring chunk for this batch size (variant.KernelVariant.w_tma); False = the
       decoder's variant. Session 19: -67 / -65 us at 8B batch 1 / 8, +409 at 8B batch 16, +2..+37 at 1B.
+    rstd_epi: norm-fused ops whose x is not staged whole scale their sums by rstd in the epilogue instead of
+      computing it first (variant.KernelVariant.rstd_epi); False = the decoder's variant. Session 29 (H200, ctx
+      512): -2.5 / -6.3% at 1B batch 8 / 16, -1.1 / -2.2 / -3.2% at 8B batch 3 / 8 / 16, but +3% at 1B batch 2 and
+      +1.2% at 8B batch 10 / 11 on batch 8's entry: a per-batch choice. Only with the fused rounding (a STOCK
+      decoder ignores it).
+    wgmma_a: batch 9..16 matvec tasks on wgmma with the weights as A, R (1, 2, 4) 64-row blocks per pass of x
+      (variant.KernelVariant.wgmma_a); 0 = the decoder's variant; needs w_tma (its chunks are tensor-map copies).
+      Session 29: R = 4 -9% at 8B batch 12..16 and -4..-5% at 1B batch 9..16, +-1% at 8B batch 9..11 on batch
+      8's entry. Not with rstd_epi (it normalises x' before its MMAs).
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -113,6 +122,8 @@ class ScheduleTuning:
     inflight: int = 0
     w_tma: bool = False
     piece_deps: bool = False
+    rstd_epi: bool = False
+    wgmma_a: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -125,7 +136,7 @@ class ScheduleTuning:
                 or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        for name in ("merge_in_partial", "w_tma", "piece_deps"):
+        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
@@ -136,6 +147,14 @@ class ScheduleTuning:
                 or not 0 <= self.inflight <= INFLIGHT_MAX:
             raise ValueError(f"inflight={self.inflight!r}: 0 (the decoder's variant) or the weight chunks in flight "
                              f"per SM, 1..{INFLIGHT_MAX} (below every ring depth)")
+        if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
+            raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (the decoder's variant) or the 64-row blocks per pass, "
+                             f"{', '.join(str(c) for c in WGMMA_A_CHOICES if c)}")
+        if self.wgmma_a and not self.w_tma:
+            raise ValueError(f"wgmma_a={self.wgmma_a} streams its chunks by tensor maps: set w_tma too")
+        if self.wgmma_a and self.rstd_epi:
+            raise ValueError(f"wgmma_a={self.wgmma_a} and rstd_epi exclude each other (wgmma_a normalises x' before "
+                             "its MMAs): choose one")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -173,6 +192,13 @@ class ScheduleTuning:
     def with_piece_deps(self, piece_deps: bool) -> ScheduleTuning:
         return replace(self, piece_deps=piece_deps)
 
+    def with_rstd_epi(self, rstd_epi: bool) -> ScheduleTuning:
+        return replace(self, rstd_epi=rstd_epi)
+
+    def with_wgmma_a(self, wgmma_a: int) -> ScheduleTuning:
+        """R row blocks per pass on wgmma (and the tensor-map copies it needs); 0 turns it off, w_tma as it was."""
+        return replace(self, wgmma_a=wgmma_a, w_tma=self.w_tma or bool(wgmma_a), rstd_epi=self.rstd_epi and not wgmma_a)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -185,7 +211,7 @@ class ScheduleTuning:
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
-                and not self.w_tma and not self.piece_deps)
+                and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -206,6 +232,10 @@ class ScheduleTuning:
             parts.append("w_tma")
         if self.piece_deps:
             parts.append("piece_deps")
+        if self.rstd_epi:
+            parts.append("rstd_epi")
+        if self.wgmma_a:
+            parts.append(f"wgmma_a{self.wgmma_a}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -223,12 +253,16 @@ class ScheduleTuning:
             d["w_tma"] = True
         if self.piece_deps:             # absent = one counter per op
             d["piece_deps"] = True
+        if self.rstd_epi:               # absent = the decoder's variant
+            d["rstd_epi"] = True
+        if self.wgmma_a:                # absent = the decoder's variant
+            d["wgmma_a"] = self.wgmma_a
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps")
+                 "piece_deps", "rstd_epi", "wgmma_a")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -236,10 +270,14 @@ class ScheduleTuning:
         ksplit = tuple(sorted((str(k), v) for k, v in dict(d.get("ksplit", {})).items()))
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
-                   d.get("w_tma", False), d.get("piece_deps", False))
+                   d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
+                   int(d.get("wgmma_a", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()
+# The wgmma path's row blocks per pass that the autotuner tries: R = 4 beat 1 and 2 at 1B and 8B batch 10..16 (session 29,
+# H200: 8B b16 4882-4894 us against 5022 at R = 2 and 5463-5471 at R = 1)
+WGMMA_A_TUNED = 4
 # A model that no table has measured on this GPU: the default program with the ring-fed attention for tasks of
 # >= ATT_TMA_TUNED tokens. Since its consumers run on the tensor cores (session 26, H200, 1B and 8B at batch 1..16)
 # it cost <= 1% at ctx 512 and gained 2-19% at ctx 4096 and 13-27% at ctx 8192; contexts grow while serving. A
@@ -261,7 +299,9 @@ def parse_ksplit(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
 
 def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = True) -> KernelVariant:
     """The kernel variant a batch with tuning `t` runs on: `base` with the ring depth, ring-fed attention (where the
-    model and caches allow it), in-flight cap and weight-map copies of `t` where it sets them."""
+    model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
+    them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi (the table's
+    choices are measured on the default base; a user's variant that excludes one keeps its own)."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
@@ -271,6 +311,10 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
         v = replace(v, inflight=t.inflight)
     if t.w_tma:
         v = replace(v, w_tma=True)
+    if t.rstd_epi and v.rounding == Rounding.FUSED and not v.wgmma_a:
+        v = replace(v, rstd_epi=True)
+    if t.wgmma_a and not v.rstd_epi:
+        v = replace(v, wgmma_a=t.wgmma_a)
     return v
 
 
