@@ -113,40 +113,57 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
 
 
 def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
-    """Each op's prefix of dec's program for `batch` on the GPU and in the VM (with the variant's rounding, ring
-    threshold, MK_RSTD_EPI and ring depth), its output buffers compared; the first diverging op's failures, or []."""
+    """Each op of dec's program for `batch` from the same inputs on the GPU and in the VM: the GPU runs the prefix up to
+    the op's end; the VM starts from the GPU's own state before the op (its buffers and caches after the previous
+    prefix) and runs the op's tasks alone (with the variant's rounding, ring threshold, MK_RSTD_EPI and ring depth).
+    The op's outputs are compared at the op tolerance in every layer; the first diverging op's failures, or [].
+    (Until session 29 the VM ran the whole prefix from the step's inputs: an op's output then carried every earlier
+    op's legitimate rounding differences, amplified through gate_up and 8B's 14336-column down, and 8B's layer-0 down
+    failed the op bound on one element in two builds whose ops were each within it.)"""
     seq_lens = batch.seq_lens.tolist()
+    B = len(seq_lens)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    prog = dec.program(len(seq_lens))
-    v = dec.variant_for(len(seq_lens))
+    prog = dec.program(B)
+    v = dec.variant_for(B)
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
                  block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
+    hidden = wc.embed[bc.input_ids.cpu()]
+
+    def gpu_state(stop_after: int) -> tuple[dict, list[torch.Tensor]]:
+        out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=stop_after)
+        bufs = {b: t.cpu().clone() for b, t in dec.buffers(B).items()}
+        bufs[Buf.OUT] = out.cpu()
+        if logits is not None:
+            bufs[Buf.LOGITS] = logits.cpu()
+        return bufs, [c.cpu() for c in caches]
+
+    before = ({}, [c.cpu() for c in batch.kv_caches])   # the GPU's state before the first op: the step's inputs
     failures = []
     for op in prog.taskset.ops:
-        n = prog.op_end(op.key)
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=n)
-        vcaches = [c.cpu() for c in batch.kv_caches]
-        st = vm.make_state(prog, wc, wc.embed[bc.input_ids.cpu()], bc.positions, vcaches, bc.block_table,
+        after = gpu_state(prog.op_end(op.key))
+        st = vm.make_state(prog, wc, hidden, bc.positions, [c.clone() for c in before[1]], bc.block_table,
                            bc.seq_lens, bc.slot_mapping, cs.cpu(), variant=v)   # as compiled
-        vm.run(prog, st, stop_after=n)
-        gbufs = dec.buffers(len(seq_lens))
-        gbufs[Buf.OUT], gbufs[Buf.LOGITS] = out, logits
-        kind = "op" if op.layer <= 0 else "step"
+        for b, t in before[0].items():
+            if b != Buf.HIDDEN_IN and b in st.bufs:
+                st.bufs[b].copy_(t.reshape(st.bufs[b].shape))
+        vm.run_fallback_as_tasks(prog, op, st)
+        gbufs, gcaches = after
         for b in OP_OUTPUTS[op.name]:
             if b == "KV":
-                got, want = _appended(caches[op.layer].cpu(), bc.slot_mapping), _appended(vcaches[op.layer], bc.slot_mapping)
+                got, want = _appended(gcaches[op.layer], bc.slot_mapping), _appended(st.kv_caches[op.layer], bc.slot_mapping)
                 # nothing else in the cache may change
-                untouched = _untouched_mask(caches[op.layer], bc.slot_mapping)
-                if not torch.equal(caches[op.layer].cpu()[untouched], batch.kv_caches[op.layer].cpu()[untouched]):
+                untouched = _untouched_mask(gcaches[op.layer], bc.slot_mapping)
+                if not torch.equal(gcaches[op.layer][untouched], batch.kv_caches[op.layer].cpu()[untouched]):
                     failures.append(f"{op.key}: cache rows outside slot_mapping were modified")
             else:
                 got, want = gbufs[b], st.bufs[b]
-            r = compare(got.float().cpu(), want.float(), spec.torch_dtype, kind)
+            r = compare(got.float(), want.float(), spec.torch_dtype, "op")
             if not r["pass"]:
                 failures.append(f"{op.key} {b}: {r}")
         if failures:
             break
+        before = after
     return failures
 
 
