@@ -2,9 +2,10 @@
 # Sessions 27-28's GPU calls (bench/NOTES.md sessions 26-28, "Next"). `bash bench/gpu_session35.sh N $OUT` from the
 # project root, .commit carried; calls 11, 12 carry the vLLM bundle parts (move bench/results/**/*.gz aside first: the
 # 64 MiB limit; one part a call), 3 the third part and unpack.sh; later vLLM calls reuse the unpacked tree while the
-# machine stays warm. Order: 10, 13, 14, 15, 1, 7, 9, then 11, 12, 3, 4, 5, 6, 8, 2 and 16 if time is left (sessions 27
-# and 28 had no GPU: session 26's plan moved here with call 10, the consumer probe, call 9, MK_WGMMA_B's tests and A/B,
-# calls 13-14 and 16, MK_WGMMA_A's, and 15, MK_WARP_ARRIVE's A/B, added).
+# machine stays warm. Order: 10, 13, 14, 1, 7, then 11, 12, 3, 4, 5, 6, 8, 2 and 16 if time is left (sessions 27
+# and 28 had no GPU: session 26's plan moved here with call 10, the consumer probe, and calls 13-14 and 16, MK_WGMMA_A's,
+# added; calls 9 and 15, the A/Bs of MK_WGMMA_B and MK_WARP_ARRIVE, ran on 2026-12-05: both measured slower and the
+# switches were removed).
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto(), tbt_1layer_profiled()
@@ -36,20 +37,10 @@ case $n in
       # session 27; prediction and rule in bench/NOTES.md session 27): 28 configs, one compile each, launches at two sizes
       timeout 150 python3 bench/wgmma_probe.py --csv "$out/wgmma_probe.csv" \
         --out "$out/wgmma_probe_$(date -u +%Y-%m-%d)_${commit}.md" 2>&1 | tail -38 ;;
-  9) # issue 11: MK_WGMMA_B (built in session 27; prediction and rule in bench/NOTES.md session 27): its GPU tests,
-     # then against the default and MK_W_TMA alone at 1B batch 1 / 2 / 4, and against the table's 8B entries at 8B
-     # batch 1 / 2 (they already copy by tensor maps), 2 alternated rounds. Run it after call 10 (the probe's
-     # wgmma-B rows say whether the pattern and the compact layout work at all).
-     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_b_gpu.py 2>&1 | tail -6
-     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
-       --batch 1 2 4 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_WGMMA_B=1
-     timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
-       --batch 1 2 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_B=1 ;;
+  # 9) (MK_WGMMA_B's tests and A/B): the switch measured 25% slower and was removed (bench/NOTES.md)
   13) # issue 11: MK_WGMMA_A's GPU tests (built in session 28; bench/NOTES.md session 28): reference, Triton, bitwise
       # repeatable, the tables' K-splits with the ring-fed attention, a 5-slot ring, op by op against the VM
-      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py 2>&1 | tail -8
-      # MK_WARP_ARRIVE (session 28): bitwise the default builds it is added to
-      timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_warp_arrive_gpu.py 2>&1 | tail -5 ;;
+      timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py 2>&1 | tail -8 ;;
   14) # issue 11: MK_WGMMA_A's A/B against the tables' builds at batch 9 / 12 / 16 (every matvec task takes it there:
       # tests/test_wgmma_a.py), R = 1 and 4, 2 alternated rounds (prediction and rule in NOTES session 28). Batch <= 8
       # would run MK_W_TMA's copies in these builds: not this switch's question (a win is a knob for batch 9..16 only).
@@ -57,12 +48,7 @@ case $n in
         --batch 9 12 16 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_A=1 --build MK_W_TMA=1,MK_WGMMA_A=4
       timeout 320 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
         --batch 9 16 --rounds 2 --build default --build MK_W_TMA=1,MK_WGMMA_A=1 --build MK_W_TMA=1,MK_WGMMA_A=4 ;;
-  15) # issue 11: MK_WARP_ARRIVE's A/B (session 28; prediction and rule in NOTES session 28) on the tables' builds, the
-      # chain's resident chunks (batch 1) and the consumer-bound ones (batch 16), 2 alternated rounds
-      timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
-        --batch 1 8 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1
-      timeout 260 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
-        --batch 1 16 --rounds 2 --build default --build MK_WARP_ARRIVE=1 ;;
+  # 15) (MK_WARP_ARRIVE's A/B): the switch measured 1% slower and was removed (bench/NOTES.md)
   16) # issue 11, after call 14 if MK_WGMMA_A missed its prediction (or won, for the next budget): its phase traces at
       # batch 16 (R = 4, both models), then against call 2's default traces (trace_phases --compare, on the CPU)
       for m in llama-3.1-8b llama-3.2-1b; do

@@ -192,7 +192,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       am_group(qa, kt, vt, r0, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);
     }
     if (patched) fence_proxy_async_smem();
-    slot_free(S, slot, a.ws == WAIT_OK);  // each thread (warp) frees its own reads
+    if (a.ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
     ++it;
   }
   if (ph_on) phase_lap(ph_t, ph_chunks);

@@ -261,20 +261,6 @@ __device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigne
   return ws;
 }
 
-// A consumer thread is done reading ring slot `slot` (ok: its full-barrier wait succeeded; a thread whose wait failed
-// never frees the slot: its copy may still be landing). Default: every consumer thread arrives on the slot's empty
-// barrier (count CONSUMER_THREADS). MK_WARP_ARRIVE (A/B switch, session 28; variant.KernelVariant.warp_arrive): one
-// arrive per warp (count CONSUMER_WARPS), lane 0's after the warp's lanes meet, when every lane's wait succeeded --
-// 8 shared-memory atomics on the barrier a chunk instead of 256 (bench/wgmma_probe.py's warp_arrive rows price it
-// for the register-fed consumers). Called by all 32 lanes of the warp together.
-__device__ __forceinline__ void slot_free(const Smem& S, int slot, bool ok) {
-#if MK_WARP_ARRIVE
-  if (__all_sync(0xffffffffu, ok) && (threadIdx.x & 31) == 0) mbar_arrive(S.empty_bar(slot));
-#else
-  if (ok) mbar_arrive(S.empty_bar(slot));
-#endif
-}
-
 __device__ __forceinline__ const elem_t* weight_ptr(const Params& P, int layer, int slot) {
   return reinterpret_cast<const elem_t*>(P.wptr[layer * LP_COUNT + slot]);
 }

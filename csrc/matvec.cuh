@@ -125,8 +125,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
                 for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
               }
             }
-            // each thread (MK_WARP_ARRIVE: warp) its own reads; spelled so that the default build keeps its SASS
-            if (h == nh - 1 && (MK_WARP_ARRIVE || ((okm >> m) & 1u))) slot_free(S, slot, (okm >> m) & 1u);
+            if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
           }
         }
       }
@@ -277,7 +276,7 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
               for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
             }
           }
-          slot_free(S, slot, ws == WAIT_OK);  // each thread (warp) releases its own reads
+          if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
           ++it;
         }
       }
@@ -369,6 +368,5 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
 
 }  // namespace mk
 
-// MK_WGMMA_B's and MK_WGMMA_A's tasks (compiled out of other builds; after the epilogue declarations above)
-#include "matvec_wgmma.cuh"
+// MK_WGMMA_A's task (compiled out of other builds; after the epilogue declarations above)
 #include "matvec_wgmma_a.cuh"

@@ -89,12 +89,6 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     wp.K = hi - lo;
   }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
-#if MK_WGMMA_B   // A/B switch: batch <= 8, x staged whole, whole chunks: the task on the warpgroup MMA, inline
-  if (wgb_pass(wp.K, P.batch, nw != nullptr)) {
-    it = wgb_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
-    return;
-  }
-#endif
 #if MK_WGMMA_A   // A/B switch: batch 9..16, whole 256-column chunks: the task on the warpgroup MMA, inline
   if (wga_takes(wp.K, P.batch)) {
     it = wga_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);
@@ -248,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (!stop) {
       for (int s = 0; s < NUM_STAGES; ++s) {
         mbar_init(S.full_bar(s), 1);
-        mbar_init(S.empty_bar(s), MK_WARP_ARRIVE ? CONSUMER_WARPS : CONSUMER_THREADS);  // slot_free's arrivals
+        mbar_init(S.empty_bar(s), CONSUMER_THREADS);  // every consumer thread frees its own reads
       }
       fence_mbar_init();
     }

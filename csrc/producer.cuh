@@ -54,9 +54,6 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
 //
 // Watchdog: a slot wait gives up when this CTA's consumers have stopped (abort flag) or after
 // PRODUCER_BUDGET_MULT budgets; the warp then stops issuing. Either way it drains before exiting.
-#if MK_WGMMA_B   // matvec_wgmma.cuh (included after this file): which passes walk M-tile-major
-__device__ __forceinline__ bool wgb_pass(int K, int B, bool norm);
-#endif
 #if MK_WGMMA_A   // matvec_wgmma_a.cuh (included after this file): which passes take 64-row chunks, and their copies
 __device__ __forceinline__ bool wga_takes(int K, int B);
 __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int mtpu, int klo, int khi,
@@ -114,19 +111,9 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
 #endif
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
       const int mt = min(upp, uend - p0) * wp.mtpu;
-#if MK_WGMMA_B   // a wgmma pass walks its (M-tile, column step) pairs M-tile-major, as its consumers (matvec_wgmma.cuh)
-      const bool wgb = wgb_pass(khi - klo, P.batch, t.opcode == OP_QKV_ROPE || t.opcode == OP_GATE_UP);
-      const int nm = wgb ? mt : 1, nk0 = wgb ? 1 : mt;   // outer M-tiles (wgmma) or one; inner M-tiles (default) or one
-      for (int mo = 0; mo < nm; ++mo)
-      for (int k0 = klo; k0 < khi; k0 += KC) {
-        const int kc = min(KC, khi - k0);
-        for (int mi = 0; mi < nk0; ++mi) {
-          const int m = mo + mi;
-#else
       for (int k0 = klo; k0 < khi; k0 += KC) {
         const int kc = min(KC, khi - k0);
         for (int m = 0; m < mt; ++m) {
-#endif
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
           if (producer_slot_wait(S, P, it, ti) != WAIT_OK) goto drain;

@@ -191,14 +191,8 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_RSTD_EPI
 #define MK_RSTD_EPI 0
 #endif
-#ifndef MK_WGMMA_B
-#define MK_WGMMA_B 0
-#endif
 #ifndef MK_WGMMA_A
 #define MK_WGMMA_A 0
-#endif
-#ifndef MK_WARP_ARRIVE
-#define MK_WARP_ARRIVE 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -1,6 +1,6 @@
-// Hopper's warpgroup MMA (wgmma.mma_async) as the A/B switches use it (MK_WGMMA_B: matvec_wgmma.cuh, MK_WGMMA_A:
-// matvec_wgmma_a.cuh): both operands read from shared memory by descriptor, D in registers, one warpgroup (4 warps)
-// per instruction. Compiled out of builds without either switch.
+// Hopper's warpgroup MMA (wgmma.mma_async) as the A/B switch MK_WGMMA_A uses it (matvec_wgmma_a.cuh): both operands
+// read from shared memory by descriptor, D in registers, one warpgroup (4 warps) per instruction. Compiled out of
+// builds without it.
 //
 // A call or a divergent branch between a wgmma and the wait_group that retires it makes ptxas serialise every
 // wgmma of the function (info line C7510 / C7520: tests/test_csrc_compile.py fails on it), so the callers inline
@@ -10,7 +10,7 @@
 
 namespace mk {
 
-#if MK_WGMMA_A || MK_WGMMA_B
+#if MK_WGMMA_A
 // Generic-proxy shared-memory writes (st.shared, cp.async) before the wgmmas' async-proxy reads of them: each
 // writer fences its own writes, then a barrier.
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -21,13 +21,8 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// Shared-memory matrix descriptors, K-major. Without swizzle: core matrices of 8 rows x 16 bytes, lbo bytes apart
-// along K, 128 along the rows (M or N). With the 128-byte swizzle: 8-row atoms of 8 x 128 bytes 1024 apart (the
+// Shared-memory matrix descriptor, K-major, with the 128-byte swizzle: 8-row atoms of 8 x 128 bytes 1024 apart (the
 // tensor map's SWIZZLE_128B layout), the start advanced 32 bytes per k-step inside an atom's 128-byte lines.
-__device__ __forceinline__ unsigned long long wg_desc_plain(unsigned addr, unsigned lbo) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-         ((unsigned long long)(128 >> 4) << 32);
-}
 __device__ __forceinline__ unsigned long long wg_desc_sw128(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
          (1ull << 62);
@@ -56,14 +51,14 @@ __device__ __forceinline__ void wg_mma_m64n16(float (&d)[8], unsigned long long 
 __device__ __forceinline__ void wg_chunk_issued(const Smem& S, int slot, int ws, int& prev, bool& pok) {
   wg_commit();
   wg_wait<1>();
-  if (prev >= 0) slot_free(S, prev, pok);
+  if (prev >= 0 && pok) mbar_arrive(S.empty_bar(prev));
   prev = slot;
   pok = ws == WAIT_OK;
 }
 // Every group of the loop has completed (its shared-memory reads done); the last chunk's slot freed.
 __device__ __forceinline__ void wg_chunks_drained(const Smem& S, int prev, bool pok) {
   wg_wait<0>();
-  if (prev >= 0) slot_free(S, prev, pok);
+  if (prev >= 0 && pok) mbar_arrive(S.empty_bar(prev));
 }
 
 // A ring slot's full-barrier wait for a wgmma chunk loop: ring_wait's slow path inline (watchdog_record is a call, and

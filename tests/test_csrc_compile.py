@@ -48,15 +48,11 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_INFLIGHT=2",), ("-DMK_INFLIGHT=1", "-DMK_ATT_TMA=128"), ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
             ("-DMK_ATT_TMA=1", "-DMK_NUM_STAGES=5"), ("-DMK_ATT_TMA=128", "-DMK_NUM_STAGES=4"),
             ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"), ("-DMK_RSTD_EPI=1",),
-            ("-DMK_RSTD_EPI=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128"),
-            # session 28's A/B switches: MK_WGMMA_A at each pass size, 5 stages, its phase build; MK_WARP_ARRIVE alone
-            # and with the warpgroup paths
+            ("-DMK_RSTD_EPI=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2"),
+            # session 28's A/B switch MK_WGMMA_A at each pass size, 5 stages, its phase build
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_NUM_STAGES=5"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1"),
-            ("-DMK_WARP_ARRIVE=1",), ("-DMK_WARP_ARRIVE=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4"),
-            ("-DMK_WARP_ARRIVE=1", "-DMK_W_TMA=1", "-DMK_WGMMA_B=1")]
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at
@@ -92,11 +88,8 @@ def test_megakernel_compiles_without_spills(tmp_path):
         [(s, ("-DMK_ATT_TMA=128",)) for s in _specs() if s.name != one_b.name] + \
         [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs() if s.name == "llama-3.1-8b"] + \
-        [(s, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", f"-DMK_WGMMA_A={a}")) for s in _specs() if s.name == "llama-3.1-8b"
-         for a in (1, 4)] + \
-        [(s, ("-DMK_WARP_ARRIVE=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs()
-         if s.name == "llama-3.1-8b"]
+         for a in (1, 4)]
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):
@@ -111,7 +104,7 @@ def test_megakernel_compiles_without_spills(tmp_path):
         else:
             assert not bad, f"{name}: register spills {bad}:\n{log[-4000:]}"
         assert re.search(r"Compiling entry function 'mk_decode' for 'sm_90a'", log), log[-2000:]
-        # MK_WGMMA_B / _A: ptxas serialises wgmma only with an info line (C7510 / C7520: a call or divergence in the way)
+        # MK_WGMMA_A: ptxas serialises wgmma only with an info line (C7510 / C7520: a call or divergence in the way)
         assert "Potential Performance Loss" not in log, f"{name}: wgmma serialised:\n{log[-2000:]}"
 
 
@@ -124,7 +117,6 @@ def test_nvrtc_compiles_the_runtime_source():
     builds.append((_specs()[0], ("-DMK_TRACE_PHASES=1", "-DMK_RELEASE_GATE=96", "-DMK_NUM_STAGES=5")))
     builds.append((_specs()[2], ("-DMK_ATT_TMA=128",)))   # the ring's tensor-core attention (inline PTX)
     one_b = LlamaSpec.from_json_file(MODELS / "llama-3.2-1b")   # the warpgroup MMA (A/B switch; K % 64 == 0)
-    builds.append((one_b, ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1")))
     builds.append((one_b, ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4")))
     for spec, extra in builds:
         rc, log = nvrtc_compile(libnvrtc_path(), src, "megakernel.cu", (*compile_options(spec), *extra))

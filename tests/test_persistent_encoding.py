@@ -180,12 +180,6 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     with pytest.raises(ValueError, match="rstd_epi=True needs the fused rounding"):
         KernelVariant(rstd_epi=True, rounding=enc.Rounding.STOCK)
     assert "#define MK_RSTD_EPI 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    # MK_WGMMA_B (A/B switch, session 27): needs the tensor-map weight chunks it reads as wgmma's B operand
-    g = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_B=1"])
-    assert g.wgmma_b and g.defines() == ("-DMK_W_TMA=1", "-DMK_WGMMA_B=1") and g.label() == "w_tma,wgmma_b"
-    with pytest.raises(ValueError, match="wgmma_b=True reads the weights in MK_W_TMA's chunk layout"):
-        KernelVariant.parse(["MK_WGMMA_B=1"])
-    assert "#define MK_WGMMA_B 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # MK_WGMMA_A (A/B switch, session 28): 64-row blocks per pass; copies its chunks with MK_W_TMA's maps; x' normalised
     # before the MMAs
     a = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=4"])
@@ -198,10 +192,6 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
         with pytest.raises(ValueError, match=r"0 \(off\) or the 64-row blocks per pass, 1, 2, 4"):
             KernelVariant(w_tma=True, wgmma_a=bad)
     assert "#define MK_WGMMA_A 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    # MK_WARP_ARRIVE (A/B switch, session 28): a 0/1 switch of its own
-    wa = KernelVariant.parse(["MK_WARP_ARRIVE=1"])
-    assert wa.warp_arrive and wa.defines() == ("-DMK_WARP_ARRIVE=1",) and wa.label() == "warp_arrive"
-    assert "#define MK_WARP_ARRIVE 0" in (ROOT / "csrc" / "tasks.h").read_text()
     # session 14's A/B: ldmatrix activation fragments became the NT = 2 code, the attention preload lost
     for gone in ("MK_B_LDSM", "MK_ATT_PRELOAD"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
@@ -217,6 +207,12 @@ def test_kernel_variant_parse_is_the_command_line_boundary():
     # session 25's A/B: both switches measured slower and left (bench/NOTES.md session 25); session 26's
     # MK_RING_MMA won and is the ring-fed attention's code
     for gone in ("MK_XPIPE", "MK_FULLK", "MK_RING_MMA"):
+        with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
+            KernelVariant.parse([f"{gone}=1"])
+        assert gone not in (ROOT / "csrc" / "tasks.h").read_text()
+    # measured slower on the H200 (2026-12-05) and removed: wgmma with the weights as B at batch <= 8, one ring-slot
+    # release per warp
+    for gone in ("MK_WGMMA_B", "MK_WARP_ARRIVE"):
         with pytest.raises(ValueError, match=f"unknown kernel variant '{gone}'"):
             KernelVariant.parse([f"{gone}=1"])
         assert gone not in (ROOT / "csrc" / "tasks.h").read_text()

@@ -14,7 +14,8 @@ norm-statistics rows per round all lost; session 18 removed the bulk-copy hand-o
 MK_BULK_QKV: they raced, bench/NOTES.md session 17; session 21: a later pass's x copied early or kept staged,
 MK_PASS_PREFETCH, lost at every shape; session 24: the branch-free one-n-tile fragment build, MK_XFRAG, won
 and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA, the ring-fed attention on the
-tensor cores, won and is the code).
+tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with the weights as B at batch <= 8,
+and MK_WARP_ARRIVE, one ring-slot release per warp, lost).
 """
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_B", "wgmma_b", "wgmma_b"),
-                   ("MK_WGMMA_A", "wgmma_a", "wgmma_a"), ("MK_WARP_ARRIVE", "warp_arrive", "warp_arrive"))
+                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -79,18 +79,11 @@ class KernelVariant:
     # accumulators by rstd[b] in the epilogue; the first pass sums x^2 from the column groups as they go by, so the
     # task starts its chunk loop without rows_rstd's L2 rounds (four at batch 16). FUSED rounding only.
     rstd_epi: bool = False
-    # MK_WGMMA_B (A/B switch, session 27; off; needs w_tma): a matvec pass at batch <= 8 whose x is staged whole runs
-    # its chunks on the warpgroup MMA (wgmma) with the weight tile as its B operand and the normalised x in a compact
-    # shared-memory layout as its A operand, walking the pass M-tile-major (csrc/matvec_wgmma.cuh).
-    wgmma_b: bool = False
     # MK_WGMMA_A = R (A/B switch, session 28; 0 = off; needs w_tma): a matvec task at batch 9..16 streams 64-row x
     # 256-column chunks and runs them on wgmma with the weights as its A operand (M = a row block of 64 rows) and x' as
     # its B operand (N = 16 tokens), both from shared memory, up to R row blocks (1, 2 or 4) per pass of x
     # (csrc/matvec_wgmma_a.cuh).
     wgmma_a: int = 0
-    # MK_WARP_ARRIVE (A/B switch, session 28; off): a ring slot's consumers free it with one mbarrier arrive per warp
-    # (lane 0, once all its lanes are done) instead of one per thread (csrc/common.cuh slot_free)
-    warp_arrive: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -109,12 +102,9 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "wgmma_b", "warp_arrive"):
+        for name in ("phases", "w_tma", "rstd_epi"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if self.wgmma_b and not self.w_tma:
-            raise ValueError("wgmma_b=True reads the weights in MK_W_TMA's chunk layout: set w_tma=True too "
-                             "(MK_W_TMA=1)")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
