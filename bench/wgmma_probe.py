@@ -99,7 +99,7 @@ def config_grid() -> list[Config]:
     g += [Config(m, n, res) for m in (1, 4) for res in (False, True) for n in (8, 16)]
     g += [Config(m, n, True, True) for m in (1, 4) for n in (8, 16)]
     g += [Config(m, n, res) for m in (2, 3) for res in (False, True) for n in (8, 16)]
-    # the compact layout at the batch sizes MK_WGMMA_B runs (1-5: K-direction offsets of 16-80 bytes) and 16
+    # the compact layout at batch 1-5 (K-direction offsets of 16-80 bytes; MK_WGMMA_B ran there until session 29) and 16
     g += [Config(5, 16, False, b=b) for b in (16, 5, 3, 2, 1)] + [Config(5, 16, True, b=1)]
     return g
 
