@@ -10,9 +10,9 @@ case $n in
   1) # issue 11: both paths, the new table, every batch the issue names and 8B batch 9..12 (the entries' seams); the
      # op-by-op tests (each op from the GPU's own state, session 29) and the table's programs against the default;
      # ctx 4096 last (the device budget may end the call first)
-     T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
-     T=170 step --model bench/models/llama-3.1-8b --batch 1 8 9 10 11 12 16
-     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_ring_mma_gpu.py \
+     T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 9 10 11 12 16
+     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_ring_mma_gpu.py \
        tests/test_wgmma_a_gpu.py -k "op_by_op or tuned_programs" 2>&1 | tail -8
      T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
      T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096 ;;
