@@ -129,6 +129,29 @@ def test_a_tunings_inflight_cap_is_its_batch_variant():
     assert dec.variant_for(2).defines() == ("-DMK_NUM_STAGES=4", "-DMK_INFLIGHT=2")
 
 
+def test_rstd_epi_and_wgmma_a_are_per_batch_and_exclude_each_other():
+    """The two kernel builds of session 29's table: a tuning sets either for its batch (tuned_variant), turning one on
+    turns the other off, a STOCK-rounding base ignores rstd_epi, and the autotuner offers both (wgmma_a at batch > 8)."""
+    from mk_plugin.persistent.encoding import Rounding
+    from mk_plugin.persistent.tuning import tuned_variant
+    from mk_plugin.persistent.variant import KernelVariant
+
+    wa = ScheduleTuning().with_wgmma_a(4)
+    assert wa.w_tma and wa.wgmma_a == 4 and ScheduleTuning.from_json(wa.to_json()) == wa
+    assert wa.with_rstd_epi(True) == ScheduleTuning(w_tma=True, rstd_epi=True)
+    assert ScheduleTuning(rstd_epi=True).with_wgmma_a(4) == wa
+    assert tuned_variant(KernelVariant(), wa) == KernelVariant(w_tma=True, wgmma_a=4)
+    assert tuned_variant(KernelVariant(), ScheduleTuning(rstd_epi=True)) == KernelVariant(rstd_epi=True)
+    assert tuned_variant(KernelVariant(rounding=Rounding.STOCK), ScheduleTuning(rstd_epi=True)).rstd_epi is False
+    spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
+    knobs = {b: dict(neighbours(spec, b, 132, ScheduleTuning())) for b in (8, 16)}
+    assert "wgmma_a" not in knobs[8] and knobs[16]["wgmma_a"] == wa
+    assert knobs[8]["rstd_epi"] == ScheduleTuning(rstd_epi=True)
+    from_wa = dict(neighbours(spec, 16, 132, wa))   # the autotuner's moves from a wgmma_a tuning stay valid
+    assert from_wa["rstd_epi"] == ScheduleTuning(w_tma=True, rstd_epi=True)
+    assert from_wa["w_tma"] == ScheduleTuning() and from_wa["wgmma_a"] == ScheduleTuning(w_tma=True)
+
+
 def test_a_tunings_weight_maps_are_checked_against_the_model():
     """A tuning with w_tma compiles MK_W_TMA into its batch's variant; the decoder checks at construction that the
     model's K sizes allow it (a clear error, as for the decoder's own variant), and builds no maps on CPU."""

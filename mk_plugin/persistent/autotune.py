@@ -111,8 +111,7 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             out.append(("wgmma_a", base.with_wgmma_a(0 if base.wgmma_a else WGMMA_A_TUNED)))
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
-    out.append(("rstd_epi", base.with_wgmma_a(0).with_rstd_epi(not base.rstd_epi) if base.wgmma_a and not base.rstd_epi
-                else base.with_rstd_epi(not base.rstd_epi)))
+    out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
     if base.ksplit_for("down") > 1:   # gate_up's pieces at down's K parts: each part waits for its piece only
         out.append(("piece_deps", base.with_piece_deps(not base.piece_deps)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)

@@ -187,13 +187,15 @@ class ScheduleTuning:
         return replace(self, inflight=inflight)
 
     def with_w_tma(self, w_tma: bool) -> ScheduleTuning:
-        return replace(self, w_tma=w_tma)
+        """Tensor-map copies on or off; off turns wgmma_a off too (its chunks are tensor-map copies)."""
+        return replace(self, w_tma=w_tma, wgmma_a=self.wgmma_a if w_tma else 0)
 
     def with_piece_deps(self, piece_deps: bool) -> ScheduleTuning:
         return replace(self, piece_deps=piece_deps)
 
     def with_rstd_epi(self, rstd_epi: bool) -> ScheduleTuning:
-        return replace(self, rstd_epi=rstd_epi)
+        """The rstd epilogue on or off; on turns wgmma_a off (they exclude each other), w_tma as it was."""
+        return replace(self, rstd_epi=rstd_epi, wgmma_a=self.wgmma_a if not rstd_epi else 0)
 
     def with_wgmma_a(self, wgmma_a: int) -> ScheduleTuning:
         """R row blocks per pass on wgmma (and the tensor-map copies it needs); 0 turns it off, w_tma as it was."""
