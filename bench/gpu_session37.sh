@@ -7,6 +7,22 @@ n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env(), tbt_1layer_profiled()
 {
 case $n in
+  1) # issue 11: MK_WGA_X (MK_WGMMA_A's x staging; prediction and rule in bench/NOTES.md session 30) against the table,
+     # 2 alternated rounds: 8B batch 12 / 16 (the table's wgmma_a entries), 1B batch 16 (the table's rstd_epi entry);
+     # MK_NUM_STAGES=5 on the table's tuning is the control of the 5-slot builds (4 x buffers)
+     W=MK_W_TMA=1,MK_WGMMA_A=4
+     timeout 330 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
+       --batch 12 16 --rounds 2 --build default --build $W,MK_WGA_X=1 --build $W,MK_WGA_X=2 \
+       --build $W,MK_WGA_X=2,MK_NUM_STAGES=5 --build MK_NUM_STAGES=5
+     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
+       --batch 16 --rounds 2 --build default --build $W --build $W,MK_WGA_X=2 --build $W,MK_WGA_X=2,MK_NUM_STAGES=5 ;;
+  2) # issue 11: MK_WGA_X's GPU tests (reference, Triton, bitwise repeatable, op by op against the VM), then the phase
+     # trace of the 5-slot x = 2 build at 8B batch 16 (against session 29's wgmma_a traces, trace_phases --compare)
+     timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py -k "wga_x" 2>&1 | tail -8
+     timeout 120 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_W_TMA=1 \
+       --define MK_WGMMA_A=4 --define MK_WGA_X=2 --define MK_NUM_STAGES=5 --records-dir "$out" \
+       --model bench/models/llama-3.1-8b --batch 16 2>&1 | tail -2
+     for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env   # issues 11 and 12: 8B, stock alternated with the default mode (auto), 2 rounds, batch 1 / 4 / 8 / 16,
      # prompt 512, on the session-29 table (auto's choice per batch is in the log: the megakernel at b1 / 4 / 8 is

@@ -44,6 +44,9 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Until at most N of this thread's committed groups are still in flight (the older ones have landed).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
 // batch independent loads (several in flight), yet never moves them across consumer_sync() or the

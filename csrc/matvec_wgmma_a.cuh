@@ -26,6 +26,16 @@
 // group staging, but laid out for wgmma: [64-column group c 0..7][token 0..15][128 B], 16-byte unit u of a token's
 // line at u ^ (token & 7) (the 128-byte swizzle; tokens past the batch are never written, their sums are dropped).
 // Norm-fused ops normalise their own copied units in place (norm_pair with rows_rstd's rstd: the default's x' bits).
+//
+// MK_WGA_X (A/B switch, session 30, default 0; variant.KernelVariant.wga_x): the x staging above as session 29's phase
+// traces found it costs ~40% of what the chunk loops gained (8B batch 16: qkv's stage 4.7 -> 11.5 us a task, down's
+// 1.3 -> 7.3, o_proj's 0.5 -> 4.5): a group waits for copies issued only one group (2 column steps) earlier, and a
+// norm-fused group then waits again for its norm weights' load. MK_WGA_X = 1: each thread's norm weights of the next
+// group are loaded one group ahead (a thread's units share one column unit: one 16-byte load a group), and where the
+// scratch holds four groups (num_stages <= 5) three groups of copies are in flight, not one (cp.async.wait_group 2;
+// a group past K commits an empty group, so every wait counts alike). MK_WGA_X = 2: also the norm's 1/rms moves to
+// the epilogue (MK_RSTD_EPI's form: x' = round(x * w), the accumulators scaled by rstd[b]), the first pass summing
+// x^2 from its groups as it normalises them: no rows_rstd round trips before the first group.
 #pragma once
 #include "common.cuh"
 #include "weight_tma.cuh"
@@ -53,6 +63,21 @@ static_assert(WGA_GROUPS * WGA_GROUP_BYTES == 32768, "a chunk is 64 rows x 256 c
 static_assert((WGA_XG / W_KG_COLS) * WGA_XLINE <= GROUP_BYTES, "an x group fits a staging buffer");
 static_assert(WGA_SUM_BYTES <= UNION_BYTES, "a pass's sums fit the scratch");
 static_assert(MAX_BATCH == 16, "x' is one n16 operand");
+// MK_WGA_X: x group buffers in the scratch (4 where it holds them: num_stages <= 5), the groups in flight ahead of the
+// one in use, and whether rstd moves to the epilogue
+constexpr int WGA_NBUF = (MK_WGA_X && UNION_BYTES >= 4 * GROUP_BYTES) ? 4 : 2;
+constexpr int WGA_AHEAD = WGA_NBUF - 1;
+constexpr bool WGA_EPI = MK_WGA_X >= 2;
+static_assert(WGA_NBUF * GROUP_BYTES <= UNION_BYTES, "MK_WGA_X: the x group buffers fit the scratch");
+#if MK_WGA_X >= 2
+static_assert(MK_ROUNDING == 0, "MK_WGA_X=2: the fused rounding only (STOCK rounds x * rstd before the weight)");
+static_assert(MK_DTYPE_BF16, "MK_WGA_X=2: bf16 models only (x * w is not range-normalised)");
+#define WGA_EPI_PARAM , bool scale
+#define WGA_EPI_ARG(v) , v
+#else
+#define WGA_EPI_PARAM
+#define WGA_EPI_ARG(v)
+#endif
 
 // Whether a pass of this task takes this path (the producer and the consumers decide alike): two n-tiles, whole
 // 256-column chunks (K, or a K-split part's width).
@@ -136,6 +161,91 @@ __device__ __noinline__ void wga_group_ready(const Smem S, unsigned char* gb, un
   if (next != nullptr) wga_group_issue(next, x, K, ldx, k0 + WGA_XG, B);
 }
 
+#if MK_WGA_X
+// Group gi of a pass (columns gi * WGA_XG ..) into its buffer, or an empty commit past K (every ready step waits for
+// the same count of groups in flight).
+__device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_t* x, int K, int ldx, int B) {
+  const int k0 = gi * WGA_XG;
+  if (k0 < K)
+    wga_group_issue(xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES, x, K, ldx, k0, B);
+  else
+    cp_async_commit();
+}
+
+// What one group's ready step hands to the next: the next group's norm weights of this thread's column unit, and
+// (WGA_EPI, a task's first pass) this thread's tokens' sums of x^2 so far.
+struct WgaCarry {
+  uint4 w;
+  float ss[4];
+};
+// A thread's units in every group: column unit u = threadIdx.x % UPR of tokens threadIdx.x / UPR + 4 i (i < 4): the
+// same norm weights for all four.
+constexpr int WGA_UPR = WGA_XG / 8;
+static_assert(CONSUMER_THREADS % WGA_UPR == 0 && 4 * (CONSUMER_THREADS / WGA_UPR) == MAX_BATCH,
+              "MK_WGA_X: a thread's units are one column unit of 4 tokens");
+__device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
+  const int k = k0 + (threadIdx.x % WGA_UPR) * 8;
+  return nw != nullptr && k < K ? __ldg(reinterpret_cast<const uint4*>(nw + k)) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// MK_WGA_X's ready step of group gi: its copies landed (WGA_AHEAD - 1 later groups may still be in flight), a
+// norm-fused op's units normalised in place with the weights loaded a group ago (x' = norm_pair(x, rstd[b], w), or
+// under WGA_EPI round(x * w) with x^2 summed on the first pass), visible to the wgmmas; then group gi + WGA_AHEAD's
+// copies go into the buffer group gi - 1 used (its wgmmas completed before this call) and the next group's weights
+// are loaded. Out of line: no wgmma is in flight here.
+__device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* xs, int gi, const elem_t* x,
+                                                   const elem_t* nw, int K, int ldx, int B, WgaCarry c, bool acc_ss) {
+  constexpr int TSTEP = CONSUMER_THREADS / WGA_UPR;
+  const int u = threadIdx.x % WGA_UPR, b0 = threadIdx.x / WGA_UPR, k0 = gi * WGA_XG;
+  unsigned char* gb = xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES;
+  cp_async_wait_group<WGA_AHEAD - 1>();   // this thread's copies of group gi: the units it normalises below
+  if (nw != nullptr && u < min(WGA_XG, K - k0) / 8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = b0 + i * TSTEP;
+      if (b < B) {
+        uint4* p = reinterpret_cast<uint4*>(gb + wga_xunit(b, u));
+        uint4 v = *p;
+#if MK_WGA_X >= 2
+        if (acc_ss) c.ss[i] = sumsq8(v, c.ss[i]);
+        const float r = 1.f;
+#else
+        const float r = S.rstd()[b];
+#endif
+        v.x = norm_pair(v.x, r, c.w.x);
+        v.y = norm_pair(v.y, r, c.w.y);
+        v.z = norm_pair(v.z, r, c.w.z);
+        v.w = norm_pair(v.w, r, c.w.w);
+        *p = v;
+      }
+    }
+  }
+  wg_fence_proxy();
+  consumer_sync();   // everyone's units are in; group gi - 1's buffer is no longer read
+  wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
+  c.w = wga_norm_w(nw, K, k0 + WGA_XG);
+  return c;
+}
+
+// WGA_EPI, the end of a task's first pass (every wgmma done with x; task-uniform): the threads' sums of x^2 to rstd[b]
+// (a token's units are two warps' lanes: summed by shuffles, then the two warps in order: deterministic).
+__device__ __forceinline__ void wga_rstd(const Smem& S, unsigned char* xs, const WgaCarry& c, int B, int warp,
+                                         int lane) {
+  constexpr int TSTEP = CONSUMER_THREADS / WGA_UPR;
+  float* part = reinterpret_cast<float*>(xs);   // [warp & 1][MAX_BATCH]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float s = c.ss[i];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) part[(warp & 1) * MAX_BATCH + threadIdx.x / WGA_UPR + i * TSTEP] = s;
+  }
+  consumer_sync();
+  if (threadIdx.x < B) S.rstd()[threadIdx.x] = rsqrtf((part[threadIdx.x] + part[MAX_BATCH + threadIdx.x]) / (float)H + EPS);
+  consumer_sync();   // rstd is in and the sums may overwrite part
+}
+#endif
+
 // A pass's start, out of line (nothing in flight): the epilogue's early loads of this warp's first tile (tile = warp:
 // M-tile warp / 2, n-tile warp % 2; o_proj / down residuals, qkv's cos|sin) as matvec_task's, and, on a later pass,
 // group 0's copies (the previous pass's epilogue has left the scratch).
@@ -150,7 +260,12 @@ __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, c
     residual_prefetch(P, t, p0, warp / 2, warp % 2, lane, st.r);
   else if (t.opcode == OP_QKV_ROPE && warp / 2 < mt)
     rope_prefetch(S, P, p0, warp / 2, warp % 2, lane, st.r);
+#if MK_WGA_X
+  if (issue)
+    for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, ldx, P.batch);
+#else
   if (issue) wga_group_issue(xs, x, K, ldx, 0, P.batch);
+#endif
   return st;
 }
 
@@ -167,7 +282,7 @@ struct WgaPhases {
 template <int NRB>
 __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, unsigned char* xs, const elem_t* x,
                                              const elem_t* nw, int K, int ldx, unsigned it, int warp, int lane,
-                                             WgTimeout& to, unsigned& wc, bool ph_on, WgaPhases& ph) {
+                                             WgTimeout& to, unsigned& wc, bool ph_on, WgaPhases& ph, bool acc_ss) {
   const int wg = warp >> 2, B = P.batch;
   float d[NRB][8];
 #pragma unroll
@@ -175,10 +290,20 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
 #pragma unroll
     for (int e = 0; e < 8; ++e) d[rb][e] = 0.f;
   int gi = 0;
+#if MK_WGA_X
+  WgaCarry cw;
+  cw.w = wga_norm_w(nw, K, 0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cw.ss[i] = 0.f;
+#endif
   for (int kg = 0; kg < K; kg += WGA_XG, ++gi) {
-    unsigned char* gb = xs + (gi & 1) * GROUP_BYTES;
+    unsigned char* gb = xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES;
     if (ph_on) phase_lap(ph.mark, ph.chunks);
+#if MK_WGA_X
+    cw = wga_group_ready_x(S, xs, gi, x, nw, K, ldx, B, cw, acc_ss);
+#else
     wga_group_ready(S, gb, kg + WGA_XG < K ? xs + ((gi + 1) & 1) * GROUP_BYTES : nullptr, x, nw, K, ldx, kg, B);
+#endif
     if (ph_on) phase_lap(ph.mark, ph.stage);
     const int nc = min(WGA_XG, K - kg) / WGA_KC;
     int prev = -1;     // the previous chunk's slot (none yet: -1) and whether this thread's wait for it succeeded
@@ -208,6 +333,9 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
   wg_record(S, P, to);
   consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
   if (ph_on) phase_lap(ph.mark, ph.chunks);
+#if MK_WGA_X >= 2
+  if (acc_ss) wga_rstd(S, xs, cw, B, warp, lane);   // task-uniform
+#endif
   float4* red = reinterpret_cast<float4*>(xs);
 #pragma unroll
   for (int rb = 0; rb < NRB; ++rb)
@@ -224,7 +352,7 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
 // tile's (M-tile >= 4: only gate_up has so many, and it loads none) are loaded here.
 __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const Task t, int p0, int mt, int mtpu,
                                           const float4* red, int warp, int lane, unsigned r0, unsigned r1, unsigned r2,
-                                          unsigned r3) {
+                                          unsigned r3 WGA_EPI_PARAM) {
   for (int tile = warp; tile < 2 * mt; tile += CONSUMER_WARPS) {
     const int m = tile / 2, n = tile % 2;
     if (mtpu == 2 && (m & 1)) continue;   // gate_up's up tile: read with its gate tile
@@ -243,6 +371,17 @@ __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const T
       const float4 e = red[((1 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
       vu[0] = c.x + e.x; vu[1] = c.y + e.y; vu[2] = c.z + e.z; vu[3] = c.w + e.w;
     }
+#if MK_WGA_X >= 2
+    if (scale) {   // a norm-fused op: y[b, row] = rstd[b] * sum_k W[row, k] round(x[b, k] w[k])
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int b = n * 8 + 2 * (lane & 3) + (e & 1);
+        const float r = b < P.batch ? S.rstd()[b] : 0.f;
+        v[e] *= r;
+        vu[e] *= r;
+      }
+    }
+#endif
     matvec_epilogue(S, P, t, p0, m, n, lane, v, vu, rres);
   }
 }
@@ -254,9 +393,16 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
                                              unsigned long long& wait_cycles) {
   const int B = P.batch, K = wp.K, upp = WGA_MT / wp.mtpu, uend = t.arg0 + t.arg1;
   unsigned char* xs = reinterpret_cast<unsigned char*>(S.scratch());
-  // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task)
+  // group 0 (MK_WGA_X: groups 0 .. WGA_AHEAD - 1, clear of rows_rstd's sums at the scratch's end) before the norm
+  // statistics' round trip, so the two overlap (as matvec_task); WGA_EPI: no round trip
+#if MK_WGA_X
+  for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, wp.ldx, B);
+  static_assert(WGA_AHEAD * GROUP_BYTES <= UNION_BYTES - STAGE_PART_BYTES, "the first groups clear of rows_rstd's sums");
+  if (nw != nullptr && !WGA_EPI)
+#else
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
   if (nw != nullptr)
+#endif
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
   // wait cycles (the trace's), in a 32-bit register (the caller's counter is in memory): it wraps only after 2^32
   // cycles (~2.2 s) of one task's waits, i.e. past a watchdog timeout
@@ -270,18 +416,19 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
     if (ph_on) ph.mark = global_ns();
     const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
     if (ph_on) phase_lap(ph.mark, ph.stage);
+    const bool acc_ss = WGA_EPI && nw != nullptr && p0 == t.arg0;   // the first pass sums x^2 (MK_WGA_X = 2)
     const int nrb = (mt + WGA_BT - 1) / WGA_BT;   // the whole wgmma sequence inside one branch: no predicate in a group
     constexpr int R2 = WGA_RB >= 2 ? 2 : 1, R3 = WGA_RB >= 3 ? 3 : 1;   // the row-block counts this build has
     if (WGA_RB == 1 || nrb == 1)
-      it = wga_pass<1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+      it = wga_pass<1>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph, acc_ss);
     else if (WGA_RB == 2 || nrb == 2)
-      it = wga_pass<R2>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+      it = wga_pass<R2>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph, acc_ss);
     else if (nrb == 3)
-      it = wga_pass<R3>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+      it = wga_pass<R3>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph, acc_ss);
     else
-      it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph);
+      it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph, acc_ss);
     wga_epilogue(S, P, t, p0, mt, wp.mtpu, reinterpret_cast<const float4*>(xs), warp, lane, st.r[0], st.r[1], st.r[2],
-                 st.r[3]);
+                 st.r[3] WGA_EPI_ARG(WGA_EPI && nw != nullptr));
     consumer_sync();   // the epilogue's reads of the sums before the next pass's group 0 lands there
     if (ph_on) phase_lap(ph.mark, ph.reduce);
   }
@@ -290,6 +437,9 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
   if (is_ksplit(t)) ksplit_merge(S, P, t);   // o_proj.cuh: the last part of the range adds the parts
   return it;
 }
+#endif
+#if MK_WGA_X && !MK_WGMMA_A
+static_assert(false, "MK_WGA_X is MK_WGMMA_A's x staging: build it with MK_WGMMA_A");
 #endif
 
 }  // namespace mk

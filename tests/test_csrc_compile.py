@@ -52,7 +52,10 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             # session 28's A/B switch MK_WGMMA_A at each pass size, 5 stages, its phase build
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=1"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_NUM_STAGES=5"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1")]
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_TRACE_PHASES=1"),
+            # session 30's A/B switch MK_WGA_X (MK_WGMMA_A's x staging) at 2 and 4 x buffers
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=1"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_NUM_STAGES=5")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at

@@ -33,7 +33,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
-                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"))
+                   ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
+                   ("MK_WGA_X", "wga_x", "wga_x"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -42,6 +43,9 @@ ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any
 INFLIGHT_MAX = min(STAGE_CHOICES) - 1
 # MK_WGMMA_A's values: off, or the 64-row blocks a pass holds (8 accumulator registers a thread each)
 WGMMA_A_CHOICES = (0, 1, 2, 4)
+# MK_WGA_X's values: off, the x pipeline (norm weights a group ahead, 4 groups in the scratch where it holds them), and
+# that with rstd in the epilogue
+WGA_X_CHOICES = (0, 1, 2)
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
 
@@ -84,6 +88,11 @@ class KernelVariant:
     # its B operand (N = 16 tokens), both from shared memory, up to R row blocks (1, 2 or 4) per pass of x
     # (csrc/matvec_wgmma_a.cuh).
     wgmma_a: int = 0
+    # MK_WGA_X = N (A/B switch, session 30; 0 = off; needs wgmma_a): MK_WGMMA_A's x staging. 1: each group's norm
+    # weights loaded one group ahead (not after its copies land), and 3 groups of copies in flight instead of 1 where
+    # the scratch holds 4 (num_stages <= 5); 2: also rstd in the epilogue (x' = round(x * w), x^2 summed from the
+    # first pass's groups: no rows_rstd round trips; fused rounding, bf16).
+    wga_x: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -114,6 +123,13 @@ class KernelVariant:
         if self.wgmma_a and self.rstd_epi:
             raise ValueError(f"wgmma_a={self.wgmma_a} normalises x' with the rows' rstd before its MMAs: it is not "
                              "built with rstd_epi=True (MK_RSTD_EPI=1)")
+        if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
+            raise ValueError(f"wga_x={self.wga_x!r}: 0 (off), 1 (the x pipeline) or 2 (and rstd in the epilogue)")
+        if self.wga_x and not self.wgmma_a:
+            raise ValueError(f"wga_x={self.wga_x} is MK_WGMMA_A's x staging: set wgmma_a too (MK_WGMMA_A=1, 2 or 4)")
+        if self.wga_x >= 2 and self.rounding != Rounding.FUSED:
+            raise ValueError(f"wga_x={self.wga_x} needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
+                             "x * rstd before the norm weight)")
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
