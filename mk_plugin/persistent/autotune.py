@@ -109,6 +109,10 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
                                                                                       else INFLIGHT_TUNED)))
         if batch > 8:   # wgmma with the weights as A runs at two n-tiles only (session 29: R = 4 -9% at 8B b12..16)
             out.append(("wgmma_a", base.with_wgmma_a(0 if base.wgmma_a else WGMMA_A_TUNED)))
+            if base.wgmma_a:   # its x staging (session 30): the pipeline, and with rstd in the epilogue (bf16)
+                for x in (0, 1, 2):
+                    if x != base.wga_x and (x < 2 or spec.dtype == "bfloat16"):
+                        out.append(("wga_x", base.with_wga_x(x)))
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
@@ -172,7 +176,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "rstd_epi"]
+                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)

@@ -36,7 +36,14 @@ from pathlib import Path
 from ..spec import LlamaSpec
 from ..triton_ops._device import gpu_slug
 from .encoding import STAGE_CHOICES, Rounding, spec_hash
-from .variant import ATT_TMA_MAX_TOKENS, ATT_TMA_TUNED, INFLIGHT_MAX, WGMMA_A_CHOICES, KernelVariant
+from .variant import (
+    ATT_TMA_MAX_TOKENS,
+    ATT_TMA_TUNED,
+    INFLIGHT_MAX,
+    WGA_X_CHOICES,
+    WGMMA_A_CHOICES,
+    KernelVariant,
+)
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
 SPLIT_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
@@ -112,6 +119,9 @@ class ScheduleTuning:
       (variant.KernelVariant.wgmma_a); 0 = the decoder's variant; needs w_tma (its chunks are tensor-map copies).
       Session 29: R = 4 -9% at 8B batch 12..16 and -4..-5% at 1B batch 9..16, +-1% at 8B batch 9..11 on batch
       8's entry. Not with rstd_epi (it normalises x' before its MMAs).
+    wga_x: the wgmma path's x staging (variant.KernelVariant.wga_x): 1 the norm weights a group ahead and 3 groups of
+      copies in flight where the scratch holds 4 (num_stages <= 5), 2 also rstd in the epilogue (fused rounding,
+      bf16); 0 = the decoder's variant; only with wgmma_a. Session 30 (bench/NOTES.md).
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -124,6 +134,7 @@ class ScheduleTuning:
     piece_deps: bool = False
     rstd_epi: bool = False
     wgmma_a: int = 0
+    wga_x: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -155,6 +166,11 @@ class ScheduleTuning:
         if self.wgmma_a and self.rstd_epi:
             raise ValueError(f"wgmma_a={self.wgmma_a} and rstd_epi exclude each other (wgmma_a normalises x' before "
                              "its MMAs): choose one")
+        if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
+            raise ValueError(f"wga_x={self.wga_x!r}: 0 (the decoder's variant), 1 (the wgmma path's x pipeline) or 2 "
+                             "(and rstd in the epilogue)")
+        if self.wga_x and not self.wgmma_a:
+            raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -188,18 +204,24 @@ class ScheduleTuning:
 
     def with_w_tma(self, w_tma: bool) -> ScheduleTuning:
         """Tensor-map copies on or off; off turns wgmma_a off too (its chunks are tensor-map copies)."""
-        return replace(self, w_tma=w_tma, wgmma_a=self.wgmma_a if w_tma else 0)
+        return replace(self, w_tma=w_tma, wgmma_a=self.wgmma_a if w_tma else 0, wga_x=self.wga_x if w_tma else 0)
 
     def with_piece_deps(self, piece_deps: bool) -> ScheduleTuning:
         return replace(self, piece_deps=piece_deps)
 
     def with_rstd_epi(self, rstd_epi: bool) -> ScheduleTuning:
         """The rstd epilogue on or off; on turns wgmma_a off (they exclude each other), w_tma as it was."""
-        return replace(self, rstd_epi=rstd_epi, wgmma_a=self.wgmma_a if not rstd_epi else 0)
+        return replace(self, rstd_epi=rstd_epi, wgmma_a=self.wgmma_a if not rstd_epi else 0,
+                       wga_x=self.wga_x if not rstd_epi else 0)
 
     def with_wgmma_a(self, wgmma_a: int) -> ScheduleTuning:
         """R row blocks per pass on wgmma (and the tensor-map copies it needs); 0 turns it off, w_tma as it was."""
-        return replace(self, wgmma_a=wgmma_a, w_tma=self.w_tma or bool(wgmma_a), rstd_epi=self.rstd_epi and not wgmma_a)
+        return replace(self, wgmma_a=wgmma_a, w_tma=self.w_tma or bool(wgmma_a), rstd_epi=self.rstd_epi and not wgmma_a,
+                       wga_x=self.wga_x if wgmma_a else 0)
+
+    def with_wga_x(self, wga_x: int) -> ScheduleTuning:
+        """The wgmma path's x staging (0, 1, 2); needs wgmma_a (a ValueError names it otherwise)."""
+        return replace(self, wga_x=wga_x)
 
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
@@ -213,7 +235,8 @@ class ScheduleTuning:
     def is_default(self) -> bool:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
-                and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a)
+                and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
+                and not self.wga_x)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -238,6 +261,8 @@ class ScheduleTuning:
             parts.append("rstd_epi")
         if self.wgmma_a:
             parts.append(f"wgmma_a{self.wgmma_a}")
+        if self.wga_x:
+            parts.append(f"wga_x{self.wga_x}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -259,12 +284,14 @@ class ScheduleTuning:
             d["rstd_epi"] = True
         if self.wgmma_a:                # absent = the decoder's variant
             d["wgmma_a"] = self.wgmma_a
+        if self.wga_x:                  # absent = the decoder's variant
+            d["wga_x"] = self.wga_x
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps", "rstd_epi", "wgmma_a")
+                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -273,7 +300,7 @@ class ScheduleTuning:
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
-                   int(d.get("wgmma_a", 0)))
+                   int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -317,6 +344,8 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
         v = replace(v, rstd_epi=True)
     if t.wgmma_a and not v.rstd_epi:
         v = replace(v, wgmma_a=t.wgmma_a)
+    if t.wga_x and v.wgmma_a:   # rstd in the epilogue (2) with the fused rounding only; else the x pipeline alone
+        v = replace(v, wga_x=t.wga_x if t.wga_x == 1 or v.rounding == Rounding.FUSED else 1)
     return v
 
 
