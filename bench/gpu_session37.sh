@@ -24,11 +24,11 @@ case $n in
        --model bench/models/llama-3.1-8b --batch 16 2>&1 | tail -2
      for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
-  3) vllm_env   # issues 11 and 12: 8B, stock alternated with the default mode (auto), 2 rounds, batch 1 / 4 / 8 / 16,
-     # prompt 512, on the session-29 table (auto's choice per batch is in the log: the megakernel at b1 / 4 / 8 is
-     # issue 11's in-vLLM row; issue 12: auto <= stock at every batch)
+  3) vllm_env   # issues 11 and 12: 8B, stock alternated with the megakernel, 2 rounds, batch 1 / 4 / 8 / 16, prompt
+     # 512, on the current table (issue 11: <= 0.85x stock at b1 and b8; the paths table's in-vLLM rows, which decide
+     # auto: the megakernel at b1 / 4 / 8 today, stock at b16; 4 engines of ~90 s: auto as a third mode does not fit)
      timeout 560 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 \
-       --modes auto --rounds 2 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
+       --modes megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" \
        | grep -v "^\[tbt\]   worker" | tail -30
      grep -h "decode path ready\|MK_MODE=auto" "$out"/logs/*.log 2>/dev/null | sort | uniq -c | head -12
      rm -rf "$out/logs" ;;
