@@ -11,10 +11,11 @@ case $n in
      # 2 alternated rounds: 8B batch 9 / 12 / 16 (the table's wgmma_a entries; 9 takes batch 10's), 1B batch 16 (the table's rstd_epi entry);
      # MK_NUM_STAGES=5 on the table's tuning is the control of the 5-slot builds (4 x buffers)
      W=MK_W_TMA=1,MK_WGMMA_A=4
-     timeout 330 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
+     # (and the in-flight cap on the 5-slot x = 2 build: the b16 phase trace's qkv / o_proj releases take ~2.5 us)
+     timeout 400 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group 8b \
        --batch 9 12 16 --rounds 2 --build default --build $W,MK_WGA_X=1 --build $W,MK_WGA_X=2 \
-       --build $W,MK_WGA_X=2,MK_NUM_STAGES=5 --build MK_NUM_STAGES=5
-     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
+       --build $W,MK_WGA_X=2,MK_NUM_STAGES=5 --build MK_NUM_STAGES=5 --build $W,MK_WGA_X=2,MK_NUM_STAGES=5,MK_INFLIGHT=2
+     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
        --batch 16 --rounds 2 --build default --build $W --build $W,MK_WGA_X=2 --build $W,MK_WGA_X=2,MK_NUM_STAGES=5 ;;
   2) # issue 11: MK_WGA_X's GPU tests (reference, Triton, bitwise repeatable, op by op against the VM), then the phase
      # trace of the 5-slot x = 2 build at 8B batch 16 (against session 29's wgmma_a traces, trace_phases --compare)
