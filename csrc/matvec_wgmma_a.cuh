@@ -27,15 +27,16 @@
 // line at u ^ (token & 7) (the 128-byte swizzle; tokens past the batch are never written, their sums are dropped).
 // Norm-fused ops normalise their own copied units in place (norm_pair with rows_rstd's rstd: the default's x' bits).
 //
-// MK_WGA_X (A/B switch, session 30, default 0; variant.KernelVariant.wga_x): the x staging above as session 29's phase
-// traces found it costs ~40% of what the chunk loops gained (8B batch 16: qkv's stage 4.7 -> 11.5 us a task, down's
-// 1.3 -> 7.3, o_proj's 0.5 -> 4.5): a group waits for copies issued only one group (2 column steps) earlier, and a
-// norm-fused group then waits again for its norm weights' load. MK_WGA_X = 1: each thread's norm weights of the next
-// group are loaded one group ahead (a thread's units share one column unit: one 16-byte load a group), and where the
-// scratch holds four groups (num_stages <= 5) three groups of copies are in flight, not one (cp.async.wait_group 2;
-// a group past K commits an empty group, so every wait counts alike). MK_WGA_X = 2: also the norm's 1/rms moves to
-// the epilogue (MK_RSTD_EPI's form: x' = round(x * w), the accumulators scaled by rstd[b]), the first pass summing
-// x^2 from its groups as it normalises them: no rows_rstd round trips before the first group.
+// MK_WGA_X (session 30, default 0; variant.KernelVariant.wga_x, a per-batch knob of the tables: ScheduleTuning.wga_x):
+// the norm's 1/rms moves to the epilogue (MK_RSTD_EPI's form: x' = round(x * w) normalised in place, the accumulators
+// scaled by rstd[b]), the first pass summing x^2 per thread from its groups as it normalises them: qkv / gate_up start
+// without rows_rstd's L2 rounds (~2.5 us a task at 8B batch 16). Measured (H200, bench/NOTES.md session 30): 8B batch
+// 16 -2.1%, 1B batch 16 -3.3% against the tables' builds. As measured it also loads each thread's norm weights of the
+// next group one group ahead (a thread's units share one 16-byte column unit) and, where the scratch holds four groups
+// (num_stages <= 5), keeps three groups of copies in flight (cp.async.wait_group 2; a group past K commits an empty
+// group, so every wait counts alike). Those two alone (session 30's MK_WGA_X=1, normalising with rows_rstd's rstd)
+// measured +0.7% at 8B batch 9..16, and the 4-buffer pipeline at 5 slots lost to 6 slots: the groups' stage time is
+// not the copies' wait (bench/NOTES.md).
 #pragma once
 #include "common.cuh"
 #include "weight_tma.cuh"
@@ -63,15 +64,15 @@ static_assert(WGA_GROUPS * WGA_GROUP_BYTES == 32768, "a chunk is 64 rows x 256 c
 static_assert((WGA_XG / W_KG_COLS) * WGA_XLINE <= GROUP_BYTES, "an x group fits a staging buffer");
 static_assert(WGA_SUM_BYTES <= UNION_BYTES, "a pass's sums fit the scratch");
 static_assert(MAX_BATCH == 16, "x' is one n16 operand");
-// MK_WGA_X: x group buffers in the scratch (4 where it holds them: num_stages <= 5), the groups in flight ahead of the
-// one in use, and whether rstd moves to the epilogue
+// MK_WGA_X: x group buffers in the scratch (4 where it holds them: num_stages <= 5) and the groups in flight ahead of
+// the one in use
 constexpr int WGA_NBUF = (MK_WGA_X && UNION_BYTES >= 4 * GROUP_BYTES) ? 4 : 2;
 constexpr int WGA_AHEAD = WGA_NBUF - 1;
-constexpr bool WGA_EPI = MK_WGA_X >= 2;
 static_assert(WGA_NBUF * GROUP_BYTES <= UNION_BYTES, "MK_WGA_X: the x group buffers fit the scratch");
-#if MK_WGA_X >= 2
-static_assert(MK_ROUNDING == 0, "MK_WGA_X=2: the fused rounding only (STOCK rounds x * rstd before the weight)");
-static_assert(MK_DTYPE_BF16, "MK_WGA_X=2: bf16 models only (x * w is not range-normalised)");
+#if MK_WGA_X
+static_assert(MK_WGA_X == 1, "MK_WGA_X: 0 or 1");
+static_assert(MK_ROUNDING == 0, "MK_WGA_X: the fused rounding only (STOCK rounds x * rstd before the weight)");
+static_assert(MK_DTYPE_BF16, "MK_WGA_X: bf16 models only (x * w is not range-normalised)");
 #define WGA_EPI_PARAM , bool scale
 #define WGA_EPI_ARG(v) , v
 #else
@@ -172,8 +173,8 @@ __device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_
     cp_async_commit();
 }
 
-// What one group's ready step hands to the next: the next group's norm weights of this thread's column unit, and
-// (WGA_EPI, a task's first pass) this thread's tokens' sums of x^2 so far.
+// What one group's ready step hands to the next: the next group's norm weights of this thread's column unit, and (a
+// task's first pass) this thread's tokens' sums of x^2 so far.
 struct WgaCarry {
   uint4 w;
   float ss[4];
@@ -189,8 +190,8 @@ __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
 }
 
 // MK_WGA_X's ready step of group gi: its copies landed (WGA_AHEAD - 1 later groups may still be in flight), a
-// norm-fused op's units normalised in place with the weights loaded a group ago (x' = norm_pair(x, rstd[b], w), or
-// under WGA_EPI round(x * w) with x^2 summed on the first pass), visible to the wgmmas; then group gi + WGA_AHEAD's
+// norm-fused op's units normalised in place with the weights loaded a group ago (x' = round(x * w), x^2 summed on the
+// first pass), visible to the wgmmas; then group gi + WGA_AHEAD's
 // copies go into the buffer group gi - 1 used (its wgmmas completed before this call) and the next group's weights
 // are loaded. Out of line: no wgmma is in flight here.
 __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* xs, int gi, const elem_t* x,
@@ -206,12 +207,8 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
       if (b < B) {
         uint4* p = reinterpret_cast<uint4*>(gb + wga_xunit(b, u));
         uint4 v = *p;
-#if MK_WGA_X >= 2
         if (acc_ss) c.ss[i] = sumsq8(v, c.ss[i]);
         const float r = 1.f;
-#else
-        const float r = S.rstd()[b];
-#endif
         v.x = norm_pair(v.x, r, c.w.x);
         v.y = norm_pair(v.y, r, c.w.y);
         v.z = norm_pair(v.z, r, c.w.z);
@@ -227,7 +224,7 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
   return c;
 }
 
-// WGA_EPI, the end of a task's first pass (every wgmma done with x; task-uniform): the threads' sums of x^2 to rstd[b]
+// The end of a task's first pass (every wgmma done with x; task-uniform): the threads' sums of x^2 to rstd[b]
 // (a token's units are two warps' lanes: summed by shuffles, then the two warps in order: deterministic).
 __device__ __forceinline__ void wga_rstd(const Smem& S, unsigned char* xs, const WgaCarry& c, int B, int warp,
                                          int lane) {
@@ -333,7 +330,7 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
   wg_record(S, P, to);
   consumer_sync();   // both warpgroups' wgmmas are done with x before the sums overwrite it
   if (ph_on) phase_lap(ph.mark, ph.chunks);
-#if MK_WGA_X >= 2
+#if MK_WGA_X
   if (acc_ss) wga_rstd(S, xs, cw, B, warp, lane);   // task-uniform
 #endif
   float4* red = reinterpret_cast<float4*>(xs);
@@ -371,7 +368,7 @@ __device__ __noinline__ void wga_epilogue(const Smem S, const Params& P, const T
       const float4 e = red[((1 * WGA_MT + m + 1) * 2 + n) * 32 + lane];
       vu[0] = c.x + e.x; vu[1] = c.y + e.y; vu[2] = c.z + e.z; vu[3] = c.w + e.w;
     }
-#if MK_WGA_X >= 2
+#if MK_WGA_X
     if (scale) {   // a norm-fused op: y[b, row] = rstd[b] * sum_k W[row, k] round(x[b, k] w[k])
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -393,17 +390,15 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
                                              unsigned long long& wait_cycles) {
   const int B = P.batch, K = wp.K, upp = WGA_MT / wp.mtpu, uend = t.arg0 + t.arg1;
   unsigned char* xs = reinterpret_cast<unsigned char*>(S.scratch());
-  // group 0 (MK_WGA_X: groups 0 .. WGA_AHEAD - 1, clear of rows_rstd's sums at the scratch's end) before the norm
-  // statistics' round trip, so the two overlap (as matvec_task); WGA_EPI: no round trip
+  // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task); MK_WGA_X: groups 0 ..
+  // WGA_AHEAD - 1 and no round trip (the first pass sums x^2)
 #if MK_WGA_X
   for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, wp.ldx, B);
-  static_assert(WGA_AHEAD * GROUP_BYTES <= UNION_BYTES - STAGE_PART_BYTES, "the first groups clear of rows_rstd's sums");
-  if (nw != nullptr && !WGA_EPI)
 #else
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
   if (nw != nullptr)
-#endif
     rows_rstd(x, B, S.rstd(), reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES), warp, lane);
+#endif
   // wait cycles (the trace's), in a 32-bit register (the caller's counter is in memory): it wraps only after 2^32
   // cycles (~2.2 s) of one task's waits, i.e. past a watchdog timeout
   unsigned wc = 0;
@@ -416,7 +411,7 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
     if (ph_on) ph.mark = global_ns();
     const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
     if (ph_on) phase_lap(ph.mark, ph.stage);
-    const bool acc_ss = WGA_EPI && nw != nullptr && p0 == t.arg0;   // the first pass sums x^2 (MK_WGA_X = 2)
+    const bool acc_ss = MK_WGA_X && nw != nullptr && p0 == t.arg0;   // the first pass sums x^2 (MK_WGA_X)
     const int nrb = (mt + WGA_BT - 1) / WGA_BT;   // the whole wgmma sequence inside one branch: no predicate in a group
     constexpr int R2 = WGA_RB >= 2 ? 2 : 1, R3 = WGA_RB >= 3 ? 3 : 1;   // the row-block counts this build has
     if (WGA_RB == 1 || nrb == 1)
@@ -428,7 +423,7 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
     else
       it = wga_pass<WGA_RB>(S, P, xs, x, nw, K, wp.ldx, it, warp, lane, to, wc, ph_on, ph, acc_ss);
     wga_epilogue(S, P, t, p0, mt, wp.mtpu, reinterpret_cast<const float4*>(xs), warp, lane, st.r[0], st.r[1], st.r[2],
-                 st.r[3] WGA_EPI_ARG(WGA_EPI && nw != nullptr));
+                 st.r[3] WGA_EPI_ARG(nw != nullptr));
     consumer_sync();   // the epilogue's reads of the sums before the next pass's group 0 lands there
     if (ph_on) phase_lap(ph.mark, ph.reduce);
   }

@@ -3,6 +3,8 @@ reference decode step: tightly in fp32, within TOLERANCES[bf16]["step"] in bf16.
 (stop_after) expose the intermediate buffers, compared with the reference's intermediates."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -399,3 +401,34 @@ def test_vm_models_rstd_epi_where_the_kernel_takes_it():
             dec(hidden, batch.positions, batch.clone_caches(), batch.block_table, batch.seq_lens, batch.slot_mapping,
                 cs, out=out)
             assert torch.equal(out, outs[True][0])
+
+
+def test_vm_models_the_wgmma_paths_rstd_epilogue():
+    """MK_WGA_X (session 30): where a norm-fused op takes MK_WGMMA_A's path (batch > 8, K a multiple of 256 columns) the
+    kernel's B operand is round(x * w) and its sums take 1/rms in the epilogue, as MK_RSTD_EPI's. The VM with wga_x:
+    not bitwise the default at batch 10, bitwise it at batch 8 (one n-tile: the default path), within the bf16 step
+    tolerance of the fp32 reference; the CPU decoder runs the VM with the same variant."""
+    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
+                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    wa = KernelVariant(w_tma=True, wgmma_a=4)
+    for seq_lens, applies in (([9, 30, 1, 17, 44, 3, 60, 2, 21, 5], True), ([9, 30, 1, 17, 44, 3, 60, 2], False)):
+        w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16)
+        p = build_program(spec, len(seq_lens), 5, lm_head=True)
+        outs = {}
+        for x in (0, 1):
+            caches = batch.clone_caches()
+            st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
+                                batch.slot_mapping, cs, variant=replace(wa, wga_x=x))
+            vm.run(p, st_)
+            outs[x] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+        same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+        assert same != applies, seq_lens
+        hn, logits, _ = _ref_step(spec, w, batch, cs)
+        assert_matches(outs[1][0], hn, torch.bfloat16, "step")
+        assert_matches(outs[1][1], logits, torch.bfloat16, "step")
+        if applies:
+            dec = MegakernelDecoder(spec, w, 16, "cpu", lm_head=True, num_sms=5, variant=replace(wa, wga_x=1))
+            out = torch.full_like(hidden, float("nan"))
+            dec(hidden, batch.positions, batch.clone_caches(), batch.block_table, batch.seq_lens, batch.slot_mapping,
+                cs, out=out)
+            assert torch.equal(out, outs[1][0])

@@ -119,9 +119,9 @@ class ScheduleTuning:
       (variant.KernelVariant.wgmma_a); 0 = the decoder's variant; needs w_tma (its chunks are tensor-map copies).
       Session 29: R = 4 -9% at 8B batch 12..16 and -4..-5% at 1B batch 9..16, +-1% at 8B batch 9..11 on batch
       8's entry. Not with rstd_epi (it normalises x' before its MMAs).
-    wga_x: the wgmma path's x staging (variant.KernelVariant.wga_x): 1 the norm weights a group ahead and 3 groups of
-      copies in flight where the scratch holds 4 (num_stages <= 5), 2 also rstd in the epilogue (fused rounding,
-      bf16); 0 = the decoder's variant; only with wgmma_a. Session 30 (bench/NOTES.md).
+    wga_x: the wgmma path's rstd epilogue (variant.KernelVariant.wga_x; fused rounding, bf16); 0 = the decoder's
+      variant; only with wgmma_a. Session 30 (H200, ctx 512): -2.1% at 8B batch 16, -3.3% at 1B batch 16 against
+      the tables' builds, -0.6..-0.8% at 8B batch 9 / 12.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -167,8 +167,7 @@ class ScheduleTuning:
             raise ValueError(f"wgmma_a={self.wgmma_a} and rstd_epi exclude each other (wgmma_a normalises x' before "
                              "its MMAs): choose one")
         if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
-            raise ValueError(f"wga_x={self.wga_x!r}: 0 (the decoder's variant), 1 (the wgmma path's x pipeline) or 2 "
-                             "(and rstd in the epilogue)")
+            raise ValueError(f"wga_x={self.wga_x!r}: 0 (the decoder's variant) or 1 (the wgmma path's rstd epilogue)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
@@ -220,7 +219,7 @@ class ScheduleTuning:
                        wga_x=self.wga_x if wgmma_a else 0)
 
     def with_wga_x(self, wga_x: int) -> ScheduleTuning:
-        """The wgmma path's x staging (0, 1, 2); needs wgmma_a (a ValueError names it otherwise)."""
+        """The wgmma path's rstd epilogue on (1) or off (0); needs wgmma_a (a ValueError names it otherwise)."""
         return replace(self, wga_x=wga_x)
 
     def ksplit_for(self, op: str) -> int:
@@ -344,8 +343,8 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
         v = replace(v, rstd_epi=True)
     if t.wgmma_a and not v.rstd_epi:
         v = replace(v, wgmma_a=t.wgmma_a)
-    if t.wga_x and v.wgmma_a:   # rstd in the epilogue (2) with the fused rounding only; else the x pipeline alone
-        v = replace(v, wga_x=t.wga_x if t.wga_x == 1 or v.rounding == Rounding.FUSED else 1)
+    if t.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:   # the rstd epilogue: fused rounding only
+        v = replace(v, wga_x=t.wga_x)
     return v
 
 

@@ -225,11 +225,24 @@ def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
+# csrc/matvec_wgmma_a.cuh wga_takes: a pass runs on wgmma at two n-tiles (batch > 8) with whole 256-column chunks
+WGA_KC = 256
+
+
+def _epi_rstd(st: VMState, x: torch.Tensor) -> bool:
+    """Whether the kernel scales a norm-fused op's sums by 1/rms in the epilogue: MK_RSTD_EPI where x is not staged
+    whole (the column-group path), MK_WGA_X where the task takes MK_WGMMA_A's path."""
+    v, (b, k) = st.variant, x.shape
+    if v.wgmma_a and v.wga_x and b > 8 and k % WGA_KC == 0:
+        return True
+    return v.rstd_epi and not v.layout.staged_fits(k, b, True)
+
+
 def _norm_operand(st: VMState, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A norm-fused linear's B operand and the per-token factor its sums take after the MMAs (None: none): under
-    MK_RSTD_EPI, where x is not staged whole (the column-group path), round(x * w) and 1/rms (csrc/matvec.cuh: the
+    """A norm-fused linear's B operand and the per-token factor its sums take after the MMAs (None: none): where the
+    kernel takes rstd in the epilogue (_epi_rstd), round(x * w) and 1/rms (csrc/matvec.cuh, matvec_wgmma_a.cuh: the
     epilogue scales the accumulators), else _normed's round(x * rstd * w)."""
-    if st.variant.rstd_epi and not st.variant.layout.staged_fits(x.shape[1], x.shape[0], True):
+    if _epi_rstd(st, x):
         return _rnd(x.float() * w.float()[None, :], st.dtype), _rstd(x, st.spec.rms_eps)[:, None]
     return _normed(st, x, w), None
 
