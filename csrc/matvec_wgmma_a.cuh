@@ -70,7 +70,7 @@ constexpr int WGA_NBUF = (MK_WGA_X && UNION_BYTES >= 4 * GROUP_BYTES) ? 4 : 2;
 constexpr int WGA_AHEAD = WGA_NBUF - 1;
 static_assert(WGA_NBUF * GROUP_BYTES <= UNION_BYTES, "MK_WGA_X: the x group buffers fit the scratch");
 #if MK_WGA_X
-static_assert(MK_WGA_X == 1, "MK_WGA_X: 0 or 1");
+static_assert(MK_WGA_X == 1 || MK_WGA_X == 2, "MK_WGA_X: 0, 1 or 2");
 static_assert(MK_ROUNDING == 0, "MK_WGA_X: the fused rounding only (STOCK rounds x * rstd before the weight)");
 static_assert(MK_DTYPE_BF16, "MK_WGA_X: bf16 models only (x * w is not range-normalised)");
 #define WGA_EPI_PARAM , bool scale
@@ -163,14 +163,61 @@ __device__ __noinline__ void wga_group_ready(const Smem S, unsigned char* gb, un
 }
 
 #if MK_WGA_X
+// A thread's units in every group: one 16-byte column unit u (0 .. WGA_UPR - 1) of tokens b0 + 4 i (i < 4), so the
+// same norm weights for all four. MK_WGA_X = 1: u = threadIdx.x % UPR, b0 = threadIdx.x / UPR (a token's units: two
+// warps). MK_WGA_X = 2 (A/B switch, session 30): warpgroup g's threads take only the columns its wgmmas read (64-column
+// groups 2 g, 2 g + 1, 4 + 2 g, 5 + 2 g of the 512: k-steps 8 g .. 8 g + 7 of each chunk), lane l of its warp w % 4
+// unit l % 8 of x group (l / 8), tokens w % 4 + 4 i: each warpgroup copies, waits for and normalises its own half, so
+// a group's ready step needs only the warpgroup's own barrier (named barrier 2 + g) and the two warpgroups no longer
+// meet at every group.
+constexpr int WGA_UPR = WGA_XG / 8;
+static_assert(CONSUMER_THREADS % WGA_UPR == 0 && 4 * (CONSUMER_THREADS / WGA_UPR) == MAX_BATCH,
+              "MK_WGA_X: a thread's units are one column unit of 4 tokens");
+static_assert(CONSUMER_WARPS == 8 && WGA_GROUPS == 4, "MK_WGA_X = 2: two warpgroups, each two of a chunk's column groups");
+struct WgaUnit {
+  int u, b0;
+};
+__device__ __forceinline__ WgaUnit wga_unit() {
+#if MK_WGA_X == 2
+  const int l = threadIdx.x & 127, q = (l & 31) >> 3;
+  return {(2 * (threadIdx.x >> 7) + (q & 1) + 4 * (q >> 1)) * 8 + (l & 7), l >> 5};
+#else
+  WgaUnit r;   // unsigned arithmetic, as measured
+  r.u = threadIdx.x % WGA_UPR;
+  r.b0 = threadIdx.x / WGA_UPR;
+  return r;
+#endif
+}
+// The barrier of a group's ready step: every consumer (MK_WGA_X = 1), or this thread's warpgroup (2).
+__device__ __forceinline__ void wga_group_sync() {
+#if MK_WGA_X == 2
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + (int)(threadIdx.x >> 7)) : "memory");
+#else
+  consumer_sync();
+#endif
+}
+
 // Group gi of a pass (columns gi * WGA_XG ..) into its buffer, or an empty commit past K (every ready step waits for
-// the same count of groups in flight).
+// the same count of groups in flight). MK_WGA_X = 2: this thread's units only.
 __device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_t* x, int K, int ldx, int B) {
   const int k0 = gi * WGA_XG;
+#if MK_WGA_X == 2
+  const WgaUnit un = wga_unit();
+  if (k0 < K && un.u < min(WGA_XG, K - k0) / 8) {
+    unsigned char* gb = xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = un.b0 + 4 * i;
+      if (b < B) cp_async16(smem_addr(gb + wga_xunit(b, un.u)), x + (size_t)b * ldx + k0 + un.u * 8);
+    }
+  }
+  cp_async_commit();
+#else
   if (k0 < K)
     wga_group_issue(xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES, x, K, ldx, k0, B);
   else
     cp_async_commit();
+#endif
 }
 
 // What one group's ready step hands to the next: the next group's norm weights of this thread's column unit, and (a
@@ -179,13 +226,12 @@ struct WgaCarry {
   uint4 w;
   float ss[4];
 };
-// A thread's units in every group: column unit u = threadIdx.x % UPR of tokens threadIdx.x / UPR + 4 i (i < 4): the
-// same norm weights for all four.
-constexpr int WGA_UPR = WGA_XG / 8;
-static_assert(CONSUMER_THREADS % WGA_UPR == 0 && 4 * (CONSUMER_THREADS / WGA_UPR) == MAX_BATCH,
-              "MK_WGA_X: a thread's units are one column unit of 4 tokens");
 __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
+#if MK_WGA_X == 2
+  const int k = k0 + wga_unit().u * 8;
+#else
   const int k = k0 + (threadIdx.x % WGA_UPR) * 8;
+#endif
   return nw != nullptr && k < K ? __ldg(reinterpret_cast<const uint4*>(nw + k)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
@@ -197,7 +243,12 @@ __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
 __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* xs, int gi, const elem_t* x,
                                                    const elem_t* nw, int K, int ldx, int B, WgaCarry c, bool acc_ss) {
   constexpr int TSTEP = CONSUMER_THREADS / WGA_UPR;
+#if MK_WGA_X == 2
+  const WgaUnit un = wga_unit();
+  const int u = un.u, b0 = un.b0, k0 = gi * WGA_XG;
+#else
   const int u = threadIdx.x % WGA_UPR, b0 = threadIdx.x / WGA_UPR, k0 = gi * WGA_XG;
+#endif
   unsigned char* gb = xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES;
   cp_async_wait_group<WGA_AHEAD - 1>();   // this thread's copies of group gi: the units it normalises below
   if (nw != nullptr && u < min(WGA_XG, K - k0) / 8) {
@@ -218,24 +269,29 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
     }
   }
   wg_fence_proxy();
-  consumer_sync();   // everyone's units are in; group gi - 1's buffer is no longer read
+  wga_group_sync();   // everyone's units are in; group gi - 1's buffer is no longer read
   wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
   c.w = wga_norm_w(nw, K, k0 + WGA_XG);
   return c;
 }
 
 // The end of a task's first pass (every wgmma done with x; task-uniform): the threads' sums of x^2 to rstd[b]
-// (a token's units are two warps' lanes: summed by shuffles, then the two warps in order: deterministic).
+// (a token's units are two warps' lanes -- MK_WGA_X = 2: one warp of each warpgroup -- summed by shuffles, then the two
+// warps in order: deterministic).
 __device__ __forceinline__ void wga_rstd(const Smem& S, unsigned char* xs, const WgaCarry& c, int B, int warp,
                                          int lane) {
   constexpr int TSTEP = CONSUMER_THREADS / WGA_UPR;
-  float* part = reinterpret_cast<float*>(xs);   // [warp & 1][MAX_BATCH]
+  float* part = reinterpret_cast<float*>(xs);   // [the token's first or second warp][MAX_BATCH]
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float s = c.ss[i];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+#if MK_WGA_X == 2
+    if (lane == 0) part[(warp >> 2) * MAX_BATCH + (warp & 3) + i * TSTEP] = s;
+#else
     if (lane == 0) part[(warp & 1) * MAX_BATCH + threadIdx.x / WGA_UPR + i * TSTEP] = s;
+#endif
   }
   consumer_sync();
   if (threadIdx.x < B) S.rstd()[threadIdx.x] = rsqrtf((part[threadIdx.x] + part[MAX_BATCH + threadIdx.x]) / (float)H + EPS);

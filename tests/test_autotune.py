@@ -166,13 +166,13 @@ def test_wga_x_is_a_per_batch_knob_of_the_wgmma_path():
     assert wx.with_w_tma(False) == ScheduleTuning() and wx.with_rstd_epi(True).wga_x == 0
     with pytest.raises(ValueError, match="wga_x=1 is the wgmma path's x staging"):
         ScheduleTuning(wga_x=1)
-    with pytest.raises(ValueError, match="wga_x=2"):
-        ScheduleTuning(w_tma=True, wgmma_a=4, wga_x=2)
+    with pytest.raises(ValueError, match="wga_x=3"):
+        ScheduleTuning(w_tma=True, wgmma_a=4, wga_x=3)
     assert tuned_variant(KernelVariant(), wx) == KernelVariant(w_tma=True, wgmma_a=4, wga_x=1)
     assert tuned_variant(KernelVariant(rounding=Rounding.STOCK), wx).wga_x == 0
     spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
     moves = [t for k, t in neighbours(spec, 16, 132, wx) if k == "wga_x"]
-    assert [t.wga_x for t in moves] == [0] and all(t.wgmma_a == 4 for t in moves)
+    assert [t.wga_x for t in moves] == [0, 2] and all(t.wgmma_a == 4 for t in moves)
     assert not [k for k, _ in neighbours(spec, 16, 132, ScheduleTuning()) if k == "wga_x"]
 
 

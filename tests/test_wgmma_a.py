@@ -68,7 +68,8 @@ def test_wga_x_values():
     assert KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=4", "MK_WGA_X=1"]).wga_x == 1
     with pytest.raises(ValueError, match="wga_x=1 is MK_WGMMA_A's x staging"):
         KernelVariant(wga_x=1)
-    with pytest.raises(ValueError, match="wga_x=2"):
-        KernelVariant(w_tma=True, wgmma_a=4, wga_x=2)
+    assert KernelVariant(w_tma=True, wgmma_a=4, wga_x=2).defines()[-1] == "-DMK_WGA_X=2"
+    with pytest.raises(ValueError, match="wga_x=3"):
+        KernelVariant(w_tma=True, wgmma_a=4, wga_x=3)
     with pytest.raises(ValueError, match="wga_x=1 needs the fused rounding"):
         KernelVariant(w_tma=True, wgmma_a=4, wga_x=1, rounding=Rounding.STOCK)

@@ -34,7 +34,7 @@ from .tuning import (
     WGMMA_A_TUNED,
     ScheduleTuning,
 )
-from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED
+from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED, WGA_X_CHOICES
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 
@@ -110,7 +110,7 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
         if batch > 8:   # wgmma with the weights as A runs at two n-tiles only (session 29: R = 4 -9% at 8B b12..16)
             out.append(("wgmma_a", base.with_wgmma_a(0 if base.wgmma_a else WGMMA_A_TUNED)))
             if base.wgmma_a and spec.dtype == "bfloat16":   # its rstd epilogue (session 30: -2..-3% at batch 16)
-                out.append(("wga_x", base.with_wga_x(0 if base.wga_x else 1)))
+                out += [("wga_x", base.with_wga_x(x)) for x in WGA_X_CHOICES if x != base.wga_x]
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))

@@ -121,7 +121,7 @@ class ScheduleTuning:
       8's entry. Not with rstd_epi (it normalises x' before its MMAs).
     wga_x: the wgmma path's rstd epilogue (variant.KernelVariant.wga_x; fused rounding, bf16); 0 = the decoder's
       variant; only with wgmma_a. Session 30 (H200, ctx 512): -2.1% at 8B batch 16, -3.3% at 1B batch 16 against
-      the tables' builds, -0.6..-0.8% at 8B batch 9 / 12.
+      the tables' builds, -0.6..-0.8% at 8B batch 9 / 12. 2: x staged per warpgroup (not yet measured).
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -167,7 +167,8 @@ class ScheduleTuning:
             raise ValueError(f"wgmma_a={self.wgmma_a} and rstd_epi exclude each other (wgmma_a normalises x' before "
                              "its MMAs): choose one")
         if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
-            raise ValueError(f"wga_x={self.wga_x!r}: 0 (the decoder's variant) or 1 (the wgmma path's rstd epilogue)")
+            raise ValueError(f"wga_x={self.wga_x!r}: 0 (the decoder's variant), 1 (the wgmma path's rstd epilogue) or 2 "
+                             "(and x staged per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
@@ -219,7 +220,8 @@ class ScheduleTuning:
                        wga_x=self.wga_x if wgmma_a else 0)
 
     def with_wga_x(self, wga_x: int) -> ScheduleTuning:
-        """The wgmma path's rstd epilogue on (1) or off (0); needs wgmma_a (a ValueError names it otherwise)."""
+        """The wgmma path's rstd epilogue: 0 off, 1 on, 2 on with x staged per warpgroup; needs wgmma_a (a ValueError
+        names it otherwise)."""
         return replace(self, wga_x=wga_x)
 
     def ksplit_for(self, op: str) -> int:

@@ -43,9 +43,9 @@ ATT_TMA_MAX_TOKENS = 1 << 20   # MK_ATT_TMA's largest threshold (longer than any
 INFLIGHT_MAX = min(STAGE_CHOICES) - 1
 # MK_WGMMA_A's values: off, or the 64-row blocks a pass holds (8 accumulator registers a thread each)
 WGMMA_A_CHOICES = (0, 1, 2, 4)
-# MK_WGA_X's values: off, or the wgmma path's rstd epilogue (session 30: its x pipeline without the epilogue, then
-# value 1, measured +0.7% and left)
-WGA_X_CHOICES = (0, 1)
+# MK_WGA_X's values: off, the wgmma path's rstd epilogue (session 30: its x pipeline without the epilogue, then value 1,
+# measured +0.7% and left), and that with each warpgroup staging its own half of x (A/B switch, not yet measured)
+WGA_X_CHOICES = (0, 1, 2)
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
 
@@ -91,7 +91,8 @@ class KernelVariant:
     # MK_WGA_X (session 30; 0 = off; needs wgmma_a; a per-batch knob of the tables): the wgmma path's norm-fused ops
     # take rstd in the epilogue (x' = round(x * w), x^2 summed from the first pass's groups: no rows_rstd round trips),
     # with the norm weights loaded a group ahead and, at num_stages <= 5, 3 groups of x copies in flight (csrc/
-    # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check).
+    # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (A/B switch, session 30): each
+    # warpgroup copies, waits for and normalises only the x columns its wgmmas read, behind its own barrier.
     wga_x: int = 0
 
     def __post_init__(self) -> None:
@@ -124,7 +125,8 @@ class KernelVariant:
             raise ValueError(f"wgmma_a={self.wgmma_a} normalises x' with the rows' rstd before its MMAs: it is not "
                              "built with rstd_epi=True (MK_RSTD_EPI=1)")
         if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
-            raise ValueError(f"wga_x={self.wga_x!r}: 0 (off) or 1 (the wgmma path's rstd epilogue)")
+            raise ValueError(f"wga_x={self.wga_x!r}: 0 (off), 1 (the wgmma path's rstd epilogue) or 2 (and x staged "
+                             "per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is MK_WGMMA_A's x staging: set wgmma_a too (MK_WGMMA_A=1, 2 or 4)")
         if self.wga_x and self.rounding != Rounding.FUSED:
