@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 31's GPU calls (bench/NOTES.md session 30, "Next"). `bash bench/gpu_session38.sh N $OUT` from the project
-# root, .commit carried. Order: 1, 2, then `bash bench/gpu_session36.sh 1` (both paths on the new table), then the vLLM
+# root, .commit carried. Order: 1, 2, then `bash bench/gpu_session36.sh 1` (both paths on the new table), 5, then the vLLM
 # calls 11, 12 (one bundle part each; tracked bench/results/**/*.gz moved aside: the 64 MiB limit), 3 (the third
 # part and unpack.sh: serve 1B), 4 (serve 8B).
 set -uo pipefail
@@ -22,6 +22,12 @@ case $n in
        --define MK_WGMMA_A=4 --define MK_WGA_X=2 --records-dir "$out" --model bench/models/llama-3.1-8b --batch 16 \
        2>&1 | tail -2
      for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
+  5) # issue 11: the sanitizers on the wgmma path's x staging (MK_WGA_X 2 and 1: per-warpgroup barriers, 4 x buffers at 5
+     # slots), 2 layers, batch 16 and 12 (memcheck, racecheck, synccheck; sanitize.py checks the step against Triton)
+     for d in "MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" "MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=1 MK_NUM_STAGES=5"; do
+       MK_SAN_DEFINES="$d" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=90 timeout 280 bash bench/sanitize.sh "$out" 2 \
+         2>&1 | grep -E "SUMMARY|exit code|sanitize-run"
+     done ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
   3) vllm_env && serve_1b_auto --rounds 2 && tar czf "$out/logs_call3.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
   4) vllm_env   # issue 12: serve.py 8B, stock against auto, concurrency 1 / 8 / 16
