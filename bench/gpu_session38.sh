@@ -25,7 +25,8 @@ case $n in
   5) # issue 11: the sanitizers on the wgmma path's x staging (MK_WGA_X 2 and 1: per-warpgroup barriers, 4 x buffers at 5
      # slots), 2 layers, batch 16 and 12 (memcheck, racecheck, synccheck; sanitize.py checks the step against Triton)
      for d in "MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" "MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=1 MK_NUM_STAGES=5"; do
-       MK_SAN_DEFINES="$d" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=90 timeout 280 bash bench/sanitize.sh "$out" 2 \
+       sub="$out/san_$(echo "$d" | tr -cd 'A-Z0-9=' | tr '=' '_')"   # one record file per build
+       MK_SAN_DEFINES="$d" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=90 timeout 280 bash bench/sanitize.sh "$sub" 2 \
          2>&1 | grep -E "SUMMARY|exit code|sanitize-run"
      done ;;
   11|12) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
