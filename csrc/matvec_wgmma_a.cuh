@@ -227,11 +227,7 @@ struct WgaCarry {
   float ss[4];
 };
 __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
-#if MK_WGA_X == 2
   const int k = k0 + wga_unit().u * 8;
-#else
-  const int k = k0 + (threadIdx.x % WGA_UPR) * 8;
-#endif
   return nw != nullptr && k < K ? __ldg(reinterpret_cast<const uint4*>(nw + k)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
@@ -239,16 +235,13 @@ __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
 // norm-fused op's units normalised in place with the weights loaded a group ago (x' = round(x * w), x^2 summed on the
 // first pass), visible to the wgmmas; then group gi + WGA_AHEAD's
 // copies go into the buffer group gi - 1 used (its wgmmas completed before this call) and the next group's weights
-// are loaded. Out of line: no wgmma is in flight here.
+// are loaded. Out of line: no wgmma is in flight here. (S is unused since the rstd-normalising form left; the
+// signature is the measured build's.)
 __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* xs, int gi, const elem_t* x,
                                                    const elem_t* nw, int K, int ldx, int B, WgaCarry c, bool acc_ss) {
   constexpr int TSTEP = CONSUMER_THREADS / WGA_UPR;
-#if MK_WGA_X == 2
   const WgaUnit un = wga_unit();
   const int u = un.u, b0 = un.b0, k0 = gi * WGA_XG;
-#else
-  const int u = threadIdx.x % WGA_UPR, b0 = threadIdx.x / WGA_UPR, k0 = gi * WGA_XG;
-#endif
   unsigned char* gb = xs + (gi & (WGA_NBUF - 1)) * GROUP_BYTES;
   cp_async_wait_group<WGA_AHEAD - 1>();   // this thread's copies of group gi: the units it normalises below
   if (nw != nullptr && u < min(WGA_XG, K - k0) / 8) {
@@ -259,11 +252,10 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
         uint4* p = reinterpret_cast<uint4*>(gb + wga_xunit(b, u));
         uint4 v = *p;
         if (acc_ss) c.ss[i] = sumsq8(v, c.ss[i]);
-        const float r = 1.f;
-        v.x = norm_pair(v.x, r, c.w.x);
-        v.y = norm_pair(v.y, r, c.w.y);
-        v.z = norm_pair(v.z, r, c.w.z);
-        v.w = norm_pair(v.w, r, c.w.w);
+        v.x = norm_pair(v.x, 1.f, c.w.x);   // round(x * w): rstd scales the sums in the epilogue
+        v.y = norm_pair(v.y, 1.f, c.w.y);
+        v.z = norm_pair(v.z, 1.f, c.w.z);
+        v.w = norm_pair(v.w, 1.f, c.w.w);
         *p = v;
       }
     }
@@ -287,11 +279,7 @@ __device__ __forceinline__ void wga_rstd(const Smem& S, unsigned char* xs, const
     float s = c.ss[i];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-#if MK_WGA_X == 2
-    if (lane == 0) part[(warp >> 2) * MAX_BATCH + (warp & 3) + i * TSTEP] = s;
-#else
-    if (lane == 0) part[(warp & 1) * MAX_BATCH + threadIdx.x / WGA_UPR + i * TSTEP] = s;
-#endif
+    if (lane == 0) part[(MK_WGA_X == 2 ? warp >> 2 : warp & 1) * MAX_BATCH + wga_unit().b0 + i * TSTEP] = s;
   }
   consumer_sync();
   if (threadIdx.x < B) S.rstd()[threadIdx.x] = rsqrtf((part[threadIdx.x] + part[MAX_BATCH + threadIdx.x]) / (float)H + EPS);
