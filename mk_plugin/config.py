@@ -24,6 +24,10 @@ MK_TUNING    auto | off | <file.json>      the megakernel's task sizes (persiste
              (default auto)                the winners bench/autotune.py measured for this GPU (user
                                            cache, then the packaged table), off the built-in split,
                                            a path only that table
+MK_LM_HEAD   vllm | megakernel             who computes the logits of a megakernel decode step inside
+             (default vllm)                vLLM: vllm's own LM head after the step (compute_logits),
+                                           or the megakernel inside the step (its lm_head tasks, fp32
+                                           logits; compute_logits hands them to the sampler)
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ DEFAULT_WATCHDOG_MS = 2000
 ROUNDINGS = ("fused", "stock")   # = persistent.encoding.Rounding names (config must not import torch)
 DEFAULT_ROUNDING = "fused"
 DEFAULT_TUNING = "auto"
+LM_HEADS = ("vllm", "megakernel")
+DEFAULT_LM_HEAD = "vllm"   # the megakernel's own LM head inside vLLM is not measured yet (bench/NOTES.md session 31)
 WATCHDOG_MS_MAX = 600_000  # = persistent.encoding.WATCHDOG_MS_MAX (config must not import torch)
 
 
@@ -83,8 +89,11 @@ class MkConfig:
     watchdog_ms: int = DEFAULT_WATCHDOG_MS
     rounding: str = DEFAULT_ROUNDING
     tuning: str = DEFAULT_TUNING
+    lm_head: str = DEFAULT_LM_HEAD
 
     def __post_init__(self) -> None:
+        if self.lm_head not in LM_HEADS:
+            raise ConfigError(f"MK_LM_HEAD={self.lm_head!r} is not supported; choose one of {', '.join(LM_HEADS)}")
         if self.tuning not in ("auto", "off") and not os.path.isfile(self.tuning):
             raise ConfigError(f"MK_TUNING={self.tuning!r} is neither auto, off nor an existing tuning table file "
                               "(bench/autotune.py writes one)")
@@ -112,7 +121,8 @@ class MkConfig:
                    force_tokens=env.get("MK_FORCE_TOKENS", "").strip() or None,
                    watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS),
                    rounding=env.get("MK_ROUNDING", DEFAULT_ROUNDING).strip().lower() or DEFAULT_ROUNDING,
-                   tuning=_tuning(env))
+                   tuning=_tuning(env),
+                   lm_head=env.get("MK_LM_HEAD", DEFAULT_LM_HEAD).strip().lower() or DEFAULT_LM_HEAD)
 
 
 def get_config() -> MkConfig:

@@ -145,6 +145,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         self._mk_py_step = False
         self._mk_last_call: _DecodeCall | None = None
         self._mk_graph_calls: dict[int, _DecodeCall | None] = {}   # None: a stock graph (auto chose stock)
+        self._mk_graph_sizes: list[int] = []   # sorted keys of _mk_graph_calls (hangs.py _mk_graph_call)
         self._mk_hang: Any = None        # the MegakernelHang that switched the run to Triton
         self._mk_megakernel: Any = None  # the MegakernelDecoder it came from (its record stays set)
 
@@ -162,8 +163,8 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
 
     def compute_logits(self, hidden_states: Any) -> Any:
-        hidden_states = self._mk_after_step(hidden_states)
-        logits = super().compute_logits(hidden_states)
+        hidden_states, fused = self._mk_after_step(hidden_states)
+        logits = fused if fused is not None else super().compute_logits(hidden_states)
         if logits is not None and (self._mk_cfg.dump_logits or self._mk_cfg.force_tokens):
             logits = self._mk_debug_logits(logits)
         return logits
@@ -180,6 +181,8 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             "max_tokens": None if st is None else st.max_tokens,
             # the megakernel's rounding points as built (MK_ROUNDING), so records show what ran
             "rounding": None if mk is None else mk.rounding.name.lower(),
+            # who computes the logits of the megakernel's steps (MK_LM_HEAD, where the model allows it)
+            "lm_head": None if st is None else ("megakernel" if st.logits_buf is not None else "vllm"),
             # per padded batch size: the task split used (MK_TUNING) and where it came from
             "tuning": None if mk is None else dict(mk.tuning_source),
             # MK_MODE=auto: per batch size, the path chosen and why
@@ -273,7 +276,9 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         inputs = DecodeInputs(hidden, positions[:reqs], kv, md.block_table[:reqs], md.seq_lens, slot[:reqs],
                               st.cos_sin)
         ran = st.decoder.path_for(reqs) if st.backend == "auto" else st.backend
-        call = _DecodeCall(inputs, st.out_buf[:reqs], ran)
+        # MK_LM_HEAD=megakernel: a megakernel step also writes its logits; compute_logits hands them out
+        logits = st.logits_buf[:reqs] if st.logits_buf is not None and ran == "megakernel" else None
+        call = _DecodeCall(inputs, st.out_buf[:reqs], ran, logits)
         if capturing():
             # A FULL-graph capture: replays of this graph do not run forward; compute_logits finds
             # the graph's static tensors here if it has to recompute a replayed step.
@@ -282,7 +287,10 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         else:
             self._mk_last_call = call
         try:
-            st.decoder.decode(inputs, st.out_buf[:reqs])
+            if logits is None:
+                st.decoder.decode(inputs, st.out_buf[:reqs])
+            else:
+                st.decoder.decode(inputs, st.out_buf[:reqs], logits)
         except ValueError as e:
             # An input check of the kernels refused this step before computing it; whatever was
             # launched only wrote this token's K/V slots, which the stock path rewrites.

@@ -64,7 +64,9 @@ class FakeStockLlama(torch.nn.Module):
                               rotary_emb=_ns(is_neox_style=True, rotary_dim=64, cos_sin_cache=cs)),
                 mlp=_ns(gate_up_proj=_ns(weight=lw.gate_up), down_proj=_ns(weight=lw.down))))
         self.model = _ns(layers=layers, embed_tokens=_ns(weight=w.embed), norm=_ns(weight=w.final_norm))
-        self.lm_head = _ns(weight=w.lm_head)
+        self.lm_head = _ns(weight=w.lm_head, bias=None)
+        # vLLM's LogitsProcessor as the adapter reads it (MK_LM_HEAD=megakernel needs exactly this)
+        self.logits_processor = _ns(scale=1.0, soft_cap=None, logits_as_input=False, org_vocab_size=SPEC.vocab_size)
         self.stock_calls = 0
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):

@@ -130,17 +130,22 @@ class AutoDecoder:
     def path_for(self, batch: int) -> str:
         return self.choice.get(batch, "triton")
 
-    def decode(self, inputs: DecodeInputs, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, inputs: DecodeInputs, out: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """logits_out: where a megakernel built with its LM head writes the step's logits (the Triton path
+        computes none: the adapter then leaves them to vLLM)."""
         # "stock" sizes do not come here (the adapter checks path_for); were one called directly, Triton computes
         # the same step (it is the verified reference path)
-        dec = self.megakernel if self.path_for(inputs.batch) == "megakernel" else self.triton
-        return dec.decode(inputs, out)
+        if self.path_for(inputs.batch) == "megakernel":
+            return self.megakernel.decode(inputs, out, logits_out)
+        return self.triton.decode(inputs, out)
 
 
 def measure_both(triton: Any, megakernel: Any, spec: Any, weights: Any, cos_sin: torch.Tensor,
                  block_size: int, replays: int = 10) -> Callable[[int], tuple[float, float]]:
     """measure(b) -> (triton_us, megakernel_us): one CUDA graph of each step for b tokens over a
-    temporary KV cache of MEASURE_CTX tokens per request, median of `replays` replays."""
+    temporary KV cache of MEASURE_CTX tokens per request, median of `replays` replays. A megakernel built with
+    its LM head (MK_LM_HEAD=megakernel) is timed with it, and the Triton step then with the LM head vLLM runs
+    after it (a bf16 GEMM): both sides time the same work."""
     from ..timing import graph_median_ms
 
     def measure(b: int) -> tuple[float, float]:
@@ -154,8 +159,13 @@ def measure_both(triton: Any, megakernel: Any, spec: Any, weights: Any, cos_sin:
                               caches, bt, torch.full((b,), MEASURE_CTX, dtype=torch.int32, device=dev),
                               (bt[:, -1].long() * block_size + (MEASURE_CTX - 1) % block_size), cos_sin)
         out = torch.empty_like(inputs.hidden)
-        t = tuple(graph_median_ms(lambda d=d: d.decode(inputs, out), replays=replays) * 1e3
-                  for d in (triton, megakernel))
+        if megakernel.lm_head:
+            logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
+            steps = (lambda: torch.matmul(triton.decode(inputs, out), weights.lm_head.t()),
+                     lambda: megakernel.decode(inputs, out, logits))
+        else:
+            steps = (lambda: triton.decode(inputs, out), lambda: megakernel.decode(inputs, out))
+        t = tuple(graph_median_ms(f, replays=replays) * 1e3 for f in steps)
         del caches
         return t  # type: ignore[return-value]
     return measure

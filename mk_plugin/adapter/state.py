@@ -58,6 +58,9 @@ class DecodeState:
     out_buf: Any                   # [max_tokens, H]: the final-normed hidden states returned
     decoder: Decoder               # TritonDecoder or MegakernelDecoder (mk_plugin.decoding)
     kv_key: tuple | None = None    # identity of the last validated KV cache list
+    # MK_LM_HEAD=megakernel: [max_tokens, V] fp32, the logits of the megakernel's steps (its lm_head tasks);
+    # None: vLLM's own LM head computes every step's logits
+    logits_buf: Any = None
 
     @property
     def backend(self) -> str:
@@ -78,6 +81,7 @@ class _DecodeCall:
     inputs: DecodeInputs
     out: Any
     backend: str
+    logits: Any = None   # the step's fp32 logits rows when the megakernel computed them (MK_LM_HEAD=megakernel)
 
 
 def _weights_from_model(model: Any, spec: Any) -> Any:
@@ -188,6 +192,7 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
 
     decoder: Decoder | None = None
     mk = None
+    fuse_lm_head = _fuse_lm_head(model, spec, cfg, once)
     # Programs of the sizes vLLM captures (all of them when it captures none) now, never during capture; any
     # other size on its first (eager) step
     sizes = sizes_to_prepare(getattr(vllm_config, "compilation_config", None), max_tokens)
@@ -197,7 +202,7 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
             from ..persistent.encoding import Rounding
             from ..persistent.variant import KernelVariant
 
-            mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback,
+            mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback, lm_head=fuse_lm_head,
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
                                    variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()]),
                                    trace=cfg.trace, verbose=cfg.verbose)
@@ -223,10 +228,50 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
     if (cfg.dump_logits or cfg.force_tokens) and not getattr(vllm_config.model_config, "enforce_eager", False):
         once.warn("debug_eager", "MK_DUMP_LOGITS/MK_FORCE_TOKENS only see steps that run in Python; "
                   "use enforce_eager=True (CUDA-graph replays are skipped)")
+    logits_buf = None
+    if megakernel_of(decoder) is not None and fuse_lm_head:
+        logits_buf = torch.zeros(max_tokens, spec.vocab_size, dtype=torch.float32, device=device)
     return DecodeState(spec=spec, weights=weights, cos_sin=cos_sin, attn_layers=attn_layers,
                        layer_name=attn_layers[0].layer_name, max_tokens=max_tokens, block_size=block_size,
                        capacity_tokens=max_blocks * block_size, embed_buf=embed_buf,
-                       out_buf=out_buf, decoder=decoder)
+                       out_buf=out_buf, decoder=decoder, logits_buf=logits_buf)
+
+
+def lm_head_unsupported_reason(model: Any, spec: Any) -> str | None:
+    """Why the megakernel's LM head cannot stand in for vLLM's compute_logits on this model (None: it can). The
+    megakernel computes LOGITS = OUT @ lm_head.weight[:V]^T in fp32; vLLM's LogitsProcessor may also scale,
+    soft-cap or cut the vocabulary, which the megakernel does not."""
+    lp = getattr(model, "logits_processor", None)
+    if lp is None:
+        return "the model has no logits_processor to compare with"
+    if getattr(lp, "logits_as_input", False):
+        return "the logits processor takes logits as input"
+    if getattr(lp, "soft_cap", None) is not None:
+        return f"logits soft cap {lp.soft_cap}"
+    if float(getattr(lp, "scale", 1.0)) != 1.0:
+        return f"logit scale {lp.scale}"
+    org = getattr(lp, "org_vocab_size", spec.vocab_size)
+    if org != spec.vocab_size:
+        return f"the logits processor keeps {org} vocabulary rows, the model has {spec.vocab_size}"
+    if getattr(getattr(model, "lm_head", None), "bias", None) is not None:
+        return "the LM head has a bias"
+    return None
+
+
+def _fuse_lm_head(model: Any, spec: Any, cfg: MkConfig, once: _OnceLog) -> bool:
+    """Whether the megakernel computes the logits (MK_LM_HEAD=megakernel and the model allows it); one warning
+    says why not where it was asked for and cannot be."""
+    if cfg.lm_head != "megakernel":
+        return False
+    if cfg.mode not in ("megakernel", "auto"):
+        once.warn("lm_head", f"MK_LM_HEAD=megakernel has no effect with MK_MODE={cfg.mode}: vLLM's LM head computes "
+                  "the logits")
+        return False
+    why = lm_head_unsupported_reason(model, spec)
+    if why:
+        once.warn("lm_head", f"MK_LM_HEAD=megakernel: {why}; vLLM's LM head computes the logits")
+        return False
+    return True
 
 
 def _kv_unsupported_reason(st: DecodeState, kv: list[Any]) -> str | None:

@@ -493,7 +493,9 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     setting: MK_TUNING -- "off" (defaults), "auto" (the user cache, then the packaged table), or a
     path to a table file (only that file). A key without a winner in any table runs the base its model was
     measured against (the first table that measured the model); one whose model no table has measured on this
-    GPU gets UNTUNED_TUNING (on a CUDA device; "cpu" keeps the defaults)."""
+    GPU gets UNTUNED_TUNING (on a CUDA device; "cpu" keeps the defaults). A key with the LM head whose model no
+    table measured with it takes its layers' entry (the same key without the LM head): the lm_head tasks then run
+    at the default split (tables are measured as bench/mk_step.py times the step, without the LM head)."""
     keys = list(keys)
     if setting == "off":
         return [(DEFAULT_TUNING, "default (MK_TUNING=off)")] * len(keys)
@@ -501,22 +503,29 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     tables = [(p, TuningTable.load(p, device_name)) for p in paths]
     out = []
     for key in keys:
-        found = next(((p, e) for p, tab in tables if (e := tab.nearest(key)) is not None), None)
-        if found is None:
-            base = next((b for _, tab in tables if (b := tab.base_for(key)) is not None), None)
-            if base is not None and not base.is_default:
-                out.append((base, f"{base.label()}: the measured base (no measured winner)"))
-            elif base is not None or device_name == "cpu":
-                out.append((DEFAULT_TUNING, "default (no measured winner)"))
-            else:   # a model never measured on this GPU
-                why = f"{UNTUNED_TUNING.label()}: the default for a model not in the tables (the ring-fed attention)"
-                out.append((UNTUNED_TUNING, why))
-            continue
-        p, e = found
-        at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
-        why = f"{e.tuning.label()}: {at}winner in {p} ({e.best_us:.1f} vs {e.default_us:.1f} us default)"
-        out.append((e.tuning, why))
+        t, why = _resolve_one(tables, key, device_name)
+        if key.lm_head and all(tab.base_for(key) is None for _, tab in tables):
+            t, why = _resolve_one(tables, replace(key, lm_head=False), device_name)
+            why += "; the layers' entry (measured without the LM head; lm_head tasks at the default split)"
+        out.append((t, why))
     return out
+
+
+def _resolve_one(tables: list[tuple[Path, TuningTable]], key: TuningKey, device_name: str
+                 ) -> tuple[ScheduleTuning, str]:
+    """resolve() for one key: the first table's winner, else the measured base, else the untuned default."""
+    found = next(((p, e) for p, tab in tables if (e := tab.nearest(key)) is not None), None)
+    if found is None:
+        base = next((b for _, tab in tables if (b := tab.base_for(key)) is not None), None)
+        if base is not None and not base.is_default:
+            return base, f"{base.label()}: the measured base (no measured winner)"
+        if base is not None or device_name == "cpu":
+            return DEFAULT_TUNING, "default (no measured winner)"
+        # a model never measured on this GPU
+        return UNTUNED_TUNING, f"{UNTUNED_TUNING.label()}: the default for a model not in the tables (the ring-fed attention)"
+    p, e = found
+    at = f"batch {e.meta['from_batch']}'s " if "from_batch" in e.meta else ""
+    return e.tuning, f"{e.tuning.label()}: {at}winner in {p} ({e.best_us:.1f} vs {e.default_us:.1f} us default)"
 
 
 def spec_tuning_key(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool,
