@@ -289,6 +289,23 @@ def parse_mk_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
+def split_mode(label: str) -> tuple[str, dict[str, str]]:
+    """A --modes entry: one of MODES, optionally followed by MK_* switches for that mode only, joined by '+'
+    (`megakernel+MK_LM_HEAD=megakernel`): (mode, switches). Two entries of one mode with different switches are
+    measured side by side in one job. Raises ValueError naming what is wrong."""
+    mode, *items = label.split("+")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} of {label!r}; choose one of {MODES}")
+    if items and mode == "stock":
+        raise ValueError(f"{label!r}: stock runs without the plugin, so it takes no MK_* switch")
+    return mode, parse_mk_env(items) if items else {}
+
+
+def mode_tag(label: str) -> str:
+    """A --modes entry as a file-name part (no '+' or '=')."""
+    return label.replace("+", "_").replace("=", "-")
+
+
 def child_env(mode: str, runner: str = "default", extra: dict[str, str] | None = None,
               shim: Path | None = None, mk_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of one engine process. Stock and plugin children differ only in MK_MODE and
@@ -377,8 +394,11 @@ def worker_status(llm: Any) -> list[dict[str, Any]]:
         return [{"error": f"{type(e).__name__}: {e}"}]
 
 
-def path_check(mode: str, status: list[dict[str, Any]]) -> str:
-    """'ok' when the workers ran what the mode promises, else what went wrong (printed in tables)."""
+def path_check(label: str, status: list[dict[str, Any]], mk_env: dict[str, str] | None = None) -> str:
+    """'ok' when the workers ran what the mode (a --modes entry: split_mode; mk_env: --mk-env's switches)
+    promises, else what went wrong (printed in tables)."""
+    mode, own = split_mode(label)
+    env = (mk_env or {}) | own
     if not status or "error" in status[0]:
         return f"unverified ({status[0].get('error') if status else 'no status'})"
     s = status[0]
@@ -396,6 +416,9 @@ def path_check(mode: str, status: list[dict[str, Any]]) -> str:
         return "no decode step took the mk path"
     if mode == "megakernel" and s.get("backend") != "megakernel":
         return f"megakernel unavailable, ran {s.get('backend')}"
+    asked = env.get("MK_LM_HEAD", "vllm")
+    if asked != (s.get("lm_head") or "vllm"):
+        return f"MK_LM_HEAD={asked} asked, the LM head ran in {s.get('lm_head')}"
     return "ok"
 
 

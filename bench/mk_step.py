@@ -4,7 +4,9 @@ achieved bandwidth (weight bytes + KV bytes read) / time against the H200's 4.8 
 
     python bench/mk_step.py [--model bench/models/llama-3.2-1b] [--batch 1 8] [--ctx 512] [--reps 200]
 
-The megakernel runs without the LM head (like triton_ops.decode_step) unless --lm-head is given.
+The megakernel runs without the LM head (like triton_ops.decode_step) unless --lm-head is given; then a
+second megakernel row, "megakernel+torch_lm_head", times the step without it followed by the bf16 GEMM vLLM's
+compute_logits runs (F.linear), in the same graph: MK_LM_HEAD=megakernel against MK_LM_HEAD=vllm, kernel-only.
 Every measured row is appended to --csv (default bench/results/mk_step.csv, header MK_STEP_HEADER) unless
 the kernel was compiled with --define variants (those are A/B experiments: the printed table is their record).
 """
@@ -93,6 +95,11 @@ def main() -> None:
     dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", lm_head=args.lm_head, variant=variant,
                             tuning=tuning_upto(max(args.batch)), watchdog_ms=cfg.watchdog_ms)
     dec.prepare(args.batch)
+    plain = None
+    if args.lm_head:   # the same step without the LM head, for the row followed by vLLM's GEMM
+        plain = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=variant,
+                                  tuning=tuning_upto(max(args.batch)), watchdog_ms=cfg.watchdog_ms)
+        plain.prepare(args.batch)
     rows = []
     for bsz in args.batch:
         seq = [args.ctx] * bsz
@@ -106,6 +113,12 @@ def main() -> None:
         mk = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)
         t_mk = time_graph(mk, args.reps)
         rows.append(("megakernel", bsz, t_mk, (wbytes + kvbytes) / (t_mk * 1e-6)))
+        if plain is not None:
+            def mk_then_gemm(plain=plain, hidden=hidden, pos=pos, caches=caches, bt=bt, sl=sl, slots=slots, out=out):
+                plain(hidden, pos, caches, bt, sl, slots, cs, out=out)
+                return torch.nn.functional.linear(out, w.lm_head)   # vLLM's compute_logits at TP 1 (bf16 logits)
+            t_g = time_graph(mk_then_gemm, args.reps)
+            rows.append(("megakernel+torch_lm_head", bsz, t_g, (wbytes + kvbytes) / (t_g * 1e-6)))
         if args.trace:
             tdec = MegakernelDecoder(spec, w, bsz, "cuda", lm_head=args.lm_head, trace=True, variant=variant,
                                      tuning=tuning_upto(bsz), watchdog_ms=cfg.watchdog_ms)
@@ -137,13 +150,13 @@ def main() -> None:
           f"{dec.num_sms} SMs, defines {list(defines) or 'none'}")
     for bsz in args.batch:
         print(f"tuning, batch {bsz}: {dec.tuning_source[bsz]}")
-    print(f"{'path':<11} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
+    print(f"{'path':<24} {'batch':>5} {'step_us':>9} {'GB/s':>8} {'% of 4.8TB/s':>13}")
     for name, bsz, t, bps in rows:
-        print(f"{name:<11} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%")
+        print(f"{name:<24} {bsz:>5} {t:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%")
     if not defines:
         gpu, commit = torch.cuda.get_device_name(), common.git_commit()
         common.append_csv(args.csv, MK_STEP_HEADER, [
-            (common.today(), gpu, commit, spec.name, bsz, args.ctx, name, int(args.lm_head and name == "megakernel"),
+            (common.today(), gpu, commit, spec.name, bsz, args.ctx, name, int(args.lm_head and name.startswith("megakernel")),
              f"{t:.1f}", f"{bps / 1e9:.0f}") for name, bsz, t, bps in rows])
         print(f"rows appended to {args.csv}")
 

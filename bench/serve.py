@@ -134,10 +134,11 @@ def run_mode(folder: Path, mode: str, args: argparse.Namespace, outdir: Path, st
     """Start a server in `mode`, check it, run the benchmark per concurrency; {concurrency: metrics}. `tag`
     (default: the mode) names its log files: one per round."""
     port = free_port()
-    tag = tag or mode
+    tag = common.mode_tag(tag or mode)
     log = outdir / "logs" / f"serve_{stamp}_{folder.name}_{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = common.child_env(mode, args.runner, mk_env=args.mk_env)
+    base, mode_env = common.split_mode(mode)
+    env = common.child_env(base, args.runner, mk_env=args.mk_env | mode_env)
     res: dict[int, dict] = {}
     with open(log, "w") as f:
         proc = subprocess.Popen(server_cmd(folder, port, args), env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -241,7 +242,8 @@ def plot(results: dict[tuple[str, str], dict[int, dict]], path: Path) -> Path | 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--modes", default="triton,megakernel,auto", help=f"plugin modes besides stock: {common.MODES[1:]}")
+    ap.add_argument("--modes", default="triton,megakernel,auto", help=f"plugin modes besides stock: {common.MODES[1:]}, each optionally with MK_* switches of its own "
+                    "joined by '+' (megakernel+MK_LM_HEAD=megakernel)")
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
@@ -260,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds {args.rounds}: at least 1")
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
     modes = [m for m in args.modes.split(",") if m and m != "stock"]
-    bad = [m for m in modes if m not in common.MODES]
-    if bad or not args.concurrency_list or min(args.concurrency_list) < 1:
-        ap.error(f"modes {bad} not in {common.MODES[1:]}, or no valid --concurrency")
+    for m in modes:
+        try:
+            common.split_mode(m)
+        except ValueError as e:
+            ap.error(f"--modes: {e}")
+    if not args.concurrency_list or min(args.concurrency_list) < 1:
+        ap.error(f"--concurrency {args.concurrency!r}: want a comma list of integers >= 1")
     meta = {"date": common.today(), "commit": common.git_commit(), "gpu": "dry-run" if args.dry_run else common.gpu_name(),
             "vllm": common.vllm_version(), "input": args.input_len, "output": args.output_len, "rounds": args.rounds}
     stamp = common.run_stamp() + ("_dryrun" if args.dry_run else "")
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = mdir if args.dry_run else make_served_folder(mdir, work)
         for rnd, mode in ((r, m) for r in range(args.rounds) for m in ["stock"] + modes):
             tag = mode if args.rounds == 1 else f"{mode}_r{rnd + 1}"
-            per = fake_mode(mode, args.concurrency_list) if args.dry_run else run_mode(folder, mode, args, args.outdir,
+            per = fake_mode(common.split_mode(mode)[0], args.concurrency_list) if args.dry_run else run_mode(folder, mode, args, args.outdir,
                                                                                        stamp, tag)
             per_round.setdefault((mdir.name, mode), []).append(per)
             results[(mdir.name, mode)] = over_rounds(per_round[(mdir.name, mode)])

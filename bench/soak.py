@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.control_max_num_seqs and control_verdicts is not None:
             cs = summarize(control_verdicts)
             control_diff = 1.0 - cs["identical_frac"] if cs["requests"] else None
-        checks = make_checks(summary, judged, a.mode, common.path_check(a.mode, engines[a.mode]["status"]),
+        checks = make_checks(summary, judged, a.mode, common.path_check(a.mode, engines[a.mode]["status"], a.mk_env),
                              a.warmup_steps, a.mem_tol_mib, a.smi_tol_mib, control_diff, balance.get("control"))
         for name, b in balance.items():   # reported: how the first differences split by the fp32 truth
             who = a.mode if name == "plugin" else CONTROL

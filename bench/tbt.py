@@ -214,7 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", default="512,2048")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--modes", default="triton,megakernel",
-                   help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}")
+                   help=f"plugin modes measured against stock (always run); any of {common.MODES[1:]}, each "
+                        "optionally with MK_* switches of its own joined by '+' (megakernel+MK_LM_HEAD=megakernel)")
     p.add_argument("--runs", type=int, default=5, help="measured runs per engine, after one warm-up run")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of engines (default 3; 1 with --sweep): each round runs stock, then each plugin mode, "
@@ -250,9 +251,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
     a.mode_list = [m for m in a.modes.split(",") if m and m != "stock"]
-    bad = [m for m in a.mode_list if m not in common.MODES]
-    if bad:
-        p.error(f"unknown mode(s) {bad}; choose from {common.MODES[1:]}")
+    for m in a.mode_list:
+        try:
+            common.split_mode(m)
+        except ValueError as e:
+            p.error(f"--modes: {e}")
     if a.output_len < 2 or a.runs < 1 or a.rounds < 1 or not a.batch_list or not a.prompt_list:
         p.error("need --output-len >= 2, --runs >= 1, --rounds >= 1 and at least one batch and prompt")
     return a
@@ -423,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
             label = (f"{mdir.name} prompts {','.join(map(str, a.prompt_list))} {mode}"
                      + (f" round {rnd + 1}/{a.rounds}" if a.rounds > 1 else ""))
             print(f"[tbt] {label} ...", flush=True)
-            log = a.outdir / "logs" / f"tbt_{stamp}_{mdir.name}_{ptag}_{mode}{f'_r{rnd + 1}' if a.rounds > 1 else ''}.log"
+            log = a.outdir / "logs" / (f"tbt_{stamp}_{mdir.name}_{ptag}_{common.mode_tag(mode)}"
+                                       f"{f'_r{rnd + 1}' if a.rounds > 1 else ''}.log")
+            base, env = common.split_mode(mode)
             try:
                 if a.dry_run:
-                    res = fake_child(mode, a.batch_list, spec, a.prompt_list, a.output_len, a.runs)
+                    res = fake_child(base, a.batch_list, spec, a.prompt_list, a.output_len, a.runs)
                 else:
                     res = common.run_child(Path(__file__), payload,
-                                           common.child_env(mode, a.runner, shim=shim, mk_env=a.mk_env),
+                                           common.child_env(base, a.runner, shim=shim, mk_env=a.mk_env | env),
                                            log, a.timeout)
             except common.ChildFailed as e:
                 failed = True
@@ -438,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if meta["gpu"] == "unknown":
                 meta["gpu"] = res.get("gpu", "unknown")
-            check = common.path_check(mode, res["status"])
+            check = common.path_check(mode, res["status"], a.mk_env)
             for msg in (res["status"][0].get("logged") or {}).values() if res["status"] else []:
                 print(f"[tbt]   worker: mk_plugin: {msg}")
             if check != "ok":

@@ -261,7 +261,7 @@ def part_a(mdir: Path, a: argparse.Namespace, shim: Path | None, work: Path, wei
     rs, rp = pair
     problems = [f"{m} tokens do not follow the forced sequence" for m, r in (("stock", rs), (a.mode, rp))
                 if r["tokens"] != cont]
-    check = common.path_check(a.mode, rp["status"])
+    check = common.path_check(a.mode, rp["status"], a.mk_env)
     if check != "ok":
         problems.append(check)
     last = a.prompt_a + a.steps_a
@@ -297,7 +297,7 @@ def part_b(mdir: Path, a: argparse.Namespace, shim: Path | None) -> tuple[list, 
         return [[mdir.name, "b", "child failed", "", "", "", "", "FAIL"]], False
     rs, rp = pair
     rows, ok = [], True
-    check = common.path_check(a.mode, rp["status"])
+    check = common.path_check(a.mode, rp["status"], a.mk_env)
     if check != "ok":
         ok = False
         rows.append([mdir.name, "b", "", "", "", "", check, "FAIL"])

@@ -149,3 +149,34 @@ def test_later_profiled_batches_get_their_own_trace_names(tmp_path):
     assert first.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "tbt_x_b1_rank0.100.pt.trace.json.gz", "tbt_x_b8_rank0.200.pt.trace.json.gz"]
     assert tbt.name_new_traces(tmp_path, "tbt_x", 16, set(tmp_path.iterdir()), wait_s=0) == []
+
+
+def test_modes_with_switches_of_their_own(tmp_path):
+    """`megakernel+MK_LM_HEAD=megakernel` is a mode of its own: side by side with plain megakernel in one job, its
+    switches in its children's environment only, checked while the command line is read."""
+    import common
+
+    assert common.split_mode("megakernel+MK_LM_HEAD=megakernel") == ("megakernel", {"MK_LM_HEAD": "megakernel"})
+    assert common.split_mode("auto") == ("auto", {})
+    assert common.mode_tag("megakernel+MK_LM_HEAD=megakernel") == "megakernel_MK_LM_HEAD-megakernel"
+    for bad, needle in (("mega", "mode 'mega'"), ("stock+MK_TRACE=1", "takes no MK_* switch"),
+                        ("triton+MK_LM_HEAD=fused", "MK_LM_HEAD='fused'"), ("auto+MK_MODE=triton", "not MK_MODE")):
+        try:
+            common.split_mode(bad)
+        except ValueError as e:
+            assert needle in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
+    env = common.child_env("megakernel", mk_env={"MK_LM_HEAD": "megakernel"})
+    assert env["MK_MODE"] == "megakernel" and env["MK_LM_HEAD"] == "megakernel"
+    ok = [{"class": "MkLlamaForCausalLM", "backend": "megakernel", "counts": {"decode:1": 3}, "lm_head": "megakernel"}]
+    assert common.path_check("megakernel+MK_LM_HEAD=megakernel", ok) == "ok"
+    assert "the LM head ran in megakernel" in common.path_check("megakernel", ok)
+    assert "ran in vllm" in common.path_check("megakernel+MK_LM_HEAD=megakernel", [ok[0] | {"lm_head": "vllm"}])
+
+    modes = "megakernel,megakernel+MK_LM_HEAD=megakernel"
+    assert tbt.main(["--dry-run", "--models", "llama-3.2-1b-1layer", "--prompts", "512", "--batches", "1",
+                     "--rounds", "1", "--modes", modes, "--outdir", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(next(tmp_path.glob("tbt*.csv")).read_text().splitlines()))
+    assert [r["mode"] for r in rows] == ["stock", "megakernel", "megakernel+MK_LM_HEAD=megakernel"]
+    assert "megakernel+MK_LM_HEAD=megakernel ms" in next(tmp_path.glob("tbt_*_dryrun.md")).read_text()
