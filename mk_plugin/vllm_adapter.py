@@ -157,6 +157,11 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             out = self._mk_maybe_decode(input_ids, positions, inputs_embeds)
             if out is not None:
                 return out
+            if self._mk_state is not None and capturing():
+                # A FULL graph captured stock (MK_MODE=auto's choice, or any refusal): compute_logits must never take
+                # a replay of it for a decode call of a larger captured size (hangs.py _mk_graph_call).
+                self._mk_graph_calls[positions.shape[-1]] = None
+                self._mk_py_step = False   # the next compute_logits follows a replay, not this capture
         elif self._mk_cfg.dump_logits or self._mk_cfg.force_tokens:
             self._mk_record_seq_lens()
         self._mk_counts["stock"] += 1
@@ -252,10 +257,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
 
     def _mk_auto_stock(self, num_tokens: int) -> None:
         """MK_MODE=auto chose stock vLLM for this batch size (adapter/auto.py pick): the step runs the inherited
-        forward. A FULL-graph capture of it is marked so that compute_logits never takes a replay of this stock
-        graph for one of the decode path's (hangs.py _mk_graph_call)."""
-        if capturing():
-            self._mk_graph_calls[num_tokens] = None
+        forward (which marks a FULL-graph capture of it as stock)."""
         if self._mk_cfg.verbose:
             self._mk_log.note(f"auto_stock:{num_tokens}", f"MK_MODE=auto: stock path for {num_tokens} token rows "
                               "(measured no slower than the plugin's paths at this batch size)")

@@ -230,3 +230,28 @@ def test_auto_measurement_times_the_same_work_on_both_paths(monkeypatch):
         else:
             assert seen == [("triton", ()), ("result", (3, SPEC.hidden_size)),
                             ("megakernel", ()), ("result", (3, SPEC.hidden_size))]
+
+
+def test_replays_find_the_graph_captured_for_their_size(monkeypatch, warned):
+    """Captures record what each FULL graph holds: a megakernel call (its logits rows) or stock (None: any stock
+    capture, so a replay padded to a stock graph never takes a larger size's megakernel logits)."""
+    monkeypatch.setenv("MK_LM_HEAD", "megakernel")
+    model, w = make_model(monkeypatch, "megakernel")
+    profile_run(model)
+    st = model._mk_state
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    b4 = make_decode_batch(SPEC, [37, 5, 11, 60], block_size=16, seed=6)
+    _step(model, b4)                                    # captured: the megakernel for 4 tokens
+    b8 = make_decode_batch(SPEC, [9] * 8, block_size=16, seed=7)
+    bind_kv(model, b8.kv_caches)
+    with fwd_ctx(fa_md(b8, max_query_len=2)):          # a capture for 8 tokens that decide() leaves stock
+        model(b8.input_ids, b8.positions)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert model._mk_graph_calls[8] is None and model._mk_graph_calls[4].logits.shape == (4, SPEC.vocab_size)
+    _, exp4 = _reference(w, b4)
+    h = torch.ones(3, SPEC.hidden_size, dtype=SPEC.torch_dtype)
+    assert_matches(model.compute_logits(h), exp4[:3], SPEC.torch_dtype, "step")       # replay of the 4-graph, 3 rows
+    h6 = torch.ones(6, SPEC.hidden_size, dtype=SPEC.torch_dtype)
+    assert torch.equal(model.compute_logits(h6), h6.float() @ w.lm_head.float().t())  # replay of the stock 8-graph
+    assert st.logits_buf.shape[0] == 8

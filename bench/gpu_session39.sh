@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 32's GPU calls (bench/NOTES.md session 31, "Next"), beside bench/gpu_session38.sh's (not run in session 31:
+# no machine was lent). `bash bench/gpu_session39.sh N $OUT` from the project root, .commit carried. Order: 38's 1,
+# 39's 6, 38's 2, 36's 1, 38's 5, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part and
+# unpack.sh), 8, then 38's 3 / 4 (serve) as the budget allows.
+set -uo pipefail
+n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env()
+{
+case $n in
+  6) # issue 11: MK_LM_HEAD, kernel-only: the step with the megakernel's LM head against the step without it followed by
+     # vLLM's bf16 LM-head GEMM (mk_step --lm-head: rows megakernel and megakernel+torch_lm_head, one graph each)
+     T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 --lm-head --no-triton
+     T=120 step --model bench/models/llama-3.2-1b --batch 1 8 16 --lm-head --no-triton ;;
+  7) vllm_env   # issue 11 in vLLM: 8B, stock alternated with the megakernel and the megakernel with its LM head
+     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
+       --modes megakernel,megakernel+MK_LM_HEAD=megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+     rm -rf "$out/logs" ;;
+  8) vllm_env   # MK_LM_HEAD=megakernel's correctness in vLLM: (b) greedy tokens with CUDA graphs (replays hand out the
+     # megakernel's logits) against stock, (c) eager steps against the fp32 truth; 1B
+     timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
+       --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  *) echo "no call $n here" ;;
+esac
+} 2>&1 | tee "$out/gpu_s39_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
