@@ -60,6 +60,14 @@ Megakernel hangs (MK_MODE=megakernel; see persistent/errors.MegakernelHang and t
   replayed step assumes the replayed graph is the smallest captured size >= the number of logits
   rows and that logits rows are the first rows of the output (true for pure decode steps).
 
+The LM head (MK_LM_HEAD, adapter/state.py and hangs.py): by default vLLM's own ``compute_logits`` computes every
+step's logits from the hidden states returned. With MK_LM_HEAD=megakernel a megakernel step (MK_MODE=megakernel,
+or auto's megakernel sizes) also runs its lm_head tasks into a preallocated fp32 buffer [max_tokens, V], and
+``compute_logits`` returns those rows instead of computing them: the step it belongs to is found as a hang's is
+(the forward call that ran in Python, else the FULL graph replayed: every stock capture is marked so that a
+replay is never matched with a larger size's megakernel call). Models whose LogitsProcessor scales, soft-caps or
+cuts the logits, or whose LM head has a bias, keep vLLM's LM head (one warning).
+
 V1 vs V2 runners: both build ``FlashAttentionMetadata`` per layer (V2 through
 ``v1/worker/gpu/attn_utils.build_attn_metadata``); in non-FULL modes their ``seq_lens`` may have
 fewer rows than the (padded) input, so the decode runs on the first ``len(seq_lens)`` tokens and the
