@@ -34,10 +34,8 @@ from mk_plugin.persistent.autotune import autotune
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.runtime import source_hash
 from mk_plugin.persistent.tensormap import check_model
-from mk_plugin.persistent.tuning import (
-    DEFAULT_TUNING,
-    UNTUNED_TUNING,
-    ScheduleTuning,
+from mk_plugin.persistent.tuning import DEFAULT_TUNING, UNTUNED_TUNING, ScheduleTuning
+from mk_plugin.persistent.tuning_table import (
     TuningEntry,
     TuningTable,
     spec_tuning_key,

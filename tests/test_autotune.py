@@ -19,13 +19,15 @@ from hypothesis import strategies as st
 from mk_plugin import reference as ref
 from mk_plugin.config import ConfigError, MkConfig
 from mk_plugin.persistent import tuning as tn
+from mk_plugin.persistent import tuning_table as tt
 from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.errors import ProgramMismatch
 from mk_plugin.persistent.header import generate_header
 from mk_plugin.persistent.schedule import build_program, check_ordering
 from mk_plugin.persistent.tasks import attention_chunks, op_units
-from mk_plugin.persistent.tuning import ScheduleTuning, TuningEntry, TuningKey, TuningTable
+from mk_plugin.persistent.tuning import ScheduleTuning
+from mk_plugin.persistent.tuning_table import TuningEntry, TuningKey, TuningTable
 from mk_plugin.persistent.vm import check_deadlock_free
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.testing import make_decode_batch
@@ -279,7 +281,7 @@ def test_decoder_retune_grows_partial_buffers_and_checks_chunks():
 
 # ---- tables and lookup -------------------------------------------------------------------------------
 def entry(batch: int, tuning: ScheduleTuning, best: float, default: float, lm_head: bool = False) -> TuningEntry:
-    return TuningEntry(tn.spec_tuning_key(SPEC, batch, SMS, lm_head), tuning, best, default, {"spec": SPEC.name})
+    return TuningEntry(tt.spec_tuning_key(SPEC, batch, SMS, lm_head), tuning, best, default, {"spec": SPEC.name})
 
 
 def test_table_round_trip_min_gain_and_nearest(tmp_path):
@@ -289,7 +291,7 @@ def test_table_round_trip_min_gain_and_nearest(tmp_path):
     p = tab.save(tmp_path / "t.json")
     back = TuningTable.load(p, "x")
     assert back.gpu == "NVIDIA H200" and back.entries.keys() == tab.entries.keys()
-    k = lambda b, lm=False: tn.spec_tuning_key(SPEC, b, SMS, lm)
+    k = lambda b, lm=False: tt.spec_tuning_key(SPEC, b, SMS, lm)
     assert back.winner(k(1)).tuning == fast
     assert back.winner(k(8)) is None            # 0.5% faster: inside replay noise, not used
     assert back.winner(k(4)) is None            # the default won
@@ -311,7 +313,7 @@ def test_a_table_measured_from_the_ring_keeps_it_where_nothing_won(tmp_path):
     that base, a winner keeps the ring unless it turned it off (ATT_TMA_OFF)."""
     base = tn.UNTUNED_TUNING
     meta = {"spec": SPEC.name, "base": base.to_json()}
-    k = lambda b: tn.spec_tuning_key(SPEC, b, SMS, False)
+    k = lambda b: tt.spec_tuning_key(SPEC, b, SMS, False)
     split = base.with_split("down", 0.5)
     tab = TuningTable("NVIDIA H200", [TuningEntry(k(1), split, 90.0, 100.0, meta),
                                       TuningEntry(k(4), base, 100.0, 100.0, meta),
@@ -321,11 +323,11 @@ def test_a_table_measured_from_the_ring_keeps_it_where_nothing_won(tmp_path):
     assert back.base_for(k(4)) == base and back.base_for(k(3)) == base     # ... it runs the base, as its neighbours
     assert back.winner(k(1)).tuning == split and back.nearest(k(2)).tuning == split   # a winner keeps the ring
     assert back.winner(k(16)).tuning.att_tma == tn.ATT_TMA_OFF              # measured slower: off
-    assert back.base_for(tn.spec_tuning_key(SPEC, 1, SMS, True)) is None    # another lm_head: not measured
+    assert back.base_for(tt.spec_tuning_key(SPEC, 1, SMS, True)) is None    # another lm_head: not measured
     old = TuningEntry(k(8), ScheduleTuning(), 100.0, 100.0, {"spec": SPEC.name})   # tables before session 27
     assert old.base == tn.DEFAULT_TUNING and TuningTable("x", [old]).base_for(k(8)) == tn.DEFAULT_TUNING
     p = back.save(tmp_path / "pkg.json")
-    got = dict(zip((1, 3, 4, 16), tn.resolve(str(p), "NVIDIA H200", [k(1), k(3), k(4), k(16)])))
+    got = dict(zip((1, 3, 4, 16), tt.resolve(str(p), "NVIDIA H200", [k(1), k(3), k(4), k(16)])))
     assert got[1][0] == split and got[4][0] == base and "measured base" in got[4][1]
     assert got[3][0] == base    # its nearest measured batch size is 4: no winner there, so the base
     assert got[16][0].att_tma == tn.ATT_TMA_OFF
@@ -333,31 +335,31 @@ def test_a_table_measured_from_the_ring_keeps_it_where_nothing_won(tmp_path):
 
 def test_resolve_order_and_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "pkg")
-    key = tn.spec_tuning_key(SPEC, 1, SMS, False)
+    monkeypatch.setattr(tt, "TUNED_DIR", tmp_path / "pkg")
+    key = tt.spec_tuning_key(SPEC, 1, SMS, False)
     user, pkg = ScheduleTuning((("down", 0.5),)), ScheduleTuning((("gate_up", 2.0),))
     # a model no table has measured on this GPU: the ring-fed attention for long tasks (session 26); on the CPU the
     # plain default
-    t, why = tn.resolve("auto", "NVIDIA H200", [key])[0]
+    t, why = tt.resolve("auto", "NVIDIA H200", [key])[0]
     assert t == tn.UNTUNED_TUNING == ScheduleTuning(att_tma=128) and "not in the tables" in why
-    assert tn.resolve("auto", "cpu", [key])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
-    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
-    assert tn.resolve("auto", "NVIDIA H200", [key])[0][0] == pkg
+    assert tt.resolve("auto", "cpu", [key])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tt.tuned_file("NVIDIA H200"))
+    assert tt.resolve("auto", "NVIDIA H200", [key])[0][0] == pkg
     # a measured model's batch size without a winner keeps the plain default ("default won" is a measurement)
-    k4 = tn.spec_tuning_key(SPEC, 4, SMS, False)
+    k4 = tt.spec_tuning_key(SPEC, 4, SMS, False)
     TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100), entry(4, ScheduleTuning(), 100, 100)]).save(
-        tn.tuned_file("NVIDIA H200"))
-    assert tn.resolve("auto", "NVIDIA H200", [k4])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
-    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tn.tuned_file("NVIDIA H200"))
-    TuningTable("NVIDIA H200", [entry(1, user, 80, 100)]).save(tn.user_cache_file("NVIDIA H200"))
-    t, why = tn.resolve("auto", "NVIDIA H200", [key])[0]
+        tt.tuned_file("NVIDIA H200"))
+    assert tt.resolve("auto", "NVIDIA H200", [k4])[0] == (tn.DEFAULT_TUNING, "default (no measured winner)")
+    TuningTable("NVIDIA H200", [entry(1, pkg, 90, 100)]).save(tt.tuned_file("NVIDIA H200"))
+    TuningTable("NVIDIA H200", [entry(1, user, 80, 100)]).save(tt.user_cache_file("NVIDIA H200"))
+    t, why = tt.resolve("auto", "NVIDIA H200", [key])[0]
     assert t == user and "80.0 vs 100.0 us" in why                      # the user cache wins
-    assert tn.resolve("off", "NVIDIA H200", [key])[0][0] == tn.DEFAULT_TUNING
-    assert tn.resolve(str(tn.tuned_file("NVIDIA H200")), "NVIDIA H200", [key])[0][0] == pkg
-    assert tn.tuned_file("NVIDIA H200").name == "megakernel_nvidia_h200.json"
+    assert tt.resolve("off", "NVIDIA H200", [key])[0][0] == tn.DEFAULT_TUNING
+    assert tt.resolve(str(tt.tuned_file("NVIDIA H200")), "NVIDIA H200", [key])[0][0] == pkg
+    assert tt.tuned_file("NVIDIA H200").name == "megakernel_nvidia_h200.json"
     # MK_TUNING: auto (default), off, a file; anything else is refused with the value named
     assert MkConfig.from_env({}).tuning == "auto" and MkConfig.from_env({"MK_TUNING": "OFF"}).tuning == "off"
-    f = str(tn.tuned_file("NVIDIA H200"))
+    f = str(tt.tuned_file("NVIDIA H200"))
     assert MkConfig.from_env({"MK_TUNING": f}).tuning == f
     with pytest.raises(ConfigError, match="MK_TUNING='fast' is neither auto, off nor an existing"):
         MkConfig.from_env({"MK_TUNING": "fast"})
@@ -503,12 +505,12 @@ def test_bench_autotune_cpu_plumbing_writes_a_table_the_decoder_uses(tmp_path, m
     tab = TuningTable.load(table, "cpu")
     assert {k.batch for k in tab.entries} == {1, 3}
     spec = LlamaSpec.tiny()
-    e = tab.entries[tn.spec_tuning_key(spec, 1, 6, True)]
+    e = tab.entries[tt.spec_tuning_key(spec, 1, 6, True)]
     assert e.best_us <= e.default_us and e.meta["measured"].startswith("time model")
     # the decoder picks the table's winners up from the MK_TUNING value it is given (a file)
     dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6, lm_head=True, tuning=str(table))
     for b in (1, 3):
-        w = tab.winner(tn.spec_tuning_key(spec, b, 6, True))
+        w = tab.winner(tt.spec_tuning_key(spec, b, 6, True))
         assert dec.tunings[b] == (w.tuning if w else tn.DEFAULT_TUNING)
     with pytest.raises(SystemExit, match="a cpu run has none"):
         bench.main(["--device", "cpu", "--models", "tiny", "--write-tuned"])
@@ -522,7 +524,7 @@ def test_every_packaged_non_default_entry_is_used():
     """A packaged entry whose recorded gain is under TUNED_MIN_GAIN is dropped by the lookup without a word:
     session 18's att_tma entries (default_us written as the previous winner's time) left 8B batch 8 / 16 and
     1B batch 16 on the default tuning, K-split included, until session 19 found it on the H200."""
-    for path in sorted(tn.TUNED_DIR.glob("megakernel_*.json")):
+    for path in sorted(tt.TUNED_DIR.glob("megakernel_*.json")):
         table = TuningTable.load(path, path.stem)
         for key, e in table.entries.items():
             if e.tuning != e.base:

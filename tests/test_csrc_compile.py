@@ -143,7 +143,8 @@ def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):
     ring-fed attention, in-flight cap, weight maps), at the entry's model shape: no spills but the known ones (the
     variants above are checked at the 1B shape only)."""
     from mk_plugin.persistent.encoding import spec_hash
-    from mk_plugin.persistent.tuning import TUNED_DIR, TuningTable, tuned_variant
+    from mk_plugin.persistent.tuning import tuned_variant
+    from mk_plugin.persistent.tuning_table import TUNED_DIR, TuningTable
     from mk_plugin.persistent.variant import KernelVariant
 
     nvcc = nvcc_path()

@@ -364,10 +364,11 @@ def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
 
 def test_megakernel_uses_the_tuning_table_mk_tuning_names(monkeypatch, mk_log, tmp_path):
     from mk_plugin.persistent import tuning as tn
+    from mk_plugin.persistent import tuning_table as tt
 
     t = tn.ScheduleTuning((("gate_up", 2.0), ("o_proj", 0.5)), attn_chunks=3)
-    key = tn.spec_tuning_key(SPEC, 3, 132, False)   # a CPU decoder models 132 SMs; vLLM's LM head
-    table = tn.TuningTable("cpu", [tn.TuningEntry(key, t, 80.0, 100.0)]).save(tmp_path / "tuned.json")
+    key = tt.spec_tuning_key(SPEC, 3, 132, False)   # a CPU decoder models 132 SMs; vLLM's LM head
+    table = tt.TuningTable("cpu", [tt.TuningEntry(key, t, 80.0, 100.0)]).save(tmp_path / "tuned.json")
     monkeypatch.setenv("MK_TUNING", str(table))
     model, w = make_model(monkeypatch, "megakernel")
     profile_run(model)

@@ -143,19 +143,20 @@ def test_after_a_hang_vllms_lm_head_computes_the_logits(monkeypatch, warned, uns
 
 def test_tuning_of_a_decoder_with_the_lm_head_takes_the_layers_entry(tmp_path):
     from mk_plugin.persistent import tuning as tn
+    from mk_plugin.persistent import tuning_table as tt
 
     t = tn.ScheduleTuning((("gate_up", 2.0),), attn_chunks=3)
     with_lm = tn.ScheduleTuning((("lm_head", 0.5),))
-    plain = tn.TuningTable("cpu", [tn.TuningEntry(tn.spec_tuning_key(SPEC, 3, 132, False), t, 80.0, 100.0)])
+    plain = tt.TuningTable("cpu", [tt.TuningEntry(tt.spec_tuning_key(SPEC, 3, 132, False), t, 80.0, 100.0)])
     path = plain.save(tmp_path / "plain.json")
-    (got, why), = tn.resolve(str(path), "cpu", [tn.spec_tuning_key(SPEC, 3, 132, True)])
+    (got, why), = tt.resolve(str(path), "cpu", [tt.spec_tuning_key(SPEC, 3, 132, True)])
     assert got == t and "80.0 vs 100.0 us" in why and "the layers' entry" in why
     # a table that measured the model with its LM head is used as it is
-    plain.put(tn.TuningEntry(tn.spec_tuning_key(SPEC, 3, 132, True), with_lm, 70.0, 100.0))
+    plain.put(tt.TuningEntry(tt.spec_tuning_key(SPEC, 3, 132, True), with_lm, 70.0, 100.0))
     path = plain.save(tmp_path / "both.json")
-    (got, why), = tn.resolve(str(path), "cpu", [tn.spec_tuning_key(SPEC, 3, 132, True)])
+    (got, why), = tt.resolve(str(path), "cpu", [tt.spec_tuning_key(SPEC, 3, 132, True)])
     assert got == with_lm and "layers' entry" not in why
-    (got, _), = tn.resolve(str(path), "cpu", [tn.spec_tuning_key(SPEC, 3, 132, False)])
+    (got, _), = tt.resolve(str(path), "cpu", [tt.spec_tuning_key(SPEC, 3, 132, False)])
     assert got == t
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mk_plugin.persistent.encoding import Rounding, ksplit_range, spec_hash
-from mk_plugin.persistent.tuning import TuningTable, tuned_file
+from mk_plugin.persistent.tuning_table import TuningTable, tuned_file
 from mk_plugin.persistent.variant import WGMMA_A_CHOICES, KernelVariant
 from mk_plugin.spec import LlamaSpec
 

@@ -30,10 +30,10 @@ from .tuning import (
     KSPLIT_OPS,
     MAX_ATTN_CHUNKS,
     SPLIT_OPS,
-    TUNED_MIN_GAIN,
     WGMMA_A_TUNED,
     ScheduleTuning,
 )
+from .tuning_table import TUNED_MIN_GAIN
 from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED, WGA_X_CHOICES
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)

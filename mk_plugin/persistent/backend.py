@@ -58,7 +58,8 @@ from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks
-from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, resolve, spec_tuning_key, tuned_variant
+from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
+from .tuning_table import resolve, spec_tuning_key
 from .variant import KernelVariant
 from .watchdog import WatchdogMixin
 
