@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 32's GPU calls (bench/NOTES.md session 31, "Next"), beside bench/gpu_session38.sh's (not run in session 31:
 # no machine was lent). `bash bench/gpu_session39.sh N $OUT` from the project root, .commit carried. Order: 38's 1,
-# 39's 6, 38's 2, 36's 1, 38's 5, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part and
-# unpack.sh), 8, then 38's 3 / 4 (serve) as the budget allows.
+# 39's 6, 38's 2, 36's 1, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part and unpack.sh),
+# 8, then 39's 9 (ncu), 38's 5 (sanitizers), 38's 3 / 4 (serve) as the budget allows.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -21,6 +21,23 @@ case $n in
      # megakernel's logits) against stock, (c) eager steps against the fp32 truth; 1B
      timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
        --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
+  9) # issue 11, 1B batch 1 (1.01x Triton against the 0.80 bar): where the chain's resident chunks go (session 29's "Next":
+     # 0.9-1.2 us a chunk in the loop for 0.26-0.56 of MMA instructions). Nsight Compute's stall samples of one step on
+     # the table's program, built with line info (MK_LINEINFO) so the samples map to csrc lines this time; then 8B b1
+     for m in llama-3.2-1b llama-3.1-8b; do
+       timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
+         --section SourceCounters -o "$out/ncu_${m}_b1" -f python3 bench/mk_step.py --model bench/models/$m \
+         --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 --csv /dev/null > "$out/ncu_${m}_b1_run.log" 2>&1
+       echo "ncu $m rc $?"
+       for v in sass cuda; do
+         timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source $v \
+           > "$out/ncu_${m}_b1_$v.csv" 2>&1
+         gzip -f "$out/ncu_${m}_b1_$v.csv"
+       done
+       python3 bench/ncu_stalls.py "$out/ncu_${m}_b1_sass.csv.gz" --top 30 --context 3 --out "$out/ncu_${m}_b1_stalls.md" \
+         | head -40
+       rm -f "$out/ncu_${m}_b1.ncu-rep"
+     done ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s39_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

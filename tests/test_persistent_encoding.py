@@ -140,6 +140,10 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
         with pytest.raises(ValueError, match="inflight=.*: 0 \\(off\\) or the weight chunks in flight"):
             KernelVariant(**bad)
     assert "ROUNDING_STOCK = 1" in (ROOT / "csrc" / "tasks.h").read_text()
+    # MK_LINEINFO (bench only): NVRTC's line info for Nsight Compute's source page, a binary of its own
+    li = MegakernelModule(LlamaSpec.tiny(), variant=KernelVariant.parse(["MK_LINEINFO=1"]))
+    assert li.options[-2:] == ("-DMK_LINEINFO=1", "--generate-line-info") and li.key != MegakernelModule(LlamaSpec.tiny()).key
+    assert "--generate-line-info" not in MegakernelModule(LlamaSpec.tiny()).options
 
 
 def test_kernel_variant_parse_is_the_command_line_boundary():

@@ -108,7 +108,8 @@ class MegakernelModule:
 
     def __post_init__(self) -> None:
         self.source = build_source()
-        self.options = compile_options(self.spec, self.arch) + self.variant.defines()
+        self.options = compile_options(self.spec, self.arch) + self.variant.defines() \
+            + (("--generate-line-info",) if self.variant.lineinfo else ())
         self.layout = self.variant.layout   # ring depth; the same shared memory for every depth
         self.num_threads = self.layout.num_threads
         self.key = cache_key(self.source, self.options)

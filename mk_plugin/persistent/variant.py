@@ -34,7 +34,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
-                   ("MK_WGA_X", "wga_x", "wga_x"))
+                   ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -94,6 +94,9 @@ class KernelVariant:
     # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (A/B switch, session 30): each
     # warpgroup copies, waits for and normalises only the x columns its wgmmas read, behind its own barrier.
     wga_x: int = 0
+    # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
+    # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
+    lineinfo: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
