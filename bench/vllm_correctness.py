@@ -11,7 +11,8 @@ Each engine runs in its own child process; stock and plugin children get identic
     mismatch where stock's logit of the plugin's choice is within one bf16 ulp of stock's maximum,
     a tie in the bf16 logits, is counted and reported as a tie). The "stock" run here is the
     plugin's class in MK_MODE=stock (vLLM's own forward; the dump hook lives in the class); the LM
-    head is vLLM's in both runs, so the comparison covers everything before it.
+    head is vLLM's in both runs, so the comparison covers everything before it (with --mk-env
+    MK_LM_HEAD=megakernel the plugin run's logits are the megakernel's own, and it covers the LM head too).
     CAVEAT: vLLM's dummy weights are uniform in [-1e-3, 1e-3] (norm weights too), so every layer adds
     only ~0.1-1% to the residual stream and the logits are dominated by the embedding: (a) with dummy
     weights checks the plumbing but cannot catch a wrong layer. `--a-weights random` (or
