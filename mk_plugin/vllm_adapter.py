@@ -152,7 +152,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
         # decode call it made, the calls captured into CUDA graphs (by token count), the hang seen.
         self._mk_py_step = False
         self._mk_last_call: _DecodeCall | None = None
-        self._mk_graph_calls: dict[int, _DecodeCall | None] = {}   # None: a stock graph (auto chose stock)
+        self._mk_graph_calls: dict[int, _DecodeCall | None] = {}   # None: a FULL graph captured stock
         self._mk_graph_sizes: list[int] = []   # sorted keys of _mk_graph_calls (hangs.py _mk_graph_call)
         self._mk_hang: Any = None        # the MegakernelHang that switched the run to Triton
         self._mk_megakernel: Any = None  # the MegakernelDecoder it came from (its record stays set)
@@ -165,7 +165,7 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             out = self._mk_maybe_decode(input_ids, positions, inputs_embeds)
             if out is not None:
                 return out
-            if self._mk_state is not None and capturing():
+            if capturing():
                 # A FULL graph captured stock (MK_MODE=auto's choice, or any refusal): compute_logits must never take
                 # a replay of it for a decode call of a larger captured size (hangs.py _mk_graph_call).
                 self._mk_graph_calls[positions.shape[-1]] = None

@@ -256,3 +256,15 @@ def test_replays_find_the_graph_captured_for_their_size(monkeypatch, warned):
     h6 = torch.ones(6, SPEC.hidden_size, dtype=SPEC.torch_dtype)
     assert torch.equal(model.compute_logits(h6), h6.float() @ w.lm_head.float().t())  # replay of the stock 8-graph
     assert st.logits_buf.shape[0] == 8
+
+
+def test_a_capture_before_the_decode_state_exists_is_marked_stock(monkeypatch, warned):
+    """An unusual start-up order (the first forward inside a capture) runs stock and builds nothing: that graph is
+    stock, and a replay padded to it must not take a larger size's megakernel logits later."""
+    monkeypatch.setenv("MK_LM_HEAD", "megakernel")
+    model, _ = make_model(monkeypatch, "megakernel")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _step(model, make_decode_batch(SPEC, [37, 5], block_size=16, seed=8))
+    assert model._mk_state is None and model._mk_graph_calls == {2: None} and not model._mk_py_step
+    assert len(warned) == 1 and "inside a CUDA-graph capture" in warned[0]
