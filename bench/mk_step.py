@@ -156,8 +156,9 @@ def main() -> None:
     if not defines:
         gpu, commit = torch.cuda.get_device_name(), common.git_commit()
         common.append_csv(args.csv, MK_STEP_HEADER, [
-            (common.today(), gpu, commit, spec.name, bsz, args.ctx, name, int(args.lm_head and name.startswith("megakernel")),
-             f"{t:.1f}", f"{bps / 1e9:.0f}") for name, bsz, t, bps in rows])
+            (common.today(), gpu, commit, spec.name, bsz, args.ctx, name,
+             int(args.lm_head and name.startswith("megakernel")), f"{t:.1f}", f"{bps / 1e9:.0f}")
+            for name, bsz, t, bps in rows])
         print(f"rows appended to {args.csv}")
 
 

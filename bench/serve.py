@@ -242,8 +242,9 @@ def plot(results: dict[tuple[str, str], dict[int, dict]], path: Path) -> Path | 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-3.2-1b,llama-3.1-8b")
-    ap.add_argument("--modes", default="triton,megakernel,auto", help=f"plugin modes besides stock: {common.MODES[1:]}, each optionally with MK_* switches of its own "
-                    "joined by '+' (megakernel+MK_LM_HEAD=megakernel)")
+    ap.add_argument("--modes", default="triton,megakernel,auto",
+                    help=f"plugin modes besides stock: {common.MODES[1:]}, each optionally with MK_* switches of its "
+                         "own joined by '+' (megakernel+MK_LM_HEAD=megakernel)")
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
