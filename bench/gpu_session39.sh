@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Session 32's GPU calls (bench/NOTES.md session 31, "Next"), beside bench/gpu_session38.sh's (not run in session 31:
-# no machine was lent). `bash bench/gpu_session39.sh N $OUT` from the project root, .commit carried. Order: 38's 1,
-# 39's 6, 38's 2, 36's 1, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part and unpack.sh),
-# 8, then 39's 9 (ncu), 38's 5 (sanitizers), 38's 3 / 4 (serve) as the budget allows.
+# no machine was lent). `bash bench/gpu_session39.sh N $OUT` from the project root, .commit carried. Order: 39's 1
+# (instead of 38's 1), 6, 38's 2, 36's 1, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part
+# and unpack.sh), 8, then 39's 9 (ncu), 38's 5 (sanitizers), 38's 3 / 4 (serve) as the budget allows.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
+  1) # issue 11, kernel A/B (replaces gpu_session38.sh 1; 2 alternated rounds, every build on the table's tunings):
+     # MK_NW_L1 (session 31: norm weights prefetched into L1 at a norm-fused task's start) at b1 / 8 / 12 / 16, then
+     # MK_WGA_X=2 (session 30: x staged per warpgroup) alone and with MK_NW_L1 at b12 / 16. Since session 31 a build's
+     # own wga_x is kept over the table entry's (before, the 8B / 1B b16 entries' wga_x 1 replaced the build's 2).
+     # mk_ab's check lines: MK_NW_L1 computes the same values (max_abs 0 against the default build expected)
+     W=MK_W_TMA=1,MK_WGMMA_A=4
+     for m in llama-3.1-8b llama-3.2-1b; do
+       timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
+         --batch 1 8 12 16 --rounds 2 --build default --build MK_NW_L1=1
+       timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
+         --batch 12 16 --rounds 2 --build default --build $W,MK_WGA_X=2 --build $W,MK_WGA_X=2,MK_NW_L1=1
+     done ;;
   6) # issue 11: MK_LM_HEAD, kernel-only: the step with the megakernel's LM head against the step without it followed by
      # vLLM's bf16 LM-head GEMM (mk_step --lm-head: rows megakernel and megakernel+torch_lm_head, one graph each)
      T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 --lm-head --no-triton

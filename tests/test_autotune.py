@@ -172,6 +172,8 @@ def test_wga_x_is_a_per_batch_knob_of_the_wgmma_path():
         ScheduleTuning(w_tma=True, wgmma_a=4, wga_x=3)
     assert tuned_variant(KernelVariant(), wx) == KernelVariant(w_tma=True, wgmma_a=4, wga_x=1)
     assert tuned_variant(KernelVariant(rounding=Rounding.STOCK), wx).wga_x == 0
+    # an A/B build's own value is not replaced by the table's (session 31: MK_WGA_X=2 on the 8B b16 entry's wga_x 1)
+    assert tuned_variant(KernelVariant(w_tma=True, wgmma_a=4, wga_x=2), wx).wga_x == 2
     spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
     moves = [t for k, t in neighbours(spec, 16, 132, wx) if k == "wga_x"]
     assert [t.wga_x for t in moves] == [0, 2] and all(t.wgmma_a == 4 for t in moves)

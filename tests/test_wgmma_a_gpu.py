@@ -88,3 +88,20 @@ def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):  # noqa: F811 
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=variant)
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, [40 + 23 * i for i in range(bsz)], seed=3))
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 1), ("llama-3.2-1b", 8), ("llama-3.1-8b", 5),
+                                      ("llama-3.1-8b", 16)])
+def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):  # noqa: F811 (fixture)
+    """MK_NW_L1 (session 31) only prefetches the norm weights into L1 at a norm-fused task's start: the step is
+    bitwise the build's without it, on the packaged table's programs (8B b16: the wgmma path with wga_x; b1 / b5 / b8:
+    x staged whole and by column groups)."""
+    from test_persistent_gpu import steps_equal
+
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [(53 * i + 17) % 600 + 3 for i in range(bsz)], seed=bsz + 5)
+    cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
+    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(nw_l1=on)),
+                     spec, w, batch, cs) for on in (False, True)]
+    assert steps_equal(*steps)
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])

@@ -317,8 +317,9 @@ def parse_ksplit(items: Iterable[str]) -> tuple[tuple[str, int], ...]:
 def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = True) -> KernelVariant:
     """The kernel variant a batch with tuning `t` runs on: `base` with the ring depth, ring-fed attention (where the
     model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
-    them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi (the table's
-    choices are measured on the default base; a user's variant that excludes one keeps its own)."""
+    them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi, wga_x to a
+    base without its own (the table's choices are measured on the default base; a user's variant that excludes one,
+    or sets wga_x, keeps its own)."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
@@ -332,6 +333,7 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
         v = replace(v, rstd_epi=True)
     if t.wgmma_a and not v.rstd_epi:
         v = replace(v, wgmma_a=t.wgmma_a)
-    if t.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:   # the rstd epilogue: fused rounding only
+    # the rstd epilogue: fused rounding only; a base that sets its own (an A/B build: bench/mk_ab.py) keeps it
+    if t.wga_x and not v.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:
         v = replace(v, wga_x=t.wga_x)
     return v
