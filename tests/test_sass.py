@@ -63,3 +63,31 @@ def test_an_unused_define_keeps_every_function():
         assert "(+0) | 100.0% | - |" in ln, ln
     for ln in loop_rows:
         assert ln.endswith("(+0) | - |"), ln
+
+
+def _insn(addr: int, text: str, wbar: int = 7, wait: int = 0) -> str:
+    """One instruction as cuobjdump -sass prints it: the text, then the high word holding its control bits."""
+    hi = (wait << 52) | (7 << 49) | (wbar << 46) | (1 << 41)
+    return f"        /*{addr:04x}*/                   {text} ;   /* 0x0000000000000000 */\n" \
+           f"                                                      /* {hi:#018x} */\n"
+
+
+def test_loads_a_return_waits_for():
+    """bench/sass_waits.py on a made-up listing: a load nothing waited on before a RET that waits on its scoreboard is
+    listed (session 31's wga_group_ready_x); a load consumed earlier is not; functions are cut at the next label."""
+    import sass_waits
+
+    cu = (_insn(0x100, "LDG.E.128.CONSTANT R4, desc[UR22][R12.64]", wbar=1)
+          + _insn(0x110, "LDG.E.U16.STRONG.GPU R7, desc[UR22][R6.64]", wbar=2)
+          + _insn(0x120, "IMAD.MOV.U32 R9, RZ, RZ, R7", wait=0b100)      # waits for SB2: that load is in
+          + _insn(0x130, "RET.REL.NODEC R8 0x0", wait=0b10)               # waits for SB1: the first load
+          + _insn(0x200, "@!P0 LDG.E.64 R2, desc[UR4][R2.64]", wbar=3)
+          + _insn(0x210, "RET.REL.NODEC R2 0x0"))                          # waits for nothing
+    nv = "$mk_decode$_ZN2mk1fEv:\n        /*0100*/  LDG ;\n$mk_decode$_ZN2mk1gEv:\n        /*0200*/  LDG ;\n"
+    insns = sass_waits.instructions(cu)
+    assert [a for a, _, _ in insns] == [0x100, 0x110, 0x120, 0x130, 0x200, 0x210]
+    assert insns[0][2] == sass_waits.Control(stall=1, yield_=0, write_barrier=1, read_barrier=7, wait_mask=0)
+    starts = sass_waits.function_starts(nv)
+    assert starts == [(0x100, "$mk_decode$_ZN2mk1fEv"), (0x200, "$mk_decode$_ZN2mk1gEv")]
+    assert sass_waits.pending_at_returns(insns, starts) == [
+        ("$mk_decode$_ZN2mk1fEv", 0x130, "LDG.E.128.CONSTANT R4, desc[UR22][R12.64]")]
