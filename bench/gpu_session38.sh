@@ -15,12 +15,17 @@ case $n in
        --batch 12 16 --rounds 2 --build default --build $W,MK_WGA_X=1 --build $W,MK_WGA_X=2
      timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group 1b \
        --batch 12 16 --rounds 2 --build default --build $W,MK_WGA_X=2 ;;
-  2) # MK_WGA_X's GPU tests (both values: reference, Triton, bitwise repeatable, op by op against the VM, which models the
-     # wgmma path's rstd epilogue since session 30), then the phase trace of the x = 2 build at 8B batch 16
-     timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py -k "wga_x" 2>&1 | tail -8
+  2) # MK_WGA_X's GPU tests (both values: reference, Triton, bitwise repeatable, op by op against the VM, which models
+     # the wgmma path's rstd epilogue since session 30) and MK_NW_L1's bitwise test (session 31), then the phase traces
+     # at 8B batch 16 of the x = 2 build and of the table's build with MK_NW_L1 (its groups' stage against session 30's)
+     timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py -k "wga_x or nw_l1" 2>&1 | tail -8
      timeout 120 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_W_TMA=1 \
        --define MK_WGMMA_A=4 --define MK_WGA_X=2 --records-dir "$out" --model bench/models/llama-3.1-8b --batch 16 \
        2>&1 | tail -2
+     for d in "--define MK_NW_L1=1" ""; do   # the table's build with and without it, side by side
+       timeout 120 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d \
+         --records-dir "$out" --model bench/models/llama-3.1-8b --batch 16 2>&1 | tail -2
+     done
      for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,14p; done ;;
   5) # issue 11: the sanitizers on the wgmma path's x staging (MK_WGA_X 2 and 1: per-warpgroup barriers, 4 x buffers at 5
      # slots), 2 layers, batch 16 and 12 (memcheck, racecheck, synccheck; sanitize.py checks the step against Triton)
