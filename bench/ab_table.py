@@ -7,6 +7,11 @@ and followed by mk_step's result rows (`megakernel  BATCH  STEP_US ...`). One ro
 difference from the default build's mean in the same column (us). CPU only: it reads text.
 
     python bench/ab_table.py LOG[=GROUP] [LOG[=GROUP] ...] [--out FILE.md]
+    python bench/ab_table.py LOG --rule 2 --at "llama-3.1-8b 16" --at "llama-3.2-1b 16" --worst 0.5
+
+--rule G with --at "GROUP BATCH" (repeatable) and --worst S adds the verdict of bench/NOTES.md's A/B rules: a build
+passes when every one of its rounds is at least G% below the default's mean at each --at column and no round of any
+column is more than S% above it.
 
 GROUP names the column group of a log whose headers have none (gpu_session10.sh's calls 1 and 2: one model
 per log), so that several logs make one table.
@@ -65,11 +70,46 @@ def table(builds: dict[str, dict[tuple[str, int], list[float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def verdict(builds: dict[str, dict[tuple[str, int], list[float]]], gain_pct: float, at: list[tuple[str, int]],
+            worst_pct: float) -> str:
+    """One line per build other than the default: PASS / FAIL by the rule (every round >= gain_pct % below the
+    default's mean at each `at` column, no round of any column > worst_pct % above it), with the numbers that
+    decided it."""
+    base = {c: statistics.mean(xs) for c, xs in builds[DEFAULT].items()}
+    out = []
+    for name, cols in builds.items():
+        if name == DEFAULT:
+            continue
+        pct = {c: [100.0 * (x - base[c]) / base[c] for x in xs] for c, xs in cols.items() if c in base}
+        missing = [c for c in at if c not in pct]
+        gains = {c: max(pct[c]) for c in at if c in pct}          # the worst round at each column
+        slow = {c: max(v) for c, v in pct.items() if max(v) > worst_pct}
+        ok = not missing and all(g <= -gain_pct for g in gains.values()) and not slow
+        why = ", ".join(f"{g} b{b}: worst round {v:+.1f}%" for (g, b), v in gains.items())
+        if missing:
+            why += f"; not measured at {', '.join(f'{g} b{b}' for g, b in missing)}"
+        if slow:
+            why += "; slower: " + ", ".join(f"{g} b{b} {v:+.1f}%" for (g, b), v in slow.items())
+        out.append(f"{'PASS' if ok else 'FAIL'} {name}: {why}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="+", metavar="LOG[=GROUP]")
     ap.add_argument("--out", type=Path, default=None, help="write the table here too")
+    ap.add_argument("--rule", type=float, default=None, metavar="G", help="the gain (%%) every round must reach")
+    ap.add_argument("--at", action="append", default=[], metavar="'GROUP BATCH'", help="a column the rule needs")
+    ap.add_argument("--worst", type=float, default=0.5, metavar="S", help="no round of any column more than S%% slower")
     args = ap.parse_args(argv)
+    if args.rule is not None and not args.at:
+        ap.error("--rule needs at least one --at 'GROUP BATCH'")
+    at = []
+    for item in args.at:
+        g, _, b = item.rpartition(" ")
+        if not b.isdigit():
+            ap.error(f"--at {item!r}: want 'GROUP BATCH', e.g. 'llama-3.1-8b 16'")
+        at.append((g.strip(), int(b)))
     builds: dict[str, dict[tuple[str, int], list[float]]] = {}
     for item in args.logs:
         path, _, group = item.partition("=")
@@ -77,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             for c, xs in cols.items():
                 builds.setdefault(name, {}).setdefault(c, []).extend(xs)
     text = table(builds)
+    if args.rule is not None:
+        text += f"\nRule: every round >= {args.rule:g}% faster at the named columns, none > {args.worst:g}% slower:\n\n"
+        text += verdict(builds, args.rule, at, args.worst)
     if args.out:
         args.out.write_text(text)
     print(text, end="")

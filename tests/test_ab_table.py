@@ -123,3 +123,16 @@ def test_mk_ab_check_leaves_out_a_build_that_disagrees_with_the_first():
         hidden = w.embed[b.input_ids]
         inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), 0)
     assert mk_ab.check_builds(variants, decs[:2] + [Off()], inputs, cs) == [True, True, False]
+
+
+def test_the_rule_verdict(tmp_path, capsys):
+    """--rule: every round at least G% faster at the named columns and no column slower than --worst: MK_NT2_SLOTS=8 is
+    3.9% / 4.2% faster at b12 and 5.1% / 4.7% at b16 in its rounds, so it passes 3% at both and fails 4.5% at b12."""
+    builds = ab_table.parse(LOG.splitlines())
+    assert ab_table.verdict(builds, 3.0, [("1b", 12), ("1b", 16)], 0.5).startswith("PASS MK_NT2_SLOTS=8: 1b b12")
+    v = ab_table.verdict(builds, 4.5, [("1b", 12)], 0.5)
+    assert v.startswith("FAIL") and "worst round -3.9%" in v
+    assert "not measured at 1b b1" in ab_table.verdict(builds, 1.0, [("1b", 1)], 0.5)
+    (tmp_path / "log").write_text(LOG)
+    assert ab_table.main([str(tmp_path / "log"), "--rule", "3", "--at", "1b 16"]) == 0
+    assert "PASS MK_NT2_SLOTS=8: 1b b16: worst round -4.7%" in capsys.readouterr().out
