@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                        "enforce_eager": a.eager, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
             if a.profile:
                 payload["profile_dir"] = str((a.outdir / "profiles").resolve())
-                payload["profile_tag"] = f"tbt_{stamp}_{mdir.name}_p{a.prompt_list[0]}_{mode}_r{rnd + 1}"
+                payload["profile_tag"] = (f"tbt_{stamp}_{mdir.name}_p{a.prompt_list[0]}_{common.mode_tag(mode)}"
+                                          f"_r{rnd + 1}")   # a file name: no '+' or '=' of a mode's switches
             label = (f"{mdir.name} prompts {','.join(map(str, a.prompt_list))} {mode}"
                      + (f" round {rnd + 1}/{a.rounds}" if a.rounds > 1 else ""))
             print(f"[tbt] {label} ...", flush=True)
