@@ -301,6 +301,15 @@ def split_mode(label: str) -> tuple[str, dict[str, str]]:
     return mode, parse_mk_env(items) if items else {}
 
 
+def plugin_modes(text: str) -> list[str]:
+    """The --modes entries of tbt.py / serve.py (comma list; stock is always run and dropped here), each checked by
+    split_mode: ValueError names the first bad one."""
+    modes = [m for m in text.split(",") if m and m != "stock"]
+    for m in modes:
+        split_mode(m)
+    return modes
+
+
 def mode_tag(label: str) -> str:
     """A --modes entry as a file-name part (no '+' or '=')."""
     return label.replace("+", "_").replace("=", "-")

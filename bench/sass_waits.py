@@ -46,6 +46,12 @@ class Control:
                    read_barrier=(hi >> 49) & 7, wait_mask=(hi >> 52) & 0x3F)
 
 
+def opcode(text: str) -> str:
+    """The instruction's opcode with its modifiers, past a predicate: '@!P0 RET.REL.NODEC R2 0x0' -> 'RET.REL.NODEC'."""
+    words = text.split()
+    return words[1] if words[0].startswith("@") else words[0]
+
+
 def instructions(listing: str) -> list[tuple[int, str, Control]]:
     """(address, instruction text, control) of every instruction of a cuobjdump -sass listing (the control word is
     the comment on the line after the instruction)."""
@@ -83,7 +89,7 @@ def pending_at_returns(insns: list[tuple[int, str, Control]], starts: list[tuple
         for addr, text, c in insns:
             if not start <= addr < end:
                 continue
-            if "RET" in text.split()[0 if not text.startswith("@") else 1]:
+            if opcode(text).startswith("RET"):
                 out += [(name, addr, load) for sb, load in sorted(pending.items()) if c.wait_mask >> sb & 1]
             for sb in [sb for sb in pending if c.wait_mask >> sb & 1]:
                 del pending[sb]

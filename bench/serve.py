@@ -262,12 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
     args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c]
-    modes = [m for m in args.modes.split(",") if m and m != "stock"]
-    for m in modes:
-        try:
-            common.split_mode(m)
-        except ValueError as e:
-            ap.error(f"--modes: {e}")
+    try:
+        modes = common.plugin_modes(args.modes)
+    except ValueError as e:
+        ap.error(f"--modes: {e}")
     if not args.concurrency_list or min(args.concurrency_list) < 1:
         ap.error(f"--concurrency {args.concurrency!r}: want a comma list of integers >= 1")
     meta = {"date": common.today(), "commit": common.git_commit(), "gpu": "dry-run" if args.dry_run else common.gpu_name(),

@@ -250,12 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.model_list = [m for m in a.models.split(",") if m]
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.prompt_list = [int(x) for x in a.prompts.split(",") if x]
-    a.mode_list = [m for m in a.modes.split(",") if m and m != "stock"]
-    for m in a.mode_list:
-        try:
-            common.split_mode(m)
-        except ValueError as e:
-            p.error(f"--modes: {e}")
+    try:
+        a.mode_list = common.plugin_modes(a.modes)
+    except ValueError as e:
+        p.error(f"--modes: {e}")
     if a.output_len < 2 or a.runs < 1 or a.rounds < 1 or not a.batch_list or not a.prompt_list:
         p.error("need --output-len >= 2, --runs >= 1, --rounds >= 1 and at least one batch and prompt")
     return a

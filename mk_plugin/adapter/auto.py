@@ -161,7 +161,7 @@ def measure_both(triton: Any, megakernel: Any, spec: Any, weights: Any, cos_sin:
         out = torch.empty_like(inputs.hidden)
         if megakernel.lm_head:
             logits = torch.empty(b, spec.vocab_size, dtype=torch.float32, device=dev)
-            steps = (lambda: torch.matmul(triton.decode(inputs, out), weights.lm_head.t()),
+            steps = (lambda: torch.nn.functional.linear(triton.decode(inputs, out), weights.lm_head),
                      lambda: megakernel.decode(inputs, out, logits))
         else:
             steps = (lambda: triton.decode(inputs, out), lambda: megakernel.decode(inputs, out))

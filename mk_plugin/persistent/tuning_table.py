@@ -178,9 +178,9 @@ def resolve(setting: str, device_name: str, keys: Iterable[TuningKey]) -> list[t
     tables = [(p, TuningTable.load(p, device_name)) for p in paths]
     out = []
     for key in keys:
-        t, why = _resolve_one(tables, key, device_name)
-        if key.lm_head and all(tab.base_for(key) is None for _, tab in tables):
-            t, why = _resolve_one(tables, replace(key, lm_head=False), device_name)
+        layers = key.lm_head and all(tab.base_for(key) is None for _, tab in tables)
+        t, why = _resolve_one(tables, replace(key, lm_head=False) if layers else key, device_name)
+        if layers:
             why += "; the layers' entry (measured without the LM head; lm_head tasks at the default split)"
         out.append((t, why))
     return out
