@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Session 32's GPU calls (bench/NOTES.md session 31, "Next"), beside bench/gpu_session38.sh's (not run in session 31:
 # no machine was lent). `bash bench/gpu_session39.sh N $OUT` from the project root, .commit carried. Order: 39's 1
-# (instead of 38's 1), 6, 38's 2, 36's 1, then the vLLM calls 38's 11 / 12 (bundle parts), 39's 7 (with the third part
-# and unpack.sh), 8, then 39's 9 (ncu), 38's 5 (sanitizers), 38's 3 / 4 (serve) as the budget allows.
+# (instead of 38's 1), 10 (added in session 32, no machine lent then either), 6, 38's 2, 36's 1, then the vLLM calls
+# 38's 11 / 12 (bundle parts), 39's 7 (with the third part and unpack.sh), 8, then 39's 9 (ncu), 38's 5 (sanitizers),
+# 38's 3 / 4 (serve) as the budget allows.
 set -uo pipefail
 n=${1:?call number}; out=${2:-$OUT}; mkdir -p "$out"
 source bench/gpu_lib.sh   # header line, step(), vllm_env()
@@ -46,9 +47,21 @@ case $n in
            > "$out/ncu_${m}_b1_$v.csv" 2>&1
          gzip -f "$out/ncu_${m}_b1_$v.csv"
        done
-       python3 bench/ncu_stalls.py "$out/ncu_${m}_b1_sass.csv.gz" --top 30 --context 3 --out "$out/ncu_${m}_b1_stalls.md" \
+       python3 bench/ncu_stalls.py "$out/ncu_${m}_b1_sass.csv.gz" --top 30 --context 3 --fetch \
+         --out "$out/ncu_${m}_b1_stalls.md" \
          | head -40
        rm -f "$out/ncu_${m}_b1.ncu-rep"
+     done ;;
+  10) # issue 11: MK_FALLTHROUGH (session 32: the chunk loops without jumps over the M-tiles a pass lacks and over the
+     # ring wait's slow path; the fetch stalls of session 13's samples). Its GPU tests first (bitwise the build without
+     # it on the table's programs and the default path's two n-tiles; the watchdog test through the out-of-line wait),
+     # then the A/B on the table's tunings, 2 alternated rounds (mk_ab's check: max_abs 0 against the default expected)
+     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fallthrough_gpu.py 2>&1 | tail -4
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k watchdog \
+       --mk-define MK_FALLTHROUGH=1 2>&1 | tail -2
+     for m in llama-3.2-1b llama-3.1-8b; do
+       timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
+         --batch 1 4 8 16 --rounds 2 --build default --build MK_FALLTHROUGH=1
      done ;;
   *) echo "no call $n here" ;;
 esac

@@ -96,6 +96,7 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
         }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
+          if (MK_FALLTHROUGH && m >= mt) break;   // as in matvec_task's loop
           if (m < mt) {
             const unsigned c = it + m;
             const int slot = c % NUM_STAGES;
@@ -252,14 +253,17 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
+        // MK_FALLTHROUGH (A/B switch): a pass of mt < MT M-tiles leaves the unrolled loop with one branch; without
+        // it each M-tile it lacks is one more taken branch to a check ~2 KB further on, which the instruction fetch
+        // has not reached (session 13's stall samples, 1B batch 1: ~390 "no instruction" samples on each check)
+        if (MK_FALLTHROUGH && m >= mt) break;
         if (m < mt) {
           const int slot = it % NUM_STAGES;
           const long long c0 = clock64();
           // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
           // discarded with the step -- keep every consumer_sync of the task, and do not free the
           // slot (its copy may still be landing); the loop ends at the next task boundary.
-          const int ws =
-              ring_wait(S, P, S.full_bar(slot), (it / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, it, true, 1);
+          const int ws = chunk_wait(S, P, slot, it);
           wait_cycles += clock64() - c0;
           const unsigned sb = S.ring(slot) + lane_off;
 #pragma unroll

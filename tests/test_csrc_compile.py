@@ -59,7 +59,12 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2", "-DMK_WGA_X=2"),
             # session 31's MK_NW_L1 (the norm weights prefetched into L1 at a norm-fused task's start) on the default
             # path and on the wgmma path's x staging
-            ("-DMK_NW_L1=1",), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_NW_L1=1")]
+            ("-DMK_NW_L1=1",), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_NW_L1=1"),
+            # session 32's MK_FALLTHROUGH (the chunk loops' hot path without jumps over code it does not run) on the
+            # default path, the 8B batch-1 table build and the wgmma table build
+            ("-DMK_FALLTHROUGH=1",), ("-DMK_FALLTHROUGH=1", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_ATT_TMA=128",
+                                      "-DMK_RSTD_EPI=1"),
+            ("-DMK_FALLTHROUGH=1", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=1", "-DMK_ATT_TMA=128")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at
@@ -96,7 +101,9 @@ def test_megakernel_compiles_without_spills(tmp_path):
         [(s, ("-DMK_W_TMA=1",)) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_INFLIGHT=2")) for s in _specs() if s.name == "llama-3.1-8b"] + \
         [(s, ("-DMK_ATT_TMA=128", "-DMK_W_TMA=1", f"-DMK_WGMMA_A={a}")) for s in _specs() if s.name == "llama-3.1-8b"
-         for a in (1, 4)]
+         for a in (1, 4)] + \
+        [(s, ("-DMK_FALLTHROUGH=1", "-DMK_ATT_TMA=128", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=1"))
+         for s in _specs() if s.name == "llama-3.1-8b"]   # session 32's A/B on the 8B batch-16 table build
     with ThreadPoolExecutor(max_workers=2) as ex:
         results = list(ex.map(lambda j: _compile(nvcc, src, j[0], tmp_path, j[1]), jobs))
     for (spec, extra), (rc, log) in zip(jobs, results):

@@ -47,3 +47,21 @@ def test_not_an_export_is_a_clear_error():
         ncu_stalls.parse("Name,Value\na,1\n")
     with pytest.raises(ValueError, match="Warp Stall Sampling"):
         ncu_stalls.parse('"Address","Source"\n"0x1","NOP"\n')
+
+
+def test_fetch_summary_puts_no_inst_samples_on_their_branch_targets(tmp_path):
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"stall_no_inst","stall_wait"')
+    rows = ['"0x10","@!P1  BRA 0x40","1","1","0","1"',
+            '"0x20","      ISETP.GE.AND P1, PT, R5, 0x2, PT","9","9","6","3"',   # not a target: 6 off-target
+            '"0x30","      BRA 0x40","0","0","0","0"',
+            '"0x40","      VIADD R4, R4, 0x400","14","14","12","2"']             # two branches jump here
+    text = '"Kernel Name","mk_decode",\n' + head + "\n" + "\n".join(rows) + "\n"
+    md = ncu_stalls.fetch_summary(ncu_stalls.parse(text))
+    assert md.startswith("no_inst samples: 18; on branch targets: 12 (66.7%)")
+    assert "| 0x40 | `VIADD R4, R4, 0x400` | 12 | 0x10 `@!P1  BRA 0x40`; 0x30 `BRA 0x40` |" in md
+    f = tmp_path / "src.csv"
+    f.write_text(text)
+    out = tmp_path / "s.md"
+    assert ncu_stalls.main([str(f), "--fetch", "--out", str(out)]) == 0
+    assert "on branch targets: 12" in out.read_text()

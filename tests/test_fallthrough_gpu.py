@@ -1,0 +1,40 @@
+"""MK_FALLTHROUGH on the GPU (A/B switch, session 32; csrc/matvec.cuh, common.cuh chunk_wait): the matvec chunk loops
+leave their unrolled M-tile loop with one branch and the one-n-tile loop's ring wait keeps its slow path out of line.
+Control flow only: the same loads, MMAs and stores in the same order, so a step is bitwise the step of the build
+without it -- on the packaged tables' programs (x staged whole at batch 1, by column groups at batch 5 / 8, the wgmma
+path at 8B batch 16) and on the default path's two n-tiles (tuning off at batch 16) -- and matches the fp32 reference
+and the Triton path. A slow wait (the watchdog, an abort) goes through the out-of-line path: test_persistent_gpu.py's
+watchdog test covers it under `--mk-define MK_FALLTHROUGH=1`. The helpers and the weights fixture are
+test_persistent_gpu.py's."""
+from __future__ import annotations
+
+import pytest
+from test_persistent_gpu import (
+    DEV,
+    _assert_step_matches_ref_and_triton,
+    _run_mk,
+    gpu_batch,
+    models,  # noqa: F401 (the fixture)
+    steps_equal,
+)
+
+from mk_plugin import reference as ref
+from mk_plugin.persistent.backend import MegakernelDecoder
+from mk_plugin.persistent.variant import KernelVariant
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name,bsz,tuning", [("llama-3.2-1b", 1, None), ("llama-3.2-1b", 8, None),
+                                             ("llama-3.2-1b", 16, "off"), ("llama-3.1-8b", 1, None),
+                                             ("llama-3.1-8b", 5, None), ("llama-3.1-8b", 16, None),
+                                             ("llama-3.1-8b", 13, "off")])
+def test_fallthrough_leaves_every_value_as_it_was(models, name, bsz, tuning):  # noqa: F811 (fixture)
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [(59 * i + 23) % 600 + 2 for i in range(bsz)], seed=bsz + 9)
+    cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
+    kw = {} if tuning is None else {"tuning": tuning}
+    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(fallthrough=on), **kw),
+                     spec, w, batch, cs) for on in (False, True)]
+    assert steps_equal(*steps)
+    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
