@@ -63,6 +63,12 @@ case $n in
        timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
          --batch 1 4 8 16 --rounds 2 --build default --build MK_FALLTHROUGH=1
      done ;;
+  11) vllm_env   # issue 11 in vLLM, if call 10's kernel A/B won: 8B, stock alternated with the megakernel and the
+     # megakernel built with MK_FALLTHROUGH (MK_AB, bench only; mk_status reports the build), 2 rounds, b1 and b8
+     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
+       --modes megakernel,megakernel+MK_AB=MK_FALLTHROUGH=1 --rounds 2 --runs 1 --outdir "$out" 2>&1 \
+       | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+     rm -rf "$out/logs" ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s39_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
