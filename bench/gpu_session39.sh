@@ -36,11 +36,13 @@ case $n in
        --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16 ;;
   9) # issue 11, 1B batch 1 (1.01x Triton against the 0.80 bar): where the chain's resident chunks go (session 29's "Next":
      # 0.9-1.2 us a chunk in the loop for 0.26-0.56 of MMA instructions). Nsight Compute's stall samples of one step on
-     # the table's program, built with line info (MK_LINEINFO) so the samples map to csrc lines this time; then 8B b1
+     # the table's program, built with line info (MK_LINEINFO) so the samples map to csrc lines this time; then 8B b1.
+     # NCU_DEFINE=MK_FALLTHROUGH=1 (session 32) samples that build instead: the fetch stalls (--fetch) with and without
      for m in llama-3.2-1b llama-3.1-8b; do
        timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
          --section SourceCounters -o "$out/ncu_${m}_b1" -f python3 bench/mk_step.py --model bench/models/$m \
-         --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 --csv /dev/null > "$out/ncu_${m}_b1_run.log" 2>&1
+         --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 ${NCU_DEFINE:+--define $NCU_DEFINE} --csv /dev/null \
+         > "$out/ncu_${m}_b1_run.log" 2>&1
        echo "ncu $m rc $?"
        for v in sass cuda; do
          timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source $v \
