@@ -1,11 +1,11 @@
-"""MK_FALLTHROUGH on the GPU (A/B switch, session 32; csrc/matvec.cuh, common.cuh chunk_wait): the matvec chunk loops
-leave their unrolled M-tile loop with one branch and the one-n-tile loop's ring wait keeps its slow path out of line.
-Control flow only: the same loads, MMAs and stores in the same order, so a step is bitwise the step of the build
-without it -- on the packaged tables' programs (x staged whole at batch 1, by column groups at batch 5 / 8, the wgmma
-path at 8B batch 16) and on the default path's two n-tiles (tuning off at batch 16) -- and matches the fp32 reference
-and the Triton path. A slow wait (the watchdog, an abort) goes through the out-of-line path: test_persistent_gpu.py's
-watchdog test covers it under `--mk-define MK_FALLTHROUGH=1`. The helpers and the weights fixture are
-test_persistent_gpu.py's."""
+"""MK_FALLTHROUGH on the GPU (A/B switch, session 32; csrc/matvec.cuh, common.cuh chunk_wait, x_frags.cuh
+group_issue): the matvec chunk loops leave their unrolled M-tile loop with one branch, the one-n-tile loop's ring wait
+keeps its slow path out of line and a column group's copies at batch <= 8 are unrolled. Control flow only: the same
+loads, copies, MMAs and stores in the same order, so a step is bitwise the step of the build without it -- on the
+packaged tables' programs (x staged whole at batch 1, by column groups at batch 5 / 8, the wgmma path at 8B batch 16)
+and on the default path's two n-tiles (tuning off at batch 13 / 16) -- and matches the fp32 reference and the Triton
+path. A slow wait (the watchdog, an abort) goes through the out-of-line path: test_persistent_gpu.py's watchdog test
+covers it under `--mk-define MK_FALLTHROUGH=1`. The helpers and the weights fixture are test_persistent_gpu.py's."""
 from __future__ import annotations
 
 import pytest
