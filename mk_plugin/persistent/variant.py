@@ -101,7 +101,7 @@ class KernelVariant:
     # out-of-line ready step returns only once its load of the next group's weights is in: csrc/megakernel.cu)
     nw_l1: bool = False
     # MK_FALLTHROUGH (A/B switch, session 32): the chunk loops' hot path falls through instead of branching over code
-    # it does not run (session 13's stall samples at 1B batch 1: 10% of all samples "no instruction", 83% of them on
+    # it does not run (session 13's stall samples at 1B batch 1: 10% of all samples "no instruction", 85% of them on
     # branch targets, the largest on the unrolled M-tile checks a one-M-tile pass jumps through, 7 per chunk): a pass
     # leaves its unrolled M-tile loop with one branch, the one-n-tile loop's ring wait calls its slow path out of line
     # and a column group's copies at batch <= 8 are unrolled (csrc/matvec.cuh, common.cuh chunk_wait, x_frags.cuh)
