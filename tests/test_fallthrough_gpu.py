@@ -14,6 +14,7 @@ from test_persistent_gpu import (
     _assert_step_matches_ref_and_triton,
     _run_mk,
     gpu_batch,
+    h200_table_tuning,
     models,  # noqa: F401 (the fixture)
     steps_equal,
 )
@@ -25,16 +26,18 @@ from mk_plugin.persistent.variant import KernelVariant
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name,bsz,tuning", [("llama-3.2-1b", 1, None), ("llama-3.2-1b", 8, None),
-                                             ("llama-3.2-1b", 16, "off"), ("llama-3.1-8b", 1, None),
-                                             ("llama-3.1-8b", 5, None), ("llama-3.1-8b", 16, None),
-                                             ("llama-3.1-8b", 13, "off")])
-def test_fallthrough_leaves_every_value_as_it_was(models, name, bsz, tuning):  # noqa: F811 (fixture)
+@pytest.mark.parametrize("name,bsz,table", [("llama-3.2-1b", 1, True), ("llama-3.2-1b", 8, True),
+                                            ("llama-3.2-1b", 16, False), ("llama-3.1-8b", 1, True),
+                                            ("llama-3.1-8b", 5, True), ("llama-3.1-8b", 16, True),
+                                            ("llama-3.1-8b", 13, False)])
+def test_fallthrough_leaves_every_value_as_it_was(models, name, bsz, table):  # noqa: F811 (fixture)
+    """table: the packaged H200 table's tuning of the whole model (the 2-layer model's own key is in no table);
+    else tuning off (the default path, two n-tiles at batch 9..16)."""
     spec, w = models(name, 2)
     batch = gpu_batch(spec, [(59 * i + 23) % 600 + 2 for i in range(bsz)], seed=bsz + 9)
     cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
-    kw = {} if tuning is None else {"tuning": tuning}
-    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(fallthrough=on), **kw),
-                     spec, w, batch, cs) for on in (False, True)]
+    tuning = h200_table_tuning(name, bsz) if table else "off"
+    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(fallthrough=on),
+                                       tuning=tuning), spec, w, batch, cs) for on in (False, True)]
     assert steps_equal(*steps)
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])

@@ -31,6 +31,16 @@ def _spec(name: str, layers: int) -> LlamaSpec:
     return replace(LlamaSpec.from_json_file(MODELS / name), num_layers=layers)
 
 
+def h200_table_tuning(name: str, bsz: int) -> dict:
+    """{bsz: the packaged H200 table's tuning of the whole model `name` at batch bsz} (its nearest measured batch),
+    for a decoder of fewer layers, whose spec hash no table holds (it would run UNTUNED_TUNING), on any GPU."""
+    from mk_plugin.persistent.tuning_table import resolve, spec_tuning_key, tuned_file
+
+    key = spec_tuning_key(LlamaSpec.from_json_file(MODELS / name), bsz, 132, False)
+    ((t, _),) = resolve(str(tuned_file("NVIDIA H200")), "NVIDIA H200", [key])
+    return {bsz: t}
+
+
 def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int = 16):
     """make_decode_batch's tables (shuffled blocks, padded entries) with N(0,1) caches drawn on the GPU."""
     b = make_decode_batch(spec, seq_lens, block_size=block_size, seed=seed, num_layers=0)

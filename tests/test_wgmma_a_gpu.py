@@ -16,6 +16,7 @@ from test_persistent_gpu import (
     _run_mk,
     assert_repeatable_step,
     gpu_batch,
+    h200_table_tuning,
     models,  # noqa: F401 (the fixture)
     op_by_op_failures,
 )
@@ -101,7 +102,9 @@ def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):  # noqa
     spec, w = models(name, 2)
     batch = gpu_batch(spec, [(53 * i + 17) % 600 + 3 for i in range(bsz)], seed=bsz + 5)
     cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
-    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(nw_l1=on)),
-                     spec, w, batch, cs) for on in (False, True)]
+    # the whole model's table entry: the 2-layer model's own key is in no table (it would run UNTUNED_TUNING, not the
+    # wgmma path at batch 16)
+    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(nw_l1=on),
+                                       tuning=h200_table_tuning(name, bsz)), spec, w, batch, cs) for on in (False, True)]
     assert steps_equal(*steps)
     _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
