@@ -91,3 +91,28 @@ def test_loads_a_return_waits_for():
     assert starts == [(0x100, "$mk_decode$_ZN2mk1fEv"), (0x200, "$mk_decode$_ZN2mk1gEv")]
     assert sass_waits.pending_at_returns(insns, starts) == [
         ("$mk_decode$_ZN2mk1fEv", 0x130, "LDG.E.128.CONSTANT R4, desc[UR22][R12.64]")]
+
+
+CHAIN = """
+        .type           mk_decode,@function
+        /*0000*/                   ISETP.GE.AND P1, PT, R118, 0x2, PT ;
+        /*0010*/              @!P1 BRA `(.L_x_7) ;
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+.L_x_7:
+        /*0030*/                   ISETP.GE.AND P1, PT, R118, 0x3, PT ;
+        /*0040*/                   NOP ;
+        /*0050*/              @!P1 BRA `(.L_x_9) ;
+        /*0060*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+.L_x_9:
+        /*0070*/                   ISETP.GE.AND P2, PT, R5, 0x4, PT ;
+        /*0080*/              @!P2 BRA `(.L_x_10) ;
+        /*0090*/                   NOP ;
+.L_x_10:
+        /*00a0*/                   IADD3 R1, R1, 0x1, RZ ;
+"""
+
+
+def test_check_chains_counts_only_rungs_of_one_register():
+    # 0x0000 -> a check of R118 (a rung); 0x0030 -> a check of R5 (another register: not one); 0x0070 -> no check
+    assert sass.check_chains(CHAIN) == 1
+    assert sass.check_chains(LISTING) == 0
