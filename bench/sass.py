@@ -3,7 +3,8 @@ and the base plus --define options) as the decoder does, disassemble both with t
 Triton's wheel, and compare them per function (mk_decode and its out-of-line helpers: matvec_task<1|2>,
 ksplit_merge, ...): instruction counts, the opcode classes that matter for the hot loops (shared-memory and
 ldmatrix loads, MMAs, barriers, global and local memory), and how much of the base's opcode sequence the other
-build keeps. A switch that is off must leave the base's code as it was (two A/B switches cost 2-4% while
+build keeps; and both builds' chained bound checks (check_chains: unrolled `if (m < mt)` ladders, each rung a taken
+branch for a short pass). A switch that is off must leave the base's code as it was (two A/B switches cost 2-4% while
 inactive: MK_PASS_PREFETCH bit 2 in session 21, MK_DATA_FLAG in session 22); this shows where it did not.
 
     python bench/sass.py --model bench/models/llama-3.1-8b --define MK_DIAG=8
