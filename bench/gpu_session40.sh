@@ -10,11 +10,11 @@ source bench/gpu_lib.sh   # header line, step(), vllm_env()
 {
 case $n in
   1) # issue 11, kernel A/B, 2 alternated rounds on the table's tunings: MK_FALLTHROUGH (session 32) and MK_NW_L1
-     # (session 31) at b1 / 4 / 8 / 16; then MK_WGA_X=2 (session 30) at b16 (its build keeps its own wga_x)
+     # (session 31) at b1 / 8 / 16; then MK_WGA_X=2 (session 30) at b16 (its build keeps its own wga_x)
      W=MK_W_TMA=1,MK_WGMMA_A=4
      for m in llama-3.2-1b llama-3.1-8b; do
-       timeout 260 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
-         --batch 1 4 8 16 --rounds 2 --build default --build MK_FALLTHROUGH=1 --build MK_NW_L1=1
+       timeout 220 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
+         --batch 1 8 16 --rounds 2 --build default --build MK_FALLTHROUGH=1 --build MK_NW_L1=1
      done
      for m in llama-3.1-8b llama-3.2-1b; do
        timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
