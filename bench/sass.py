@@ -77,6 +77,32 @@ def disassemble(cubin: Path) -> str:
 
 CHECK = re.compile(r"ISETP\.\w+\.AND (P\d+), PT, (R\d+), (?:0x[0-9a-f]+|\d+), PT")
 PRED_BRANCH = re.compile(r"@!?(P\d+)\s+BRA `\((\.L_x_\d+)\)")
+TEXT = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+
+
+def instructions(listing: str) -> tuple[list[tuple[str, str, str]], dict[str, int], list[str]]:
+    """The instructions of nvdisasm's text in address order, (function, opcode, instruction text), each label's index
+    into them (the instruction that follows it), and the functions in listing order. Function names are demangled
+    loosely (short_name)."""
+    insns: list[tuple[str, str, str]] = []
+    labels: dict[str, int] = {}
+    functions: list[str] = []
+    name = None
+    for line in listing.splitlines():
+        m = FUNC.match(line)
+        if m:
+            name = short_name(m.group(1))
+            functions.append(name)
+            continue
+        lab = LABEL.match(line)
+        if lab:
+            labels[lab.group(1)] = len(insns)
+            continue
+        m = INSN.search(line)
+        if m and name is not None:
+            t = TEXT.search(line)
+            insns.append((name, m.group(1), t.group(1).strip() if t else m.group(1)))
+    return insns, labels, functions
 
 
 def check_chains(listing: str) -> int:
@@ -84,16 +110,8 @@ def check_chains(listing: str) -> int:
     instructions) jumps forward onto another such check of the same register -- an unrolled `if (m < mt)` ladder that
     a short pass climbs one taken branch at a time. Session 13's samples (1B batch 1) held ~390 "no instruction"
     samples on each rung; MK_FALLTHROUGH (session 32) leaves none."""
-    ins: list[str] = []
-    labels: dict[str, int] = {}
-    for line in listing.splitlines():
-        lab = LABEL.match(line)
-        if lab:
-            labels[lab.group(1)] = len(ins)
-            continue
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            ins.append(m.group(1).strip())
+    insns, labels, _ = instructions(listing)
+    ins = [text for _, _, text in insns]
     n = 0
     for i, text in enumerate(ins):
         c = CHECK.match(text)
@@ -103,7 +121,7 @@ def check_chains(listing: str) -> int:
             b = PRED_BRANCH.match(ins[j])
             if b and b.group(1) == c.group(1):
                 t = labels.get(b.group(2))
-                nxt = CHECK.match(ins[t]) if t is not None and t > j and t < len(ins) else None
+                nxt = CHECK.match(ins[t]) if t is not None and j < t < len(ins) else None
                 n += bool(nxt and nxt.group(2) == c.group(2))
                 break
     return n
@@ -111,33 +129,18 @@ def check_chains(listing: str) -> int:
 
 def parse(listing: str) -> tuple[dict[str, list[str]], list[tuple[str, list[str]]]]:
     """(opcode sequence of each function, the loops that hold MMAs in address order: (function, their opcodes)) from
-    nvdisasm's text. Function names are demangled loosely (the C++ name's last parts). A loop is a backward branch's
-    range."""
-    out: dict[str, list[str]] = {}
-    insns: list[tuple[str, str, str | None]] = []   # (function, opcode, branch target label)
-    labels: dict[str, int] = {}
-    name = None
-    for line in listing.splitlines():
-        m = FUNC.match(line)
-        if m:
-            name = short_name(m.group(1))
-            out.setdefault(name, [])
-            continue
-        lab = LABEL.match(line)
-        if lab:
-            labels[lab.group(1)] = len(insns)
-            continue
-        m = INSN.search(line)
-        if m and name is not None:
-            out[name].append(m.group(1))
-            t = BRANCH.search(line) if m.group(1).startswith("BRA") else None
-            insns.append((name, m.group(1), t.group(1) if t else None))
+    nvdisasm's text. A loop is a backward branch's range."""
+    insns, labels, functions = instructions(listing)
+    out: dict[str, list[str]] = {fn: [] for fn in functions}
+    for fn, op, _ in insns:
+        out[fn].append(op)
     loops = []
-    for i, (fn, _, target) in enumerate(insns):
-        j = labels.get(target, i + 1) if target else i + 1
+    for i, (fn, op, text) in enumerate(insns):
+        t = BRANCH.search(text) if op.startswith("BRA") else None
+        j = labels.get(t.group(1), i + 1) if t else i + 1
         if j <= i:
-            body = [op for _, op, _ in insns[j:i + 1]]
-            if any(op.startswith("HMMA") for op in body):
+            body = [o for _, o, _ in insns[j:i + 1]]
+            if any(o.startswith("HMMA") for o in body):
                 loops.append((j, fn, body))
     return out, [(fn, body) for _, fn, body in sorted(loops)]
 
