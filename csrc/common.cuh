@@ -266,16 +266,9 @@ __device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigne
 // wait whose chunk is in (the common case) runs on instead of jumping over ~50 inlined slow-path instructions (a taken
 // branch to a target the instruction fetch has not reached: session 13's "no instruction" samples sit on such
 // targets). Only there: the producer and the attention loops keep ring_wait (as a call the producer's waits cost
-// mk_decode 28 more bytes of spills at 8B).
+// mk_decode 28 more bytes of spills at 8B). The out-of-line body is ring_wait itself (its one more try_wait is free).
 __device__ __noinline__ int chunk_wait_slow(const Smem S, const Params& P, int slot, unsigned chunk) {
-  const unsigned parity = (chunk / NUM_STAGES) & 1;
-  unsigned long long waited = 0;
-  const int ws = mbar_wait_slow(S.full_bar(slot), parity, S.abort_flag(), P.budget_ns, waited);
-  if (ws == WAIT_TIMEOUT) {
-    watchdog_record(P, ERR_MBAR_TIMEOUT, *S.cur_task(), MBAR_TAG_FULL + slot, (int)parity, (int)chunk, waited);
-    *S.abort_flag() = 1;
-  }
-  return ws;
+  return ring_wait(S, P, S.full_bar(slot), (chunk / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, chunk, true, 1);
 }
 #endif
 
