@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 32's GPU calls once a machine came (late, after failed starts): the kernel A/Bs of gpu_session39.sh 1, 10
-# and 12 folded into fewer calls (one default build timed per model instead of one per call). `bash
+# Session 32's GPU calls once a machine came (late, after failed starts): the kernel A/Bs of gpu_session39.sh 1 and
+# 10 folded into fewer calls (one default build timed per model instead of one per call); the release gate stays
+# gpu_session39.sh 12. `bash
 # bench/gpu_session40.sh N $OUT` from the project root, .commit carried. On an H100, export
 # MK_TUNING=$PWD/mk_plugin/persistent/tuned/megakernel_nvidia_h200.json first (the table is keyed by model, batch and
 # 132 SMs; its file by GPU name), so that the builds run the H200 table's tunings there too.
@@ -27,11 +28,6 @@ case $n in
        --mk-define MK_FALLTHROUGH=1 2>&1 | tail -2
      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py -k "nw_l1 or wga_x" 2>&1 \
        | tail -4 ;;
-  3) # the release gate after qkv / o_proj (gpu_session39.sh 12)
-     for m in llama-3.1-8b llama-3.2-1b; do
-       timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
-         --batch 1 8 --rounds 2 --build default --build MK_RELEASE_GATE=50 --build MK_RELEASE_GATE=48
-     done ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s40_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
