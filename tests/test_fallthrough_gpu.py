@@ -11,16 +11,13 @@ from __future__ import annotations
 import pytest
 from test_persistent_gpu import (
     DEV,
-    _assert_step_matches_ref_and_triton,
-    _run_mk,
+    assert_switch_leaves_the_step_bitwise,
     gpu_batch,
     h200_table_tuning,
     models,  # noqa: F401 (the fixture)
-    steps_equal,
 )
 
 from mk_plugin import reference as ref
-from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.variant import KernelVariant
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +34,4 @@ def test_fallthrough_leaves_every_value_as_it_was(models, name, bsz, table):  # 
     batch = gpu_batch(spec, [(59 * i + 23) % 600 + 2 for i in range(bsz)], seed=bsz + 9)
     cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
     tuning = h200_table_tuning(name, bsz) if table else "off"
-    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(fallthrough=on),
-                                       tuning=tuning), spec, w, batch, cs) for on in (False, True)]
-    assert steps_equal(*steps)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
+    assert_switch_leaves_the_step_bitwise(spec, w, batch, cs, tuning, KernelVariant(fallthrough=True))

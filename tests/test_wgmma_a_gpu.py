@@ -97,14 +97,11 @@ def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):  # noqa
     """MK_NW_L1 (session 31) only prefetches the norm weights into L1 at a norm-fused task's start: the step is
     bitwise the build's without it, on the packaged table's programs (8B b16: the wgmma path with wga_x; b1 / b5 / b8:
     x staged whole and by column groups)."""
-    from test_persistent_gpu import steps_equal
+    from test_persistent_gpu import assert_switch_leaves_the_step_bitwise
 
     spec, w = models(name, 2)
     batch = gpu_batch(spec, [(53 * i + 17) % 600 + 3 for i in range(bsz)], seed=bsz + 5)
     cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
     # the whole model's table entry: the 2-layer model's own key is in no table (it would run UNTUNED_TUNING, not the
     # wgmma path at batch 16)
-    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=KernelVariant(nw_l1=on),
-                                       tuning=h200_table_tuning(name, bsz)), spec, w, batch, cs) for on in (False, True)]
-    assert steps_equal(*steps)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
+    assert_switch_leaves_the_step_bitwise(spec, w, batch, cs, h200_table_tuning(name, bsz), KernelVariant(nw_l1=True))
