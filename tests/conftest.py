@@ -55,6 +55,30 @@ def mk_variant(pytestconfig):
     return KernelVariant.parse(pytestconfig.getoption("--mk-define"))
 
 
+@pytest.fixture(scope="module")
+def models():
+    """get(name, layers) -> (spec, weights): a bench/models shape with `layers` layers ("tiny": LlamaSpec.tiny()), random
+    weights drawn on the GPU, cached per module (the GPU tests; helpers in tests/gpu_helpers.py)."""
+    try:  # a GPU machine without CuPy cannot run the product: fail, never skip
+        import cupy  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"CuPy is not importable on this GPU machine ({e}); pip install -e '.[cuda]'")
+    from gpu_helpers import DEV, spec_of  # after TRITON_INTERPRET is set
+
+    from mk_plugin.weights import random_weights
+
+    cache: dict[str, tuple] = {}
+
+    def get(name: str, layers: int):
+        key = f"{name}/{layers}"
+        if key not in cache:
+            spec = spec_of(name, layers)
+            cache[key] = (spec, random_weights(spec, seed=len(cache), device=DEV, draw_on_device=True))
+        return cache[key]
+
+    return get
+
+
 # ---- a deliberately corrupted program (the watchdog tests), as a fixture: test modules never import
 # each other, and the package carries no code that only tests use.
 def with_unsatisfiable_wait(program, tid: int | None = None):

@@ -1,102 +1,34 @@
 """Megakernel on the GPU vs the VM (op by op, through stop_after prefixes), vs the Triton decode path
 and vs the fp32 reference (whole step), at Llama-3.2-1B and Llama-3.1-8B shapes with fewer layers,
 batch 1/3/8/16, contexts 1..4096 not aligned to the block size, padded entries (seq_len 0, slot -1).
-Also: CUDA-graph capture and replay, and Triton fallback segments."""
+Also: CUDA-graph capture and replay, and Triton fallback segments. The helpers are tests/gpu_helpers.py's (the other
+GPU modules share them), the weights fixture `models` conftest.py's."""
 from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_helpers import (
+    DEV,
+    MAX_CTX,
+    assert_repeatable_step,
+    assert_step_matches_ref_and_triton,
+    gpu_batch,
+    op_by_op_failures,
+    ref_and_triton,
+    run_mk,
+    steps_equal,
+)
 
 from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.encoding import Buf
-from mk_plugin.spec import LlamaSpec
-from mk_plugin.testing import assert_matches, compare, make_decode_batch
-from mk_plugin.weights import ModelWeights, random_weights
+from mk_plugin.testing import assert_matches, compare
 
 pytestmark = pytest.mark.gpu
-MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
-DEV = "cuda"
-MAX_CTX = 4096
-
-
-def _spec(name: str, layers: int) -> LlamaSpec:
-    if name == "tiny":
-        return LlamaSpec.tiny()
-    return replace(LlamaSpec.from_json_file(MODELS / name), num_layers=layers)
-
-
-def h200_table_tuning(name: str, bsz: int) -> dict:
-    """{bsz: the packaged H200 table's tuning of the whole model `name` at batch bsz} (its nearest measured batch),
-    for a decoder of fewer layers, whose spec hash no table holds (it would run UNTUNED_TUNING), on any GPU."""
-    from mk_plugin.persistent.tuning_table import resolve, spec_tuning_key, tuned_file
-
-    key = spec_tuning_key(LlamaSpec.from_json_file(MODELS / name), bsz, 132, False)
-    ((t, _),) = resolve(str(tuned_file("NVIDIA H200")), "NVIDIA H200", [key])
-    return {bsz: t}
-
-
-def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int = 16):
-    """make_decode_batch's tables (shuffled blocks, padded entries) with N(0,1) caches drawn on the GPU."""
-    b = make_decode_batch(spec, seq_lens, block_size=block_size, seed=seed, num_layers=0)
-    g = torch.Generator(DEV).manual_seed(seed + 100)
-    nb = int(b.block_table.max()) + 1 + 3
-    shape = (nb, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [torch.randn(shape, generator=g, device=DEV).to(spec.torch_dtype) for _ in range(spec.num_layers)]
-    return replace(b, input_ids=b.input_ids.to(DEV), positions=b.positions.to(DEV), seq_lens=b.seq_lens.to(DEV),
-                   block_table=b.block_table.to(DEV), slot_mapping=b.slot_mapping.to(DEV), kv_caches=caches)
-
-
-@pytest.fixture(scope="module")
-def models():
-    try:  # a GPU machine without CuPy cannot run the product: fail, never skip
-        import cupy  # noqa: F401
-    except ImportError as e:
-        pytest.fail(f"CuPy is not importable on this GPU machine ({e}); pip install -e '.[cuda]'")
-    cache: dict[str, tuple[LlamaSpec, ModelWeights]] = {}
-
-    def get(name: str, layers: int):
-        key = f"{name}/{layers}"
-        if key not in cache:
-            spec = _spec(name, layers)
-            cache[key] = (spec, random_weights(spec, seed=len(cache), device=DEV, draw_on_device=True))
-        return cache[key]
-
-    return get
-
-
-def _poison(dec: MegakernelDecoder) -> None:
-    for t in list(dec.ws.values()) + [dec.part_o, dec.part_ml, dec.part_k]:
-        t.fill_(float("nan"))
-
-
-def _run_mk(dec, spec, w, batch, cs, *, stop_after=None):
-    caches = [c.clone() for c in batch.kv_caches]
-    hidden = w.embed[batch.input_ids]
-    out = torch.full_like(hidden, float("nan"))
-    logits = torch.full((hidden.shape[0], spec.vocab_size), float("nan"), device=DEV) if dec.lm_head else None
-    _poison(dec)
-    dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs, out=out,
-        logits_out=logits, stop_after=stop_after)
-    if out.is_cuda:
-        torch.cuda.synchronize()
-    return out, logits, caches
-
-
-def steps_equal(a, b) -> bool:
-    """Two steps' (out, logits, caches), as _run_mk returns them, bitwise equal."""
-    (o0, l0, c0), (o1, l1, c1) = a, b
-    return torch.equal(o0, o1) and torch.equal(l0, l1) and all(torch.equal(x, y) for x, y in zip(c0, c1))
-
-
-# Which buffers each op writes (compared after the op's prefix).
-OP_OUTPUTS = {"qkv_rope": [Buf.Q, "KV"], "attention": [Buf.ATTN_O], "o_proj": [Buf.RESID], "gate_up": [Buf.ACT],
-              "down": [Buf.RESID], "final_norm": [Buf.OUT], "lm_head": [Buf.LOGITS]}
 
 
 @pytest.mark.parametrize("name,layers,seq_lens", [
@@ -122,118 +54,6 @@ def test_megakernel_vs_vm_op_by_op(models, mk_variant, name, layers, seq_lens):
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
 
 
-def op_by_op_failures(dec: MegakernelDecoder, spec, w, batch) -> list[str]:
-    """Each op of dec's program for `batch` from the same inputs on the GPU and in the VM: the GPU runs the prefix up to
-    the op's end; the VM starts from the GPU's own state before the op (its buffers and caches after the previous
-    prefix) and runs the op's tasks alone (with the variant's rounding, ring threshold, MK_RSTD_EPI and ring depth).
-    The op's outputs are compared at the op tolerance in every layer; the first diverging op's failures, or [].
-    (Until session 29 the VM ran the whole prefix from the step's inputs: an op's output then carried every earlier
-    op's legitimate rounding differences, amplified through gate_up and 8B's 14336-column down, and 8B's layer-0 down
-    failed the op bound on one element in two builds whose ops were each within it.)"""
-    seq_lens = batch.seq_lens.tolist()
-    B = len(seq_lens)
-    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    prog = dec.program(B)
-    v = dec.variant_for(B)
-    wc = w.to("cpu")
-    bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
-                 block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
-    hidden = wc.embed[bc.input_ids.cpu()]
-
-    def gpu_state(stop_after: int) -> tuple[dict, list[torch.Tensor]]:
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs, stop_after=stop_after)
-        bufs = {b: t.cpu().clone() for b, t in dec.buffers(B).items()}
-        bufs[Buf.OUT] = out.cpu()
-        if logits is not None:
-            bufs[Buf.LOGITS] = logits.cpu()
-        return bufs, [c.cpu() for c in caches]
-
-    before = ({}, [c.cpu() for c in batch.kv_caches])   # the GPU's state before the first op: the step's inputs
-    failures = []
-    for op in prog.taskset.ops:
-        after = gpu_state(prog.op_end(op.key))
-        st = vm.make_state(prog, wc, hidden, bc.positions, [c.clone() for c in before[1]], bc.block_table,
-                           bc.seq_lens, bc.slot_mapping, cs.cpu(), variant=v)   # as compiled
-        for b, t in before[0].items():
-            if b != Buf.HIDDEN_IN and b in st.bufs:
-                st.bufs[b].copy_(t.reshape(st.bufs[b].shape))
-        vm.run_fallback_as_tasks(prog, op, st)
-        gbufs, gcaches = after
-        for b in OP_OUTPUTS[op.name]:
-            if b == "KV":
-                got, want = _appended(gcaches[op.layer], bc.slot_mapping), _appended(st.kv_caches[op.layer], bc.slot_mapping)
-                # nothing else in the cache may change
-                untouched = _untouched_mask(gcaches[op.layer], bc.slot_mapping)
-                if not torch.equal(gcaches[op.layer][untouched], batch.kv_caches[op.layer].cpu()[untouched]):
-                    failures.append(f"{op.key}: cache rows outside slot_mapping were modified")
-            else:
-                got, want = gbufs[b], st.bufs[b]
-            r = compare(got.float(), want.float(), spec.torch_dtype, "op")
-            if not r["pass"]:
-                failures.append(f"{op.key} {b}: {r}")
-        if failures:
-            break
-        before = after
-    return failures
-
-
-def _appended(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The K and V rows [n, 2, kvh, d] this step wrote (slots >= 0)."""
-    bs = cache.shape[2]
-    rows = [cache[s // bs, :, s % bs] for s in slots.tolist() if s >= 0]
-    return torch.stack(rows) if rows else cache.new_zeros(0)
-
-
-def _untouched_mask(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    m = torch.ones(cache.shape, dtype=torch.bool)
-    bs = cache.shape[2]
-    for s in slots.tolist():
-        if s >= 0:
-            m[s // bs, :, s % bs] = False
-    return m
-
-
-def _ref_and_triton(spec, w, batch, cs):
-    from mk_plugin.triton_ops import decode_step as triton_step
-    caches = [c.clone() for c in batch.kv_caches]
-    hn, logits = ref.decode_step(spec, w, batch.input_ids, batch.positions, caches, batch.block_table,
-                                 batch.seq_lens, batch.slot_mapping, cs)
-    tcaches = [c.clone() for c in batch.kv_caches]
-    th = triton_step(spec, w, w.embed[batch.input_ids], batch.positions, tcaches, batch.block_table,
-                     batch.seq_lens, batch.slot_mapping, cs)
-    return hn, logits, caches, th, tcaches
-
-
-def _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches) -> None:
-    """A megakernel step's output, logits and KV appends against the fp32 reference and the Triton path."""
-    hn, rlogits, rcaches, th, tcaches = _ref_and_triton(spec, w, batch, cs)
-    dt = spec.torch_dtype
-    assert_matches(out, hn, dt, "step")
-    assert_matches(logits, rlogits, dt, "step")
-    assert_matches(out, th, dt, "step")
-    for a, r, t in zip(caches, rcaches, tcaches):
-        assert_matches(a, r, dt, "step")
-        assert_matches(a, t, dt, "step")
-
-
-def assert_switch_leaves_the_step_bitwise(spec, w, batch, cs, tuning, variant) -> None:
-    """An A/B switch that only moves work (a prefetch, the code's layout): the step of `variant` is bitwise the default
-    build's with the same tuning, and matches the fp32 reference and Triton."""
-    from mk_plugin.persistent.variant import KernelVariant
-
-    steps = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning), spec, w, batch, cs)
-             for v in (KernelVariant(), variant)]
-    assert steps_equal(*steps)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
-
-
-def assert_repeatable_step(dec, spec, w, batch, cs) -> None:
-    """dec's step run twice is bitwise the same (fixed-order sums), and matches the fp32 reference and Triton."""
-    first, second = (_run_mk(dec, spec, w, batch, cs) for _ in range(2))
-    assert steps_equal(first, second)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *second)
-
-
 @pytest.mark.parametrize("name,layers", [("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
 @pytest.mark.parametrize("bsz", [1, 3, 8, 16])
 def test_megakernel_whole_step(models, mk_variant, name, layers, bsz):
@@ -246,8 +66,8 @@ def test_megakernel_whole_step(models, mk_variant, name, layers, bsz):
     batch = gpu_batch(spec, seq_lens, seed=bsz)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant)
-    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
+    out, logits, caches = run_mk(dec, spec, w, batch, cs)
+    assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
 
 
 def test_megakernel_cuda_graph_replay(models, mk_variant):
@@ -257,7 +77,7 @@ def test_megakernel_cuda_graph_replay(models, mk_variant):
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, variant=mk_variant)
     dec.prepare([8])
-    eager_out, _, eager_caches = _run_mk(dec, spec, w, batch, cs)
+    eager_out, _, eager_caches = run_mk(dec, spec, w, batch, cs)
     caches = [c.clone() for c in batch.kv_caches]
     hidden = w.embed[batch.input_ids]
     out = torch.empty_like(hidden)
@@ -286,8 +106,8 @@ def test_megakernel_with_triton_fallback(models, mk_variant, fallback):
     seq_lens = [7, 0, 1500, 260, 3, 90, 1025, 31]
     batch = gpu_batch(spec, seq_lens, seed=9)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    full, _, fcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, variant=mk_variant), spec, w, batch, cs)
-    part, _, pcaches = _run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback, variant=mk_variant), spec, w, batch, cs)
+    full, _, fcaches = run_mk(MegakernelDecoder(spec, w, 16, DEV, variant=mk_variant), spec, w, batch, cs)
+    part, _, pcaches = run_mk(MegakernelDecoder(spec, w, 16, DEV, fallback=fallback, variant=mk_variant), spec, w, batch, cs)
     assert_matches(part, full, spec.torch_dtype, "step")
     for a, b in zip(pcaches, fcaches):
         assert_matches(a, b, spec.torch_dtype, "step")
@@ -307,13 +127,13 @@ def test_watchdog_stops_a_hung_program(models, mk_variant, unsatisfiable_wait):
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, watchdog_ms=200, variant=mk_variant)
-    good_out, good_logits, good_caches = _run_mk(dec, spec, w, batch, cs)
+    good_out, good_logits, good_caches = run_mk(dec, spec, w, batch, cs)
     assert not dec.pending_error()
     good = dec.program(len(seq_lens))
     dec.install_program(unsatisfiable_wait(good))
 
     # 1. unchecked: the launch ends by itself; the kernel wrote the pinned host mirror
-    _run_mk(dec, spec, w, batch, cs)  # synchronises: returns only because every CTA exited
+    run_mk(dec, spec, w, batch, cs)  # synchronises: returns only because every CTA exited
     assert dec.pending_error()
     with pytest.raises(MegakernelHang) as e:
         dec.check_errors()
@@ -333,7 +153,7 @@ def test_watchdog_stops_a_hung_program(models, mk_variant, unsatisfiable_wait):
         dec(hidden, batch.positions, caches, batch.block_table, batch.seq_lens, batch.slot_mapping, cs, out=out,
             logits_out=logits, check=True)
     assert e2.value.recovered
-    hn, rlogits, rcaches, _, _ = _ref_and_triton(spec, w, batch, cs)
+    hn, rlogits, rcaches, _, _ = ref_and_triton(spec, w, batch, cs)
     dt = spec.torch_dtype
     assert_matches(out, hn, dt, "step")
     assert_matches(logits, rlogits, dt, "step")
@@ -365,14 +185,14 @@ def test_watchdog_stops_a_hung_program(models, mk_variant, unsatisfiable_wait):
     dec.install_program(good)
     e_ = dec._entry(len(seq_lens))
     e_.seg_progs[0][H["spec_hash"]] += 1
-    _run_mk(dec, spec, w, batch, cs)
+    run_mk(dec, spec, w, batch, cs)
     rec = dec.error_record()
     assert rec["code"] == ErrorCode.BAD_PROGRAM and rec["seen"] & HeaderCheck.SPEC_HASH, rec
     dec.clear_errors()
 
     # 5. the good program afterwards: bit-identical to before the hangs (deterministic)
     dec.install_program(good)
-    out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
+    out2, logits2, caches2 = run_mk(dec, spec, w, batch, cs)
     assert torch.equal(out2, good_out) and torch.equal(logits2, good_logits)
     for a, b in zip(caches2, good_caches):
         assert torch.equal(a, b)
@@ -392,7 +212,7 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
     seq_lens = ([1, 0, 4095, 260, 3, 90, 1025, 31] * 2)[:bsz] if bsz > 1 else [1337]
     batch = gpu_batch(spec, seq_lens, seed=11)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning="off"),
+    base = run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning="off"),
                    spec, w, batch, cs)
     for t in (ScheduleTuning((("down", 0.25), ("gate_up", 3.0), ("lm_head", 0.5), ("o_proj", 0.5),
                               ("qkv_rope", 2.0)), attn_chunks=3, num_stages=5),
@@ -402,7 +222,7 @@ def test_tuned_programs_match_the_default(models, mk_variant, bsz):
               ScheduleTuning(ksplit=(("down", 4), ("o_proj", 2))),
               ScheduleTuning(att_tma=128), ScheduleTuning(attn_chunks=3, num_stages=5, att_tma=100)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: t})
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+        out, logits, caches = run_mk(dec, spec, w, batch, cs)
         assert dec.program(bsz).tuning == t
         assert_matches(out, base[0], spec.torch_dtype, "step")
         assert_matches(logits, base[1], spec.torch_dtype, "step")
@@ -421,12 +241,12 @@ def test_merge_in_partial_is_bitwise_the_combine_tasks(models, mk_variant, bsz):
     batch = gpu_batch(spec, seq_lens, seed=13)
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     tasks = ScheduleTuning(attn_chunks=4, merge_in_partial=False)   # combine tasks
-    ref_out = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks}),
+    ref_out = run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks}),
                       spec, w, batch, cs)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: tasks.with_merge(True)})
     assert "ATTN_COMBINE" not in {t.opcode.name for t in dec.program(bsz).taskset.tasks}
     for _ in range(3):
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+        out, logits, caches = run_mk(dec, spec, w, batch, cs)
         assert torch.equal(out, ref_out[0]) and torch.equal(logits, ref_out[1])
         assert all(torch.equal(a, b) for a, b in zip(caches, ref_out[2]))
 
@@ -450,7 +270,7 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=mk_variant, tuning={bsz: ScheduleTuning(ksplit=ksplit)})
     prog = dec.program(bsz)
     assert sum(1 for t in prog.taskset.tasks if t.args[2] and t.op.name in ("o_proj", "down")) > 0
-    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+    out, logits, caches = run_mk(dec, spec, w, batch, cs)
     wc = w.to("cpu")
     bc = replace(batch, positions=batch.positions.cpu(), seq_lens=batch.seq_lens.cpu(),
                  block_table=batch.block_table.cpu(), slot_mapping=batch.slot_mapping.cpu())
@@ -463,7 +283,7 @@ def test_ksplit_matches_the_vm_and_repeats_bitwise(models, mk_variant, name, lay
         r = compare(got.float().cpu(), want.float(), spec.torch_dtype, "step")
         assert r["pass"], f"{what}: {r}"
     for _ in range(3):
-        out2, logits2, caches2 = _run_mk(dec, spec, w, batch, cs)
+        out2, logits2, caches2 = run_mk(dec, spec, w, batch, cs)
         assert torch.equal(out2, out) and torch.equal(logits2, logits)
         assert all(torch.equal(a, b) for a, b in zip(caches2, caches))
 
@@ -488,9 +308,9 @@ def test_weight_tma_chunks_are_bitwise_the_row_copies(models, name, bsz, ksplit)
     runs = []
     for v in (KernelVariant(), KernelVariant(w_tma=True)):
         dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning)
-        runs.append(_run_mk(dec, spec, w, batch, cs))
+        runs.append(run_mk(dec, spec, w, batch, cs))
     assert steps_equal(*runs)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, *runs[1])
+    assert_step_matches_ref_and_triton(spec, w, batch, cs, *runs[1])
 
 
 @pytest.mark.parametrize("name,bsz", [("tiny", 1), ("tiny", 3), ("llama-3.2-1b", 1), ("llama-3.2-1b", 5),
@@ -519,7 +339,7 @@ def test_piece_deps_are_bitwise_the_ksplit_program(models, name, parts):
     batch = gpu_batch(spec, [300, 17, 1, 64, 0, 9, 33, 120, 5], seed=8)
     cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
     ks = ScheduleTuning(ksplit=(("down", parts),))
-    runs = [_run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={9: t}), spec, w, batch, cs)
+    runs = [run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={9: t}), spec, w, batch, cs)
             for t in (ks, ks.with_piece_deps(True))]
     assert steps_equal(*runs)
 
@@ -534,13 +354,12 @@ def test_a_tunings_weight_maps_and_cap_are_bitwise_the_default(models):
     batch = gpu_batch(spec, [300, 17, 1], seed=5)
     cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
     base = MegakernelDecoder(spec, w, 4, DEV, lm_head=True, tuning="off")
-    ref_run = _run_mk(base, spec, w, batch, cs)
+    ref_run = run_mk(base, spec, w, batch, cs)
     tuned = MegakernelDecoder(spec, w, 4, DEV, lm_head=True, tuning={3: ScheduleTuning(w_tma=True, inflight=2)})
     assert tuned._wmaps is not None and tuned.variant_for(3).defines() == ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2")
     base.retune(3, ScheduleTuning(w_tma=True))   # the maps arrive with the first tuning that copies by them
     assert base._wmaps is not None
     for dec in (tuned, base):
-        o, lg, c = _run_mk(dec, spec, w, batch, cs)
+        o, lg, c = run_mk(dec, spec, w, batch, cs)
         assert torch.equal(o, ref_run[0]) and torch.equal(lg, ref_run[1])
         assert all(torch.equal(a, b) for a, b in zip(c, ref_run[2]))
-

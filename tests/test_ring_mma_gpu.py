@@ -1,17 +1,16 @@
 """The ring-fed attention on the GPU (MK_ATT_TMA; csrc/attention_ring_mma.cuh: its consumers on the tensor cores),
 against the fp32 reference and the default (register-fed, CUDA-core) attention loop. Its lane mapping is checked on the CPU by
-test_ring_mma_lanes.py; the helpers and the weights fixture are test_persistent_gpu.py's."""
+test_ring_mma_lanes.py; the helpers are tests/gpu_helpers.py's, the weights fixture conftest.py's."""
 from __future__ import annotations
 
 import pytest
-from test_persistent_gpu import (
+from gpu_helpers import (
     DEV,
-    _appended,
-    _assert_step_matches_ref_and_triton,
-    _run_mk,
+    appended_rows,
+    assert_step_matches_ref_and_triton,
     gpu_batch,
-    models,  # noqa: F401 (the fixture)
     op_by_op_failures,
+    run_mk,
 )
 
 from mk_plugin import reference as ref
@@ -39,7 +38,7 @@ def _nan_past_lengths(batch) -> None:
     ([1, 0, 4095, 65], 3),   # 3 KV chunks: ranges that start and end inside a ring slot's 8-token groups
     ([7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2], 0),
 ])
-def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks):  # noqa: F811 (fixture)
+def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks):
     """csrc/attention_ring_mma.cuh: the ring-fed attention's scores and P V on the tensor cores, every
     attention task through the ring (att_tma 1), the newest token (written during the launch) in every position of
     an 8-token group across the requests, NaN in every cache row past a request's length. Against the fp32 reference
@@ -54,9 +53,9 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
     tun = {bsz: ScheduleTuning(att_tma=1, attn_chunks=chunks)}
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun)
     assert dec.variant_for(bsz).att_tma == 1
-    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
+    out, logits, caches = run_mk(dec, spec, w, batch, cs)
     plain = {bsz: ScheduleTuning(attn_chunks=chunks)}   # att_tma 0: every task on the default loop
-    base = _run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=plain), spec, w, batch, cs)
+    base = run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=plain), spec, w, batch, cs)
     rcaches = [c.clone() for c in batch.kv_caches]
     hn, rlogits = ref.decode_step(spec, w, batch.input_ids, batch.positions, rcaches, batch.block_table,
                                   batch.seq_lens, batch.slot_mapping, cs)
@@ -67,14 +66,14 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
         r = compare(got.float(), want.float(), dt, "step")
         assert r["pass"], f"{what}: {r}"
     for a, r_ in zip(caches, rcaches):   # this step's K/V appends
-        assert_matches(_appended(a, batch.slot_mapping), _appended(r_, batch.slot_mapping), dt, "step")
+        assert_matches(appended_rows(a, batch.slot_mapping), appended_rows(r_, batch.slot_mapping), dt, "step")
 
 
 @pytest.mark.parametrize("name,layers,seq_lens", [
     ("llama-3.2-1b", 1, [33, 0, 511, 17, 1, 250, 4000, 96]),
     ("llama-3.1-8b", 1, [129, 4000]),
 ])
-def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens):  # noqa: F811 (fixture)
+def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens):
     """Every attention task through the ring (att_tma 1): each op's prefix on the GPU against the VM, which models the
     tensor cores' P rounded to 16 bits per warp's running maximum (vm.ring_pv_weights), at the op tolerances."""
     from mk_plugin.persistent.tuning import ScheduleTuning
@@ -86,7 +85,7 @@ def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens):
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
 
 
-def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):  # noqa: F811 (fixture)
+def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):
     """The ring-fed attention (MK_ATT_TMA, from a variant or a tuning) streams K/V by 16-token tensor-map boxes;
     block_size 32 caches run the kernel without that path, after one warning, with the same results."""
     import logging
@@ -101,8 +100,8 @@ def test_caches_the_ring_path_cannot_copy_turn_it_off(models, caplog):  # noqa: 
                             tuning={3: ScheduleTuning(att_tma=64)})
     assert dec.variant_for(3).att_tma == 64
     with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
-        out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-        _run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
+        out, logits, caches = run_mk(dec, spec, w, batch, cs)
+        run_mk(dec, spec, w, batch, cs)   # the same caches again: no second warning
     assert dec.variant.att_tma == 0 and dec.variant_for(3).att_tma == 0
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "block_size 32" in caplog.text, caplog.text
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
+    assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)

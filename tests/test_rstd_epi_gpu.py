@@ -1,16 +1,15 @@
 """MK_RSTD_EPI on the GPU (A/B switch, session 26; csrc/x_frags.cuh, matvec.cuh): a norm-fused op whose activations
 are not staged whole takes rstd out of its fragments and scales its accumulators in the epilogue, the first pass
 summing x^2 from the column groups. Against the fp32 reference and the Triton path; bitwise repeatable (fixed-order
-sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers and the weights
-fixture are test_persistent_gpu.py's."""
+sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers are tests/gpu_helpers.py's,
+the weights fixture conftest.py's."""
 from __future__ import annotations
 
 import pytest
-from test_persistent_gpu import (
+from gpu_helpers import (
     DEV,
     assert_repeatable_step,
     gpu_batch,
-    models,  # noqa: F401 (the fixture)
     op_by_op_failures,
 )
 
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 7), ("llama-3.2-1b", 8), ("llama-3.2-1b", 16),
                                       ("llama-3.1-8b", 3), ("llama-3.1-8b", 9), ("llama-3.1-8b", 16),
                                       ("llama-3.2-1b", 1)])   # batch 1: staged whole, the switch does not apply
-def test_rstd_in_the_epilogue_matches_the_reference(models, name, bsz):  # noqa: F811 (fixture)
+def test_rstd_in_the_epilogue_matches_the_reference(models, name, bsz):
     spec, w = models(name, 2)
     seq_lens = [(53 * i + 9) % 600 + 1 for i in range(bsz)]
     batch = gpu_batch(spec, seq_lens, seed=bsz + 41)
@@ -35,7 +34,7 @@ def test_rstd_in_the_epilogue_matches_the_reference(models, name, bsz):  # noqa:
 
 @pytest.mark.parametrize("name,seq_lens", [("llama-3.2-1b", [33, 0, 511, 17, 1, 250, 97, 96]),
                                            ("llama-3.1-8b", [129, 3, 400])])
-def test_rstd_in_the_epilogue_matches_the_vm_op_by_op(models, name, seq_lens):  # noqa: F811 (fixture)
+def test_rstd_in_the_epilogue_matches_the_vm_op_by_op(models, name, seq_lens):
     spec, w = models(name, 1)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=KernelVariant(rstd_epi=True))
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))

@@ -6,19 +6,18 @@ the VM (the same products in another fp32 order: within tolerance), with the pac
 down / 4, 8B down / 2: parts of 2048 and 7168 columns, whole chunks), at a shallower ring (its scratch moves with the
 ring's depth) and at batch 8, where no pass takes the path (the switch's build on the default path). MK_WGA_X (session
 30: rstd in the epilogue, and with x staged per warpgroup) at 6 and 5 ring slots (2 and 4 x group buffers) the same way.
-The helpers and the weights fixture are test_persistent_gpu.py's."""
+The helpers are tests/gpu_helpers.py's, the weights fixture conftest.py's."""
 from __future__ import annotations
 
 import pytest
-from test_persistent_gpu import (
+from gpu_helpers import (
     DEV,
-    _assert_step_matches_ref_and_triton,
-    _run_mk,
     assert_repeatable_step,
+    assert_step_matches_ref_and_triton,
     gpu_batch,
     h200_table_tuning,
-    models,  # noqa: F401 (the fixture)
     op_by_op_failures,
+    run_mk,
 )
 
 from mk_plugin import reference as ref
@@ -32,7 +31,7 @@ WGMMA_A = KernelVariant(w_tma=True, wgmma_a=4)   # the largest pass; 1 and 2 are
 
 @pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 9), ("llama-3.2-1b", 13), ("llama-3.2-1b", 16),
                                       ("llama-3.2-1b", 8), ("llama-3.1-8b", 11), ("llama-3.1-8b", 16)])
-def test_wgmma_a_tasks_match_the_reference(models, name, bsz):  # noqa: F811 (fixture)
+def test_wgmma_a_tasks_match_the_reference(models, name, bsz):
     spec, w = models(name, 2)
     seq_lens = [(61 * i + 5) % 700 + 1 for i in range(bsz)]
     batch = gpu_batch(spec, seq_lens, seed=bsz + 11)
@@ -42,7 +41,7 @@ def test_wgmma_a_tasks_match_the_reference(models, name, bsz):  # noqa: F811 (fi
 
 
 @pytest.mark.parametrize("name,parts,stages", [("llama-3.2-1b", 4, 0), ("llama-3.1-8b", 2, 0), ("llama-3.2-1b", 4, 5)])
-def test_wgmma_a_tasks_with_a_k_split_and_ring_depths(models, name, parts, stages):  # noqa: F811 (fixture)
+def test_wgmma_a_tasks_with_a_k_split_and_ring_depths(models, name, parts, stages):
     """down cut over K as the packaged tables cut it at batch 16 (the parts' merge after the wgmma sums), the ring-fed
     attention on, and a 5-slot ring (the scratch then starts at another offset, still 1024-byte aligned)."""
     spec, w = models(name, 2)
@@ -50,12 +49,12 @@ def test_wgmma_a_tasks_with_a_k_split_and_ring_depths(models, name, parts, stage
     cs = ref.rope_cos_sin_cache(spec, 1000).to(DEV)
     tuning = ScheduleTuning(ksplit=(("down", parts),), att_tma=128, num_stages=stages)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=WGMMA_A, tuning={16: tuning})
-    out, logits, caches = _run_mk(dec, spec, w, batch, cs)
-    _assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
+    out, logits, caches = run_mk(dec, spec, w, batch, cs)
+    assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches)
 
 
 @pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 16), ("llama-3.1-8b", 10)])
-def test_wgmma_a_tasks_match_the_vm_op_by_op(models, name, bsz):  # noqa: F811 (fixture)
+def test_wgmma_a_tasks_match_the_vm_op_by_op(models, name, bsz):
     spec, w = models(name, 1)
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=WGMMA_A)
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, [40 + 23 * i for i in range(bsz)], seed=2))
@@ -67,7 +66,7 @@ def test_wgmma_a_tasks_match_the_vm_op_by_op(models, name, bsz):  # noqa: F811 (
                                                ("llama-3.1-8b", 9, 5, 1), ("llama-3.2-1b", 16, 6, 2),
                                                ("llama-3.2-1b", 9, 5, 2), ("llama-3.1-8b", 16, 6, 2),
                                                ("llama-3.1-8b", 12, 5, 2)])
-def test_wga_x_tasks_match_the_reference(models, name, bsz, stages, x):  # noqa: F811 (fixture)
+def test_wga_x_tasks_match_the_reference(models, name, bsz, stages, x):
     """MK_WGA_X: rstd in the epilogue (the first pass's sums of squares in a fixed order: bitwise repeatable), the norm
     weights a group ahead, 3 groups of x in flight at 5 slots (4 buffers); x = 2 each warpgroup's own half of x."""
     spec, w = models(name, 2)
@@ -81,7 +80,7 @@ def test_wga_x_tasks_match_the_reference(models, name, bsz, stages, x):  # noqa:
 
 @pytest.mark.parametrize("x", [1, 2])
 @pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 16), ("llama-3.1-8b", 10)])
-def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):  # noqa: F811 (fixture)
+def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):
     """rstd in the epilogue (5 slots: 4 buffers) against the VM's op with the same rounding points (vm._epi_rstd; on
     2026-12-05 the VM normalised first and 8B batch 10's gate_up missed the op tolerance in one element, 0.0625)."""
     spec, w = models(name, 1)
@@ -93,11 +92,11 @@ def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):  # noqa: F811 
 
 @pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 1), ("llama-3.2-1b", 8), ("llama-3.1-8b", 5),
                                       ("llama-3.1-8b", 16)])
-def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):  # noqa: F811 (fixture)
+def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):
     """MK_NW_L1 (session 31) only prefetches the norm weights into L1 at a norm-fused task's start: the step is
     bitwise the build's without it, on the packaged table's programs (8B b16: the wgmma path with wga_x; b1 / b5 / b8:
     x staged whole and by column groups)."""
-    from test_persistent_gpu import assert_switch_leaves_the_step_bitwise
+    from gpu_helpers import assert_switch_leaves_the_step_bitwise
 
     spec, w = models(name, 2)
     batch = gpu_batch(spec, [(53 * i + 17) % 600 + 3 for i in range(bsz)], seed=bsz + 5)
