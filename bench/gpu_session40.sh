@@ -28,6 +28,13 @@ case $n in
        --mk-define MK_FALLTHROUGH=1 2>&1 | tail -2
      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_wgmma_a_gpu.py -k "nw_l1 or wga_x" 2>&1 \
        | tail -4 ;;
+  3) # a short device budget: MK_FALLTHROUGH alone (its rule's shapes: 1B b1 and no shape slower), 2 rounds, then its
+     # bitwise test at 1B
+     for m in llama-3.2-1b llama-3.1-8b; do
+       timeout 160 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/$m --group "$m" \
+         --batch 1 8 --rounds 2 --build default --build MK_FALLTHROUGH=1
+     done
+     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fallthrough_gpu.py -k "1b" 2>&1 | tail -3 ;;
   *) echo "no call $n here" ;;
 esac
 } 2>&1 | tee "$out/gpu_s40_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"
