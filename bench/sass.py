@@ -109,7 +109,7 @@ def check_chains(listing: str) -> int:
     """Chained bound checks: an `ISETP` of a register against a constant whose predicated branch (within the next 3
     instructions) jumps forward onto another such check of the same register -- an unrolled `if (m < mt)` ladder that
     a short pass climbs one taken branch at a time. Session 13's samples (1B batch 1) held ~390 "no instruction"
-    samples on each rung; MK_FALLTHROUGH (session 32) leaves none."""
+    samples on each rung; since session 33 (session 32's MK_FALLTHROUGH, measured and made the code) none is left."""
     insns, labels, _ = instructions(listing)
     ins = [text for _, _, text in insns]
     n = 0

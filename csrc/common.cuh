@@ -261,8 +261,7 @@ __device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigne
   return ws;
 }
 
-#if MK_FALLTHROUGH
-// MK_FALLTHROUGH (A/B switch, session 32): the matvec chunk loops' ring wait with its slow path out of line, so that a
+// The matvec chunk loops' ring wait with its slow path out of line (session 32), so that a
 // wait whose chunk is in (the common case) runs on instead of jumping over ~50 inlined slow-path instructions (a taken
 // branch to a target the instruction fetch has not reached: session 13's "no instruction" samples sit on such
 // targets). Only there: the producer and the attention loops keep ring_wait (as a call the producer's waits cost
@@ -270,17 +269,12 @@ __device__ __forceinline__ int ring_wait(const Smem& S, const Params& P, unsigne
 __device__ __noinline__ int chunk_wait_slow(const Smem S, const Params& P, int slot, unsigned chunk) {
   return ring_wait(S, P, S.full_bar(slot), (chunk / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, chunk, true, 1);
 }
-#endif
 
 // A matvec chunk loop's wait for ring slot `slot`'s chunk number `chunk` (ring_wait with the consumers' current task,
 // the abort flag polled, one budget).
 __device__ __forceinline__ int chunk_wait(const Smem& S, const Params& P, int slot, unsigned chunk) {
-#if MK_FALLTHROUGH
   if (mbar_try_wait(S.full_bar(slot), (chunk / NUM_STAGES) & 1)) return WAIT_OK;
   return chunk_wait_slow(S, P, slot, chunk);
-#else
-  return ring_wait(S, P, S.full_bar(slot), (chunk / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, chunk, true, 1);
-#endif
 }
 
 __device__ __forceinline__ const elem_t* weight_ptr(const Params& P, int layer, int slot) {

@@ -67,13 +67,6 @@ __device__ __forceinline__ unsigned ld_nc_u32(const void* p) {
   return v;
 }
 
-// MK_NW_L1: the 128-byte lines of [p, p + bytes) prefetched into L1, one line per consumer thread and round (no
-// destination register: nothing waits for them).
-__device__ __forceinline__ void prefetch_l1(const void* p, int bytes) {
-  for (int o = threadIdx.x * 128; o < bytes; o += CONSUMER_THREADS * 128)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const char*>(p) + o));
-}
-
 __device__ __forceinline__ unsigned short ld_nc_u16(const void* p) {
   unsigned short v;
   asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));

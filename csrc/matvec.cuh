@@ -96,8 +96,8 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
         }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-          if (MK_FALLTHROUGH && m >= mt) break;   // as in matvec_task's loop
-          if (m < mt) {
+          if (m >= mt) break;   // as in matvec_task's loop
+          {
             const unsigned c = it + m;
             const int slot = c % NUM_STAGES;
             if (h == 0) {  // not OK (this CTA is stopping): compute on whatever the slot holds, never free it
@@ -253,11 +253,12 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
       }
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        // MK_FALLTHROUGH (A/B switch): a pass of mt < MT M-tiles leaves the unrolled loop with one branch; without
-        // it each M-tile it lacks is one more taken branch to a check ~2 KB further on, which the instruction fetch
-        // has not reached (session 13's stall samples, 1B batch 1: ~390 "no instruction" samples on each check)
-        if (MK_FALLTHROUGH && m >= mt) break;
-        if (m < mt) {
+        // A pass of mt < MT M-tiles leaves the unrolled loop with one branch: an `if (m < mt)` per body made each
+        // M-tile it lacks one more taken branch to a check ~2 KB further on, which the instruction fetch had not
+        // reached (session 13's stall samples, 1B batch 1: ~390 "no instruction" samples on each check; session 33:
+        // -1..-3% at batch 4..8, bench/NOTES.md)
+        if (m >= mt) break;
+        {
           const int slot = it % NUM_STAGES;
           const long long c0 = clock64();
           // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are

@@ -133,10 +133,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     }
     if (consumer_sync_or(stop)) break;
     if (P.trace != nullptr && threadIdx.x == 0) t_ready = global_ns();
-#if MK_NW_L1   // A/B switch (session 31): the norm weights into L1 for the task's normalisation; after the barrier: thread
-    // 0's counter acquire invalidates L1 (CCTL.IVALL), so a prefetch during the wait would be dropped
-    if (early_nw != nullptr) prefetch_l1(early_nw, H * (int)sizeof(elem_t));
-#endif
     switch (t.opcode) {
       case OP_QKV_ROPE:
       case OP_O_PROJ:

@@ -197,12 +197,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_WGA_X
 #define MK_WGA_X 0
 #endif
-#ifndef MK_NW_L1
-#define MK_NW_L1 0
-#endif
-#ifndef MK_FALLTHROUGH
-#define MK_FALLTHROUGH 0
-#endif
 #ifndef MK_LINEINFO
 #define MK_LINEINFO 0
 #endif

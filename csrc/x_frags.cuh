@@ -63,12 +63,12 @@ __device__ __forceinline__ void group_issue(unsigned char* gb, const elem_t* x, 
                                             int KC) {
   const int upr = KC / 8;                      // 16-byte units per row
   const int valid = (min(KC, K - k0)) / 8;     // K is a multiple of 16
-  // MK_FALLTHROUGH (A/B switch): at one n-tile (KC = CHUNK_COLS; batch <= 8) the group buffer's R units per thread are
-  // unrolled and predicated, instead of a loop whose back edges (up to 4 at batch 8) redirect the instruction fetch
-  // every column group. Not at two n-tiles: there it moved ptxas's allocation of mk_decode to spills (8B wgmma build).
+  // At one n-tile (KC = CHUNK_COLS; batch <= 8) the group buffer's R units per thread are unrolled and predicated,
+  // instead of a loop whose back edges (up to 4 at batch 8) redirect the instruction fetch every column group (session
+  // 32). Not at two n-tiles: there it moved ptxas's allocation of mk_decode to spills (8B wgmma build).
   constexpr int R = GROUP_BYTES / 16 / CONSUMER_THREADS;
   static_assert(R * 16 * CONSUMER_THREADS == GROUP_BYTES, "whole units per thread");
-  if (MK_FALLTHROUGH && KC == CHUNK_COLS) {
+  if (KC == CHUNK_COLS) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int idx = threadIdx.x + r * CONSUMER_THREADS;

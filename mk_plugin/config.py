@@ -28,9 +28,6 @@ MK_LM_HEAD   vllm | megakernel             who computes the logits of a megakern
              (default vllm)                vLLM: vllm's own LM head after the step (compute_logits),
                                            or the megakernel inside the step (its lm_head tasks, fp32
                                            logits; compute_logits hands them to the sampler)
-MK_AB        comma list of NAME=0|1        bench only: the megakernel's A/B switches not yet measured
-             (default none)                (AB_SWITCHES, e.g. MK_FALLTHROUGH=1), so that bench/tbt.py can
-                                           time a build inside vLLM against the default one in one job
 """
 from __future__ import annotations
 
@@ -49,9 +46,6 @@ DEFAULT_TUNING = "auto"
 LM_HEADS = ("vllm", "megakernel")
 DEFAULT_LM_HEAD = "vllm"   # the megakernel's own LM head inside vLLM is not measured yet (bench/NOTES.md session 31)
 WATCHDOG_MS_MAX = 600_000  # = persistent.encoding.WATCHDOG_MS_MAX (config must not import torch)
-# MK_AB's switches: -D name -> persistent.variant.KernelVariant field (booleans; config must not import torch: a test
-# checks them against variant.VARIANT_DEFINES). Only the A/B switches waiting for their measurement belong here.
-AB_SWITCHES = {"MK_FALLTHROUGH": "fallthrough", "MK_NW_L1": "nw_l1"}
 
 
 class ConfigError(ValueError):
@@ -77,22 +71,6 @@ def _millis(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}={v!r} is not an integer number of milliseconds") from None
 
 
-def _ab(env: Mapping[str, str]) -> tuple[tuple[str, bool], ...]:
-    """MK_AB="MK_FALLTHROUGH=1,MK_NW_L1=0" -> (("fallthrough", True), ("nw_l1", False)): KernelVariant fields."""
-    out = []
-    for item in (s.strip() for s in env.get("MK_AB", "").split(",")):
-        if not item:
-            continue
-        name, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or value not in ("0", "1"):
-            raise ConfigError(f"MK_AB item {item!r} is not NAME=0 or NAME=1 (names: {', '.join(AB_SWITCHES)})")
-        if name.upper() not in AB_SWITCHES:
-            raise ConfigError(f"MK_AB names {name!r}, not an A/B switch of the megakernel; choose from "
-                              f"{', '.join(AB_SWITCHES)}")
-        out.append((AB_SWITCHES[name.upper()], value == "1"))
-    return tuple(out)
-
-
 def _tuning(env: Mapping[str, str]) -> str:
     v = env.get("MK_TUNING", "").strip()
     if not v:
@@ -112,13 +90,8 @@ class MkConfig:
     rounding: str = DEFAULT_ROUNDING
     tuning: str = DEFAULT_TUNING
     lm_head: str = DEFAULT_LM_HEAD
-    ab: tuple[tuple[str, bool], ...] = ()   # MK_AB: (KernelVariant field, value) pairs
 
     def __post_init__(self) -> None:
-        fields = set(AB_SWITCHES.values())
-        for item in self.ab:
-            if not (isinstance(item, tuple) and len(item) == 2 and item[0] in fields and isinstance(item[1], bool)):
-                raise ConfigError(f"MK_AB entry {item!r} is not a (field, bool) pair of {sorted(fields)}")
         if self.lm_head not in LM_HEADS:
             raise ConfigError(f"MK_LM_HEAD={self.lm_head!r} is not supported; choose one of {', '.join(LM_HEADS)}")
         if self.tuning not in ("auto", "off") and not os.path.isfile(self.tuning):
@@ -149,8 +122,7 @@ class MkConfig:
                    watchdog_ms=_millis(env, "MK_WATCHDOG_MS", DEFAULT_WATCHDOG_MS),
                    rounding=env.get("MK_ROUNDING", DEFAULT_ROUNDING).strip().lower() or DEFAULT_ROUNDING,
                    tuning=_tuning(env),
-                   lm_head=env.get("MK_LM_HEAD", DEFAULT_LM_HEAD).strip().lower() or DEFAULT_LM_HEAD,
-                   ab=_ab(env))
+                   lm_head=env.get("MK_LM_HEAD", DEFAULT_LM_HEAD).strip().lower() or DEFAULT_LM_HEAD)
 
 
 def get_config() -> MkConfig:

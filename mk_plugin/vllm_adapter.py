@@ -194,8 +194,6 @@ class MkDecodeMixin(HangMixin, DebugHooksMixin):
             "max_tokens": None if st is None else st.max_tokens,
             # the megakernel's rounding points as built (MK_ROUNDING), so records show what ran
             "rounding": None if mk is None else mk.rounding.name.lower(),
-            # bench A/B builds (MK_AB): the kernel switches this worker's megakernel was built with
-            "ab": dict(self._mk_cfg.ab),
             # who computes the logits of the megakernel's steps (MK_LM_HEAD, where the model allows it)
             "lm_head": None if st is None else ("megakernel" if st.logits_buf is not None else "vllm"),
             # per padded batch size: the task split used (MK_TUNING) and where it came from

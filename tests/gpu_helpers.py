@@ -171,17 +171,6 @@ def assert_step_matches_ref_and_triton(spec, w, batch, cs, out, logits, caches) 
         assert_matches(a, t, dt, "step")
 
 
-def assert_switch_leaves_the_step_bitwise(spec, w, batch, cs, tuning, variant) -> None:
-    """An A/B switch that only moves work (a prefetch, the code's layout): the step of `variant` is bitwise the default
-    build's with the same tuning, and matches the fp32 reference and Triton."""
-    from mk_plugin.persistent.variant import KernelVariant
-
-    steps = [run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=v, tuning=tuning), spec, w, batch, cs)
-             for v in (KernelVariant(), variant)]
-    assert steps_equal(*steps)
-    assert_step_matches_ref_and_triton(spec, w, batch, cs, *steps[1])
-
-
 def assert_repeatable_step(dec, spec, w, batch, cs) -> None:
     """dec's step run twice is bitwise the same (fixed-order sums), and matches the fp32 reference and Triton."""
     first, second = (run_mk(dec, spec, w, batch, cs) for _ in range(2))

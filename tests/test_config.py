@@ -86,20 +86,3 @@ def test_rounding_switch():
     assert cfg().rounding == "fused" and cfg(MK_ROUNDING=" Stock ").rounding == "stock"
     with pytest.raises(ConfigError, match=r"MK_ROUNDING='exact'.*fused, stock"):
         cfg(MK_ROUNDING="exact")
-
-
-def test_ab_switches_name_kernel_variant_fields():
-    from mk_plugin.config import AB_SWITCHES
-    from mk_plugin.persistent.variant import VARIANT_DEFINES, KernelVariant
-
-    defines = {d: f for d, f, _ in VARIANT_DEFINES}
-    assert all(defines[d] == f and isinstance(getattr(KernelVariant(), f), bool) for d, f in AB_SWITCHES.items())
-    assert cfg().ab == ()
-    assert cfg(MK_AB=" MK_FALLTHROUGH=1, mk_nw_l1=0 ,").ab == (("fallthrough", True), ("nw_l1", False))
-    assert KernelVariant(**dict(cfg(MK_AB="MK_FALLTHROUGH=1").ab)).defines() == ("-DMK_FALLTHROUGH=1",)
-    with pytest.raises(ConfigError, match=r"MK_AB names 'MK_WGMMA_A'.*MK_FALLTHROUGH, MK_NW_L1"):
-        cfg(MK_AB="MK_WGMMA_A=1")
-    with pytest.raises(ConfigError, match=r"MK_AB item 'MK_FALLTHROUGH=2' is not NAME=0 or NAME=1"):
-        cfg(MK_AB="MK_FALLTHROUGH=2")
-    with pytest.raises(ConfigError, match="MK_AB entry"):
-        MkConfig(ab=(("rounding", True),))

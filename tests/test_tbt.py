@@ -173,14 +173,6 @@ def test_modes_with_switches_of_their_own(tmp_path):
     assert common.path_check("megakernel+MK_LM_HEAD=megakernel", ok) == "ok"
     assert "the LM head ran in megakernel" in common.path_check("megakernel", ok)
     assert "ran in vllm" in common.path_check("megakernel+MK_LM_HEAD=megakernel", [ok[0] | {"lm_head": "vllm"}])
-    # a bench A/B build inside vLLM (MK_AB): the worker reports the kernel switches it built with
-    ab = common.split_mode("megakernel+MK_AB=MK_FALLTHROUGH=1")
-    assert ab == ("megakernel", {"MK_AB": "MK_FALLTHROUGH=1"})
-    assert common.mode_tag("megakernel+MK_AB=MK_FALLTHROUGH=1") == "megakernel_MK_AB-MK_FALLTHROUGH-1"
-    ok_ab = [ok[0] | {"lm_head": "vllm", "ab": {"fallthrough": True}}]
-    assert common.path_check("megakernel+MK_AB=MK_FALLTHROUGH=1", ok_ab) == "ok"
-    assert "the worker built {}" in common.path_check("megakernel+MK_AB=MK_FALLTHROUGH=1", [ok_ab[0] | {"ab": {}}])
-    assert "MK_AB='' asked" in common.path_check("megakernel", ok_ab)
 
     modes = "megakernel,megakernel+MK_LM_HEAD=megakernel"
     assert tbt.main(["--dry-run", "--models", "llama-3.2-1b-1layer", "--prompts", "512", "--batches", "1",

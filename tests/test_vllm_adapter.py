@@ -362,15 +362,6 @@ def test_megakernel_path_matches_reference(monkeypatch, mk_log, rounding):
     assert mk_log.warnings() == [] and model.mk_status()["counts"].get("decode:3") == 1
 
 
-def test_mk_ab_builds_the_megakernel_with_a_bench_switch(monkeypatch, mk_log):
-    """MK_AB (bench only): the worker's megakernel is the A/B build asked for, and mk_status says so."""
-    monkeypatch.setenv("MK_AB", "MK_FALLTHROUGH=1")
-    model, _ = make_model(monkeypatch, "megakernel")
-    profile_run(model)
-    assert model._mk_state.decoder.variant.fallthrough and model.mk_status()["ab"] == {"fallthrough": True}
-    assert mk_log.warnings() == []
-
-
 def test_megakernel_uses_the_tuning_table_mk_tuning_names(monkeypatch, mk_log, tmp_path):
     from mk_plugin.persistent import tuning as tn
     from mk_plugin.persistent import tuning_table as tt

@@ -15,7 +15,6 @@ from gpu_helpers import (
     assert_repeatable_step,
     assert_step_matches_ref_and_triton,
     gpu_batch,
-    h200_table_tuning,
     op_by_op_failures,
     run_mk,
 )
@@ -88,19 +87,3 @@ def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=variant)
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, [40 + 23 * i for i in range(bsz)], seed=3))
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
-
-
-@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 1), ("llama-3.2-1b", 8), ("llama-3.1-8b", 5),
-                                      ("llama-3.1-8b", 16)])
-def test_nw_l1_prefetch_leaves_every_value_as_it_was(models, name, bsz):
-    """MK_NW_L1 (session 31) only prefetches the norm weights into L1 at a norm-fused task's start: the step is
-    bitwise the build's without it, on the packaged table's programs (8B b16: the wgmma path with wga_x; b1 / b5 / b8:
-    x staged whole and by column groups)."""
-    from gpu_helpers import assert_switch_leaves_the_step_bitwise
-
-    spec, w = models(name, 2)
-    batch = gpu_batch(spec, [(53 * i + 17) % 600 + 3 for i in range(bsz)], seed=bsz + 5)
-    cs = ref.rope_cos_sin_cache(spec, 700).to(DEV)
-    # the whole model's table entry: the 2-layer model's own key is in no table (it would run UNTUNED_TUNING, not the
-    # wgmma path at batch 16)
-    assert_switch_leaves_the_step_bitwise(spec, w, batch, cs, h200_table_tuning(name, bsz), KernelVariant(nw_l1=True))

@@ -204,7 +204,7 @@ def _build_decode_state(model: Any, vllm_config: Any, cfg: MkConfig, once: _Once
 
             mk = MegakernelDecoder(spec, weights, max_tokens, device, fallback=cfg.fallback, lm_head=fuse_lm_head,
                                    watchdog_ms=cfg.watchdog_ms, tuning=cfg.tuning,
-                                   variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()], **dict(cfg.ab)),
+                                   variant=KernelVariant(rounding=Rounding[cfg.rounding.upper()]),
                                    trace=cfg.trace, verbose=cfg.verbose)
             if cfg.mode == "megakernel":
                 mk.prepare(sizes)

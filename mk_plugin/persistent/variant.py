@@ -34,8 +34,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
-                   ("MK_WGA_X", "wga_x", "wga_x"), ("MK_NW_L1", "nw_l1", "nw_l1"),
-                   ("MK_FALLTHROUGH", "fallthrough", "fallthrough"), ("MK_LINEINFO", "lineinfo", "lineinfo"))
+                   ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -95,17 +94,6 @@ class KernelVariant:
     # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (A/B switch, session 30): each
     # warpgroup copies, waits for and normalises only the x columns its wgmmas read, behind its own barrier.
     wga_x: int = 0
-    # MK_NW_L1 (A/B switch, session 31): a norm-fused task (qkv_rope, gate_up) prefetches its norm weights (K * 2
-    # bytes) into L1 as it starts (after its dependency wait, whose acquire invalidates L1), so the loads of them
-    # while x is normalised hit L1 instead of paying an L2 round trip queued behind the SM's copies (the wgmma path's
-    # out-of-line ready step returns only once its load of the next group's weights is in: csrc/megakernel.cu)
-    nw_l1: bool = False
-    # MK_FALLTHROUGH (A/B switch, session 32): the chunk loops' hot path falls through instead of branching over code
-    # it does not run (session 13's stall samples at 1B batch 1: 10% of all samples "no instruction", 85% of them on
-    # branch targets, the largest on the unrolled M-tile checks a one-M-tile pass jumps through, 7 per chunk): a pass
-    # leaves its unrolled M-tile loop with one branch, the one-n-tile loop's ring wait calls its slow path out of line
-    # and a column group's copies at batch <= 8 are unrolled (csrc/matvec.cuh, common.cuh chunk_wait, x_frags.cuh)
-    fallthrough: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -127,7 +115,7 @@ class KernelVariant:
                 or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "nw_l1", "fallthrough", "lineinfo"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
