@@ -97,37 +97,35 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           if (m >= mt) break;   // as in matvec_task's loop
-          {
-            const unsigned c = it + m;
-            const int slot = c % NUM_STAGES;
-            if (h == 0) {  // not OK (this CTA is stopping): compute on whatever the slot holds, never free it
-              const long long c0 = clock64();
-              const int ws = ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, c,
-                                       true, 1);
-              wait_cycles += clock64() - c0;
-              if (ws == WAIT_OK) okm |= 1u << m;
-            }
-#if MK_W_TMA
-            const unsigned sb = S.ring(slot) + lane_off + h * W_HALF_BYTES;
-#else
-            const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
-#endif
-#pragma unroll
-            for (int jj = 0; jj < JMAX; ++jj) {
-              const int j = warp + jj * CONSUMER_WARPS;
-              if (j < nsteps && !(MK_DIAG & 4)) {
-                unsigned a[4];
-#if MK_W_TMA
-                ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
-#else
-                ldmatrix_x4(a, sb + j * 32);
-#endif
-#pragma unroll
-                for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
-              }
-            }
-            if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
+          const unsigned c = it + m;
+          const int slot = c % NUM_STAGES;
+          if (h == 0) {  // not OK (this CTA is stopping): compute on whatever the slot holds, never free it
+            const long long c0 = clock64();
+            const int ws = ring_wait(S, P, S.full_bar(slot), (c / NUM_STAGES) & 1, -1, MBAR_TAG_FULL + slot, c,
+                                     true, 1);
+            wait_cycles += clock64() - c0;
+            if (ws == WAIT_OK) okm |= 1u << m;
           }
+#if MK_W_TMA
+          const unsigned sb = S.ring(slot) + lane_off + h * W_HALF_BYTES;
+#else
+          const unsigned sb = S.ring(slot) + lane_off + h * (KG * 2);
+#endif
+#pragma unroll
+          for (int jj = 0; jj < JMAX; ++jj) {
+            const int j = warp + jj * CONSUMER_WARPS;
+            if (j < nsteps && !(MK_DIAG & 4)) {
+              unsigned a[4];
+#if MK_W_TMA
+              ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
+#else
+              ldmatrix_x4(a, sb + j * 32);
+#endif
+#pragma unroll
+              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
+            }
+          }
+          if (h == nh - 1 && ((okm >> m) & 1u)) mbar_arrive(S.empty_bar(slot));  // each thread its own reads
         }
       }
     }
@@ -258,32 +256,30 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         // reached (session 13's stall samples, 1B batch 1: ~390 "no instruction" samples on each check; session 33:
         // -1..-3% at batch 4..8, bench/NOTES.md)
         if (m >= mt) break;
-        {
-          const int slot = it % NUM_STAGES;
-          const long long c0 = clock64();
-          // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
-          // discarded with the step -- keep every consumer_sync of the task, and do not free the
-          // slot (its copy may still be landing); the loop ends at the next task boundary.
-          const int ws = chunk_wait(S, P, slot, it);
-          wait_cycles += clock64() - c0;
-          const unsigned sb = S.ring(slot) + lane_off;
+        const int slot = it % NUM_STAGES;
+        const long long c0 = clock64();
+        // Not OK (this CTA is stopping): compute on whatever the slot holds -- the results are
+        // discarded with the step -- keep every consumer_sync of the task, and do not free the
+        // slot (its copy may still be landing); the loop ends at the next task boundary.
+        const int ws = chunk_wait(S, P, slot, it);
+        wait_cycles += clock64() - c0;
+        const unsigned sb = S.ring(slot) + lane_off;
 #pragma unroll
-          for (int jj = 0; jj < JMAX; ++jj) {
-            const int j = warp + jj * CONSUMER_WARPS;
-            if (j < nsteps && !(MK_DIAG & 4)) {
-              unsigned a[4];
+        for (int jj = 0; jj < JMAX; ++jj) {
+          const int j = warp + jj * CONSUMER_WARPS;
+          if (j < nsteps && !(MK_DIAG & 4)) {
+            unsigned a[4];
 #if MK_W_TMA
-              ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
+            ldmatrix_x4(a, sb + jj * W_JJ_BYTES);
 #else
-              ldmatrix_x4(a, sb + j * 32);
+            ldmatrix_x4(a, sb + j * 32);
 #endif
 #pragma unroll
-              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
-            }
+            for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
           }
-          if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
-          ++it;
         }
+        if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
+        ++it;
       }
     }
     }
