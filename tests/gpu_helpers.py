@@ -1,7 +1,6 @@
 """The GPU tests' shared helpers (not a test module: the GPU test modules import these, never each other): the
-model shapes of bench/models, GPU-drawn decode batches, one megakernel step with poisoned outputs, the packaged H200
-table's tuning for a model of fewer layers, the op-by-op comparison against the VM, and the step assertions (fp32
-reference, Triton path, bitwise equality). The weights fixture `models` that uses them is in conftest.py."""
+model shapes of bench/models, GPU-drawn decode batches, one megakernel step with poisoned outputs, the op-by-op
+comparison against the VM, and the step assertions (fp32 reference, Triton path, bitwise equality). The weights fixture `models` that uses them is in conftest.py."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -25,16 +24,6 @@ def spec_of(name: str, layers: int) -> LlamaSpec:
     if name == "tiny":
         return LlamaSpec.tiny()
     return replace(LlamaSpec.from_json_file(MODELS / name), num_layers=layers)
-
-
-def h200_table_tuning(name: str, bsz: int) -> dict:
-    """{bsz: the packaged H200 table's tuning of the whole model `name` at batch bsz} (its nearest measured batch),
-    for a decoder of fewer layers, whose spec hash no table holds (it would run UNTUNED_TUNING), on any GPU."""
-    from mk_plugin.persistent.tuning_table import resolve, spec_tuning_key, tuned_file
-
-    key = spec_tuning_key(LlamaSpec.from_json_file(MODELS / name), bsz, 132, False)
-    ((t, _),) = resolve(str(tuned_file("NVIDIA H200")), "NVIDIA H200", [key])
-    return {bsz: t}
 
 
 def gpu_batch(spec: LlamaSpec, seq_lens: list[int], seed: int, block_size: int = 16):

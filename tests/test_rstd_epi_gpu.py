@@ -1,8 +1,8 @@
 """MK_RSTD_EPI on the GPU (A/B switch, session 26; csrc/x_frags.cuh, matvec.cuh): a norm-fused op whose activations
 are not staged whole takes rstd out of its fragments and scales its accumulators in the epilogue, the first pass
 summing x^2 from the column groups. Against the fp32 reference and the Triton path; bitwise repeatable (fixed-order
-sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers are tests/gpu_helpers.py's,
-the weights fixture conftest.py's."""
+sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers are
+tests/gpu_helpers.py's, the weights fixture conftest.py's."""
 from __future__ import annotations
 
 import pytest
