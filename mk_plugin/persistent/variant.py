@@ -91,8 +91,8 @@ class KernelVariant:
     # MK_WGA_X (session 30; 0 = off; needs wgmma_a; a per-batch knob of the tables): the wgmma path's norm-fused ops
     # take rstd in the epilogue (x' = round(x * w), x^2 summed from the first pass's groups: no rows_rstd round trips),
     # with the norm weights loaded a group ahead and, at num_stages <= 5, 3 groups of x copies in flight (csrc/
-    # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (session 30; the 1B batch-16 table
-    # entry since session 33): each warpgroup copies, waits for and normalises only the x columns its wgmmas read,
+    # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (session 30; the 1B / 8B batch-16 table
+    # entries since sessions 33 / 34): each warpgroup copies, waits for and normalises only the x columns its wgmmas read,
     # behind its own barrier.
     wga_x: int = 0
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
