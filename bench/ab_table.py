@@ -1,4 +1,4 @@
-"""The A/B table of a gpu_session call's log: builds alternated over rounds, each block headed
+"""The A/B table of a GPU call's log (bench/gpu_calls.sh, bench/mk_ab.py): builds alternated over rounds, each block headed
 
     == round R[ GROUP]: LABEL            (LABEL "default" or the build's --define flags)
 
@@ -13,7 +13,7 @@ difference from the default build's mean in the same column (us). CPU only: it r
 passes when every one of its rounds is at least G% below the default's mean at each --at column and no round of any
 column is more than S% above it.
 
-GROUP names the column group of a log whose headers have none (gpu_session10.sh's calls 1 and 2: one model
+GROUP names the column group of a log whose headers have none (session 10's calls 1 and 2: one model
 per log), so that several logs make one table.
 """
 from __future__ import annotations

@@ -1,65 +1,102 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (bench/NOTES.md, session 5 "Next"), one per device `run`, so the
-# machine's ~30 s warm window between calls is not spent typing. Run from the project root on the
-# GPU host; carry .commit (and the bundle part named below). Output under $2 (default bench/results).
-#   call 1: carry .commit .gpuhost/part.0   bash bench/gpu_calls.sh 1 $OUT
-#   call 2: carry .commit .gpuhost/part.1   bash bench/gpu_calls.sh 2 $OUT
-#   call 3: carry .commit .gpuhost/part.2 .gpuhost/unpack.sh   bash bench/gpu_calls.sh 3 $OUT
-#   call 4, 5, 6, 7: carry .commit          bash bench/gpu_calls.sh 4 $OUT
-#   (call 7, the autotuner, needs no vLLM: it can run first, right after call 1)
-#   call 8: carry .commit .whl (after `bash bench/profile_wheels.sh` here): Nsight Compute per op
-# Each call copies its bundle part to /root/parts first (the bundle is needed from call 3 on) and
-# tees its output into $out/gpu_call_<n>_<date>_<commit>.log (mk_step prints only: the log is its record).
+# The GPU host's calls, by name: one device `run` each (`bash bench/gpu_calls.sh NAME $OUT` from the project root),
+# so the machine's ~30 s warm window is not spent typing. Until session 34 every session wrote its own
+# bench/gpu_session<N>.sh (38 of them, most naming switches that have left the kernel since); they are in git history
+# (the last at commit a15299f) and bench/NOTES.md cites them by session and call number.
+#
+# On an H100 (the device tool lends one when no H200 comes) the calls run the packaged H200 table's tunings: its keys
+# are model, batch and 132 SMs, which the H100 SXM shares, so every build is the H200 program (say which card gave
+# each figure). Calls that need vLLM (vllm_env) unpack the bundle once per machine: `part0` and `part1` carry
+# .gpuhost/part.0 / part.1, the first vLLM call carries .gpuhost/part.2 and .gpuhost/unpack.sh.
+#
+#   paths          issue 11: both decode paths, 1B b1/4/8/16 and 8B b1/8/16 at ctx 512 and 4096; the op-by-op and
+#                  tuned-program GPU tests (~170 s on an H200)
+#   wga_x          issue 11: the table's wga_x against the other value at 8B b12 / b16 and 1B b16, 2 alternated rounds
+#   lm_head        MK_LM_HEAD kernel-only: the LM head as megakernel tasks against vLLM's GEMM after the step
+#   kernel_tests   the kernel GPU tests other than op-by-op (~390 s)
+#   sanitize       compute-sanitizer on the default build (b1 / 8 / 16) and the wgmma path's x staging (b16 / 12)
+#   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
+#   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
+#   part0 part1    copy a vLLM bundle part to /root/parts
+#   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
+#   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
+#   serve_1b       issue 12: bench/serve.py 1B, stock against auto, concurrency 1 / 8 / 16, 2 rounds
+#   serve_8b       issue 12: bench/serve.py 8B, stock against auto, concurrency 1 / 8 / 16
+#   tbt_1layer     issue 12: the one-layer model (vLLM's host floor) against stock, 3 rounds with profiles
 set -uo pipefail
-n=${1:?call number 1..7}; out=${2:-bench/results}; mkdir -p "$out" /root/parts
-for p in .gpuhost/part.*; do [ -f "$p" ] && cp "$p" /root/parts/; done
-vllm_env() {
-  [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
-  export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-  cp bench/results/tbt.csv "$out/" 2>/dev/null || true  # new rows append to the committed history
-}
-quiet() { grep -v "^(EngineCore" | tail -"${1:-12}"; }
-commit=$(python3 bench/common.py)
+n=${1:?call name (see the list at the top)}; out=${2:-$OUT}; mkdir -p "$out"
+source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto, tbt_1layer_profiled
+if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then
+  export MK_TUNING=$PWD/mk_plugin/persistent/tuned/megakernel_nvidia_h200.json
+  echo "H100: the H200 table's tunings (MK_TUNING=$MK_TUNING)"
+fi
+W=MK_W_TMA=1,MK_WGMMA_A=4   # the wgmma path's builds, as the tables' b10..16 entries compile them
 {
-echo "date $(date -u +%FT%TZ) call $n commit $commit"
 case $n in
-  1) # the kernel first (no vLLM): the gpu tests and the step table (gpu_session5.sh call 4 as run on
-     # 5918573), with the bundle part copied on the way
-     bash bench/gpu_session5.sh 4 "$out" ;;
-  2) # racecheck at batch 16 and a batch-16 trace (gpu_session5.sh call 6)
-     bash bench/gpu_session5.sh 6 "$out" ;;
-  3) vllm_env
-     timeout 260 python3 bench/vllm_correctness.py --mode megakernel --parts a --a-weights random --steps-a 1024 \
-       --mk-env MK_ROUNDING=stock --timeout 120 --outdir "$out" 2>&1 | quiet 6
-     timeout 300 python3 bench/tbt.py --models llama-3.2-1b-1layer --prompts 512 --batches 1,8 \
-       --modes triton,megakernel --runs 2 --outdir "$out" 2>&1 | quiet 10 ;;
-  4) vllm_env
-     timeout 580 python3 bench/vllm_correctness.py --models llama-3.1-8b --mode megakernel --a-weights random \
-       --outdir "$out" 2>&1 | quiet 14 ;;
-  5) vllm_env
-     timeout 240 python3 bench/vllm_correctness.py --mode triton --parts b --runner v1 --timeout 110 \
-       --outdir "$out" 2>&1 | quiet 10
-     timeout 330 python3 bench/tbt.py --models llama-3.2-1b --prompts 2048 --batches 1,4,8 \
-       --modes triton,megakernel --runs 2 --outdir "$out" 2>&1 | quiet 10 ;;
-  6) vllm_env   # issue 5's sweep at 1B (~6 min: 3 engines x 4 prompts x 5 batches); 8B needs one call per mode
-     timeout 580 python3 bench/tbt.py --sweep --models llama-3.2-1b --modes triton,megakernel --outdir "$out" \
-       2>&1 | quiet 12 ;;
-  7) # issue 5's autotuner at 1B (~4 min): winners to $out/megakernel_nvidia_h200.json (commit it as
-     # mk_plugin/persistent/tuned/), then the step A/B: the built-in split vs the tuned one
-     timeout 400 python3 bench/autotune.py --models 1b --batch 1 8 --lm-head both --rounds 1 \
-       --cache "$out/megakernel_nvidia_h200.json" --outdir "$out" 2>&1 | grep -v "^  " | tail -14
-     for tun in off "$out/megakernel_nvidia_h200.json"; do
-       MK_TUNING=$tun timeout 90 python3 bench/mk_step.py --batch 1 8 --lm-head --no-triton 2>&1 | tail -4; done ;;
-  *) echo "call number 1..7" >&2 ;;
-  8) # Nsight Compute per op (issue 14): run `bash bench/profile_wheels.sh` here first, carry .whl
-     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-       .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-     timeout 500 python3 bench/profile_ops.py --batch 1 8 16 --outdir "$out" 2>&1 | tail -30 ;;
-  9) vllm_env   # issue 12: the real client, 1B then 8B (one server per mode; ~8 min for both)
-     timeout 560 python3 bench/serve.py --models llama-3.2-1b,llama-3.1-8b --modes triton,megakernel,auto \
-       --concurrency 1,8,16 --prompts 48 --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -20 ;;
-  10) vllm_env  # issue 13 part (c): both paths against the fp32 truth, 1B (8B: its own call)
-     timeout 580 python3 bench/vllm_correctness.py --parts c --mode megakernel --outdir "$out" 2>&1 | quiet 14 ;;
+  paths)
+    T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+    T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_ring_mma_gpu.py \
+      tests/test_wgmma_a_gpu.py -k "op_by_op or tuned_programs" 2>&1 | tail -8
+    T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
+    T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096 ;;
+  wga_x)   # the 8B b14..16 entry takes wga_x 2 since session 34 (H100 only), b12 keeps 1; the 1B b16 entry 2
+    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
+      --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
+    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
+      --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
+    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1 ;;
+  lm_head)   # rows megakernel (LM head inside) and megakernel+torch_lm_head, one graph each
+    T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 --lm-head --no-triton
+    T=120 step --model bench/models/llama-3.2-1b --batch 1 8 16 --lm-head --no-triton ;;
+  kernel_tests)
+    timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_rstd_epi_gpu.py \
+      tests/test_wgmma_a_gpu.py tests/test_ring_mma_gpu.py tests/test_decode_step.py -k "not op_by_op" 2>&1 | tail -8 ;;
+  sanitize)   # 2 layers; the batch-1 racecheck takes ~95-100 s under the tool (the atomic polls): 200 s each
+    MK_SAN_TIMEOUT=200 timeout 280 bash bench/sanitize.sh "$out/san_default" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c
+    MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=90 \
+      timeout 200 bash bench/sanitize.sh "$out/san_wga_x2" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
+  ncu_b1)   # session 29's question: 0.9-1.2 us a resident chunk in the b1 loops for 0.26-0.56 us of MMA instructions
+    for m in llama-3.2-1b llama-3.1-8b; do
+      timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
+        --section SourceCounters -o "$out/ncu_${m}_b1" -f python3 bench/mk_step.py --model bench/models/$m \
+        --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 --csv /dev/null > "$out/ncu_${m}_b1_run.log" 2>&1
+      echo "ncu $m rc $?"
+      for v in sass cuda; do
+        timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source $v \
+          > "$out/ncu_${m}_b1_$v.csv" 2>&1
+        gzip -f "$out/ncu_${m}_b1_$v.csv"
+      done
+      python3 bench/ncu_stalls.py "$out/ncu_${m}_b1_sass.csv.gz" --top 30 --context 3 --fetch \
+        --out "$out/ncu_${m}_b1_stalls.md" | head -40
+      rm -f "$out/ncu_${m}_b1.ncu-rep"
+    done ;;
+  trace_1b)   # issue 11's trace PNG and per-op table of the current 1B step (the committed one is from d1c7c62)
+    for b in 1 16; do
+      timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
+        --records-dir "$out" --model bench/models/llama-3.2-1b --batch $b 2>&1 | tail -2
+    done
+    for f in "$out"/*.records.json.gz; do
+      python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
+      python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
+    done ;;
+  part0|part1) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  tbt_8b) vllm_env
+    timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
+      --modes megakernel,megakernel+MK_LM_HEAD=megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 \
+      | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+    rm -rf "$out/logs" ;;
+  correctness) vllm_env
+    timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
+      --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16
+    rm -f "$out"/logs/*payload* ;;
+  serve_1b) vllm_env && serve_1b_auto --rounds 2 && tar czf "$out/logs_serve_1b.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
+  serve_8b) vllm_env
+    timeout 580 python3 bench/serve.py --models llama-3.1-8b --modes auto --concurrency 1,8,16 --prompts 32 \
+      --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16
+    rm -rf "$out/logs" ;;
+  tbt_1layer) vllm_env && tbt_1layer_profiled tbt_1layer ;;
+  *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

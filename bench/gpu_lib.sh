@@ -1,4 +1,4 @@
-# Shared by bench/gpu_session*.sh, sourced once `n` (the call number) and `out` (the output folder) are
+# Shared by bench/gpu_calls.sh, sourced once `n` (the call name) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), vllm_env() (unpack the vLLM bundle once per machine, then install the
 # checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto, tbt_1layer_profiled,

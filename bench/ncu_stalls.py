@@ -1,6 +1,6 @@
 """Where a kernel's warps stall, from Nsight Compute's source page exported as CSV (CPU only).
 
-    ncu ... --section SourceCounters -o REP            (on the GPU host; bench/mk_diag.sh, gpu_session15.sh)
+    ncu ... --section SourceCounters -o REP            (on the GPU host; bench/mk_diag.sh, bench/gpu_calls.sh ncu_b1)
     ncu --import REP.ncu-rep --page source --csv --print-source sass > SRC.csv
     python bench/ncu_stalls.py SRC.csv[.gz] [--top 25] [--context 3] [--out FILE.md]
 

@@ -1,4 +1,4 @@
-"""bench/ab_table.py: the A/B table of a gpu_session log (builds alternated over rounds)."""
+"""bench/ab_table.py: the A/B table of a GPU call's log (builds alternated over rounds)."""
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,5 @@
-"""MK_WGMMA_A on the CPU (A/B switch, session 28; csrc/matvec_wgmma_a.cuh): the premise of its A/B (bench/gpu_session35.sh
-call 14), that at batch 9..16 every matvec task of the measured models takes the wgmma path -- the kernel's wga_takes
+"""MK_WGMMA_A on the CPU (A/B switch, session 28; csrc/matvec_wgmma_a.cuh): the premise of its A/B (bench/NOTES.md,
+session 28), that at batch 9..16 every matvec task of the measured models takes the wgmma path -- the kernel's wga_takes
 wants the task's width (K, or a K-split part's) a multiple of its 256-column chunk -- including the K-split parts of
 the packaged H200 table's entries; and the variant's values. (The GPU test is test_wgmma_a_gpu.py.)"""
 from __future__ import annotations
