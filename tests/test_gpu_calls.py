@@ -42,8 +42,9 @@ def test_every_switch_named_is_read_by_the_code(script: Path):
 
 def test_every_named_call_is_listed_at_the_top():
     text = (BENCH / "gpu_calls.sh").read_text()
-    cases = {c.strip() for line in re.findall(r"^  ([a-z0-9_|]+)\)", text, re.M) for c in line.split("|")}
-    listed = set(re.findall(r"^#   ([a-z0-9_]+(?: [a-z0-9_]+)*)\s{2,}", text, re.M))
+    calls = re.findall(r"^  ([a-z0-9_|]+)\)", text, re.MULTILINE)
+    cases = {c.strip() for line in calls for c in line.split("|")}
+    listed = set(re.findall(r"^#   ([a-z0-9_]+(?: [a-z0-9_]+)*)\s{2,}", text, re.MULTILINE))
     listed = {w for entry in listed for w in entry.split()}
     assert cases, "no calls found"
     assert cases == listed, f"calls {sorted(cases)} against the list at the top {sorted(listed)}"
