@@ -23,9 +23,11 @@
 #   serve_1b       issue 12: bench/serve.py 1B, stock against auto, concurrency 1 / 8 / 16, 2 rounds
 #   serve_8b       issue 12: bench/serve.py 8B, stock against auto, concurrency 1 / 8 / 16
 #   tbt_1layer     issue 12: the one-layer model (vLLM's host floor) against stock, 3 rounds with profiles
+#   soak_engines   the megakernel's 2,000-request soak with preemption, first call: the engines' runs
+#   soak           its second call on the same machine: the verdict against stock and the fp32 truth
 set -uo pipefail
 n=${1:?call name (see the list at the top)}; out=${2:-$OUT}; mkdir -p "$out"
-source bench/gpu_lib.sh   # header line, step(), vllm_env(), serve_1b_auto, tbt_1layer_profiled
+source bench/gpu_lib.sh   # header line, step(), copy_parts(), vllm_env(), serve_auto, tbt_1layer_profiled, soak
 if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100; then
   export MK_TUNING=$PWD/mk_plugin/persistent/tuned/megakernel_nvidia_h200.json
   echo "H100: the H200 table's tunings (MK_TUNING=$MK_TUNING)"
@@ -81,7 +83,7 @@ case $n in
       python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
     done ;;
-  part0|part1) mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ && ls /root/parts ;;
+  part0|part1) copy_parts; ls /root/parts ;;
   tbt_8b) vllm_env
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
       --modes megakernel,megakernel+MK_LM_HEAD=megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 \
@@ -91,12 +93,11 @@ case $n in
     timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
       --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16
     rm -f "$out"/logs/*payload* ;;
-  serve_1b) vllm_env && serve_1b_auto --rounds 2 && tar czf "$out/logs_serve_1b.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
-  serve_8b) vllm_env
-    timeout 580 python3 bench/serve.py --models llama-3.1-8b --modes auto --concurrency 1,8,16 --prompts 32 \
-      --outdir "$out" 2>&1 | grep -v "^(APIServer" | tail -16
-    rm -rf "$out/logs" ;;
+  serve_1b) vllm_env && serve_auto llama-3.2-1b --rounds 2 && tar czf "$out/logs_serve_1b.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
+  serve_8b) vllm_env && serve_auto llama-3.1-8b; rm -rf "$out/logs" ;;
   tbt_1layer) vllm_env && tbt_1layer_profiled tbt_1layer ;;
+  soak_engines) vllm_env && soak megakernel --engines-only ;;
+  soak) vllm_env && soak megakernel ;;
   *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -1,21 +1,23 @@
 # Shared by bench/gpu_calls.sh, sourced once `n` (the call name) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
-# STEP_T, default 200 s), vllm_env() (unpack the vLLM bundle once per machine, then install the
-# checkout without dependencies), and the vLLM calls that every session script repeats (serve_1b_auto, tbt_1layer_profiled,
-# soak_triton, soak_megakernel).
+# STEP_T, default 200 s), copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
+# machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
+# (serve_auto, tbt_1layer_profiled, soak).
 export PYTHONUNBUFFERED=1
-: "${n:?gpu_lib.sh: set n (the call number) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
+: "${n:?gpu_lib.sh: set n (the call name) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
 step() { timeout "${T:-${STEP_T:-200}}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
+copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
 vllm_env() {
-  mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null
+  copy_parts
   [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
   export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 }
-serve_1b_auto() {   # issue 12: serve.py 1B, stock and auto (c 1, 8, 16; extra args: e.g. --rounds 2)
-  timeout 580 python3 bench/serve.py --models llama-3.2-1b --modes auto --concurrency 1,8,16 \
+serve_auto() {   # issue 12: serve.py MODEL, stock and auto (c 1, 8, 16; extra args: e.g. --rounds 2)
+  local model=$1; shift
+  timeout 580 python3 bench/serve.py --models "$model" --modes auto --concurrency 1,8,16 \
     --prompts 32 --outdir "$out" "$@" 2>&1 | grep -v "^(APIServer" | tail -16
 }
 tbt_1layer_profiled() {   # issue 12: the one-layer model (vLLM's host floor) against stock, 3 alternated rounds with
@@ -24,12 +26,9 @@ tbt_1layer_profiled() {   # issue 12: the one-layer model (vLLM's host floor) ag
     --rounds 3 --runs 3 --profile --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -20
   rm -f "$out"/logs/*payload*; tar czf "$out/logs_$1.tgz" -C "$out" logs && rm -rf "$out/logs" "$out/profiles"
 }
-soak_triton() {   # issue 13: the Triton mode's soak, its engines kept in /root/soak_work (extra args: --engines-only)
-  timeout 580 python3 bench/soak.py --requests 2000 --mode triton --outdir "$out" --work /root/soak_work "$@" 2>&1 \
-    | grep -v "^(EngineCore" | tail -16
-}
-soak_megakernel() {   # issue 13: the fp32-judged soak with preemption, its engines kept in /root/soak_work_mk (extra
-  # args: --engines-only; session 20's Triton soak took 434 s for the engines and 376 s for the verdict: two calls)
-  timeout 580 python3 bench/soak.py --requests 2000 --mode megakernel --outdir "$out" --work /root/soak_work_mk "$@" \
+soak() {   # the 2,000-request soak with preemption of MK_MODE=$1, its engines kept in /root/soak_work_$1 (extra args:
+  # --engines-only for the first of its two calls; session 20's Triton soak took 434 s for the engines, 376 s for the verdict)
+  local mode=$1; shift
+  timeout 580 python3 bench/soak.py --requests 2000 --mode "$mode" --outdir "$out" --work "/root/soak_work_$mode" "$@" \
     2>&1 | grep -v "^(EngineCore" | tail -16
 }
