@@ -82,7 +82,8 @@ case $n in
     for f in "$out"/*.records.json.gz; do
       python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
-    done ;;
+    done
+    rm -f "$out"/*.perfetto.json ;;   # a run returns at most 8 files (session 35 lost b1's PNG and records to it)
   part0|part1) copy_parts; ls /root/parts ;;
   tbt_8b) vllm_env
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
