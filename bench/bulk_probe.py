@@ -7,7 +7,12 @@ at KC = 512 (1 KB copies, batch 9..16 until session 11) the per-SM rate roughly 
 half-size slots did not help. This probe (bench/bulk_probe.cu, independent of csrc/) streams ~1 GB from HBM, one CTA per
 SM, in that pattern and varies one thing at a time:
 
-    python bench/bulk_probe.py [--gb 1.0] [--reps 10] [--out FILE.md]
+    python bench/bulk_probe.py [--gb 1.0] [--reps 10] [--passes 1] [--out FILE.md]
+
+--passes P re-reads each CTA's region P times in one launch (the chunk index wraps over the region): with a
+region that fits L2 (--gb 0.035: 34.6 MB), the rate at which an SM's copies take weights parked in L2, without
+the launch and the 1 us event resolution that made session 24's 17 / 35 / 52 MB launches inconclusive for the
+tiled copy. Those rows go to bench/results/bulk_probe_l2.csv (with the region's MB and P).
 
 Reading the table (rate = GB/s; `% of 4.26` against the device-to-device copy rate):
 - copy-count limit (TMA per-copy cost): at compute 0 the rate follows the copy size (B/copy), not
@@ -44,6 +49,8 @@ H200_SMS = 132
 WARMUP = 2
 CSV = common.RESULTS / "bulk_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode_copy", "kc", "ns", "compute", "ms", "gbps")
+CSV_L2 = common.RESULTS / "bulk_probe_l2.csv"   # --passes > 1: the same columns and the region re-read
+CSV_L2_HEADER = CSV_HEADER + ("region_mb", "passes")
 MODE_NAMES = ("per-row", "tiled")
 
 
@@ -104,6 +111,12 @@ def geometry(gb: float, num_sms: int, kc: int, rows: int = ROWS) -> tuple[int, i
     return rows_total, rows_total // rows * (K // kc)
 
 
+def check_passes(passes: int) -> int:
+    if not 1 <= passes <= 1000:
+        raise SystemExit(f"--passes {passes}: want 1..1000 re-reads of each CTA's region per launch")
+    return passes
+
+
 def config_bytes(cfg: Config, chunks_per_cta: int, grid: int) -> int:
     """Bytes one launch streams: chunks_per_cta * 16 * KC * 2 * grid."""
     return chunks_per_cta * cfg.rows * cfg.kc * 2 * grid
@@ -132,8 +145,8 @@ def table_row(cfg: Config, ms: float | None, nbytes: int, grid: int, skip: str |
     return head + [f"{ms:.3f}", f"{gbps:.0f}", f"{gbps / grid:.2f}", f"{100 * gbps / COPY_GBPS:.0f}%"]
 
 
-def run(gb: float, reps: int) -> tuple[str, list[list]]:
-    """Measure every config; returns (markdown, csv rows)."""
+def run(gb: float, reps: int, passes: int = 1) -> tuple[str, list[list]]:
+    """Measure every config, each CTA's region read `passes` times a launch; returns (markdown, csv rows)."""
     if reps < 1:
         raise SystemExit(f"--reps {reps}: want >= 1")
     cp, props = common.probe_device("bulk_probe")
@@ -153,6 +166,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list]]:
     commit, date = common.git_commit(), common.today()
     for cfg in config_grid():
         _, chunks = geometry(gb, grid, cfg.kc, cfg.rows)
+        chunks *= passes   # the kernel's chunk index wraps over the region
         nbytes = config_bytes(cfg, chunks, grid)
         skip = skip_reason(cfg, limit)
         if skip is not None:
@@ -175,8 +189,9 @@ def run(gb: float, reps: int) -> tuple[str, list[list]]:
         ms = common.median(times)
         rows_md.append(table_row(cfg, ms, nbytes, grid))
         rows_csv.append([date, name, commit, cfg.mode_copy, cfg.kc, cfg.ns, cfg.compute, f"{ms:.4f}",
-                         f"{nbytes / (ms * 1e-3) / 1e9:.1f}"])
-    title = (f"### bulk_probe: {name}, {grid} SMs, {n_elem * 2 / 1e9:.2f} GB per launch, median of {reps} "
+                         f"{nbytes / (ms * 1e-3) / 1e9:.1f}"] + ([f"{n_elem * 2 / 1e6:.1f}", passes] if passes > 1 else []))
+    title = (f"### bulk_probe: {name}, {grid} SMs, {n_elem * 2 / 1e9:.3f} GB region x {passes} pass(es) per launch, "
+             f"median of {reps} "
              f"({WARMUP} warm-up), commit {commit}, {date}")
     notes = ("per-row: 16 copies of KC*2 B per chunk, rows padded to KC*2+16 B (the megakernel); tiled: one "
              "contiguous copy of 32*KC B per chunk, unpadded, ldmatrix XOR-swizzled. compute 0: wait/arrive "
@@ -188,16 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="GB streamed per launch (default 1.0; L2 is 50 MB)")
     p.add_argument("--reps", type=int, default=10, help="timed launches per config (median; default 10)")
+    p.add_argument("--passes", type=int, default=1, help="re-reads of each CTA's region per launch (default 1)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     a = p.parse_args(argv)
-    geometry(a.gb, H200_SMS, 1024)   # a bad --gb fails before CUDA is touched
-    md, rows = run(a.gb, a.reps)
+    geometry(a.gb, H200_SMS, 1024)   # a bad --gb or --passes fails before CUDA is touched
+    check_passes(a.passes)
+    md, rows = run(a.gb, a.reps, a.passes)
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     else:
         print(md)
-    common.append_csv(CSV, CSV_HEADER, rows)
-    print(f"appended {len(rows)} rows to {CSV}")
+    csv, header = (CSV, CSV_HEADER) if a.passes == 1 else (CSV_L2, CSV_L2_HEADER)
+    common.append_csv(csv, header, rows)
+    print(f"appended {len(rows)} rows to {csv}")
     return 0
 
 

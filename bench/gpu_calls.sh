@@ -17,6 +17,7 @@
 #   sanitize       compute-sanitizer on the default build (b1 / 8 / 16) and the wgmma path's x staging (b16 / 12)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
+#   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
@@ -84,6 +85,15 @@ case $n in
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
     done
     rm -f "$out"/*.perfetto.json ;;   # a run returns at most 8 files (session 35 lost b1's PNG and records to it)
+  l2_probe)   # can weights parked in L2 reach an SM's ring faster than from HBM, with the tiled copy (MK_W_TMA's)?
+    cp bench/results/bulk_probe.csv "$out/bulk_probe_before.csv"
+    timeout 120 python3 bench/bulk_probe.py --gb 1.0 --reps 5 --out "$out/bulk_probe_hbm.md" | tail -1
+    for gb in 0.018 0.035 0.052; do
+      timeout 120 python3 bench/bulk_probe.py --gb $gb --passes 40 --reps 5 --out "$out/bulk_probe_l2_$gb.md" | tail -1
+    done
+    diff "$out/bulk_probe_before.csv" bench/results/bulk_probe.csv | sed -n 's/^> //p' > "$out/bulk_probe_new_rows.csv"
+    cp bench/results/bulk_probe_l2.csv "$out/"; rm -f "$out/bulk_probe_before.csv"
+    grep -hE "^\| (per-row|tiled) \| (512|1024) \|" "$out"/bulk_probe_*.md | cut -c1-150 ;;
   part0|part1) copy_parts; ls /root/parts ;;
   tbt_8b) vllm_env
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \

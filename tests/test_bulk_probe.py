@@ -103,3 +103,15 @@ def test_no_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)   # import cupy raises ImportError
     with pytest.raises(SystemExit, match="CuPy and a CUDA GPU"):
         bp.run(1.0, 10)
+
+
+@pytest.mark.parametrize("passes", [0, -3, 1001])
+def test_bad_passes_is_a_clear_error(passes):
+    with pytest.raises(SystemExit, match="--passes"):
+        bp.main(["--passes", str(passes)])
+
+
+def test_passes_rows_go_to_their_own_csv():
+    """Rows of re-read regions (L2-resident) never mix with the one-pass HBM rows: their own file, two more columns."""
+    assert bp.CSV_L2 != bp.CSV and bp.CSV_L2_HEADER[:len(bp.CSV_HEADER)] == bp.CSV_HEADER
+    assert bp.CSV_L2_HEADER[len(bp.CSV_HEADER):] == ("region_mb", "passes")
