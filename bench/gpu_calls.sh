@@ -17,7 +17,7 @@
 #   sanitize       compute-sanitizer on the default build (b1 / 8 / 16) and the wgmma path's x staging (b16 / 12)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
-#   gate           MK_RELEASE_GATE 48 / 50 (also after o_proj / qkv) against the default 32, 1B and 8B b1 / 8 / 16, 2 rounds
+#   gate           MK_RELEASE_GATE 48 (also after o_proj) and MK_GATE_AHEAD 2 against the default, 1B b1/8/16, 8B b1/16
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
@@ -87,15 +87,16 @@ case $n in
     done
     rm -f "$out"/*.perfetto.json ;;   # a run returns at most 8 files (session 35 lost b1's PNG and records to it)
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv, down 1.5-1.8)
-    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 8 16 --rounds 2 --build default --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50
-    timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 8 16 --rounds 2 --build default --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50 ;;
+    G="--build default --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_GATE_AHEAD=2"
+    timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 1 8 16 --rounds 2 $G
+    timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
+      --batch 1 16 --rounds 2 $G ;;
   l2_probe)   # can weights parked in L2 reach an SM's ring faster than from HBM, with the tiled copy (MK_W_TMA's)?
     cp bench/results/bulk_probe.csv "$out/bulk_probe_before.csv"
-    timeout 120 python3 bench/bulk_probe.py --gb 1.0 --reps 5 --out "$out/bulk_probe_hbm.md" | tail -1
+    timeout 60 python3 bench/bulk_probe.py --gb 1.0 --reps 5 --out "$out/bulk_probe_hbm.md" | tail -1
     for gb in 0.018 0.035 0.052; do
-      timeout 120 python3 bench/bulk_probe.py --gb $gb --passes 40 --reps 5 --out "$out/bulk_probe_l2_$gb.md" | tail -1
+      timeout 40 python3 bench/bulk_probe.py --gb $gb --passes 40 --reps 5 --out "$out/bulk_probe_l2_$gb.md" | tail -1
     done
     diff "$out/bulk_probe_before.csv" bench/results/bulk_probe.csv | sed -n 's/^> //p' > "$out/bulk_probe_new_rows.csv"
     cp bench/results/bulk_probe_l2.csv "$out/"; rm -f "$out/bulk_probe_before.csv"

@@ -86,7 +86,7 @@ __device__ __forceinline__ bool wga_takes(int K, int B) { return batch_ntiles(B)
 
 // ---- producer: a task's passes, each column step's row blocks, mt x 4 boxes of 16 rows x 64 columns a chunk ----
 __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int mtpu, int klo, int khi,
-                                            const void* wmap_one, unsigned& it, int ti, int lane) {
+                                            const void* wmap_one, unsigned& it, int ti, int lane, unsigned gate_at) {
   const int upp = WGA_MT / mtpu, uend = t.arg0 + t.arg1;
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * mtpu;
@@ -94,7 +94,7 @@ __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, cons
       for (int m0 = 0; m0 < mt; m0 += WGA_BT) {
         const int mb = min(WGA_BT, mt - m0);   // the row block's M-tiles
         const int slot = it % NUM_STAGES;
-        if (producer_slot_wait(S, P, it, ti) != WAIT_OK) return false;
+        if (producer_slot_wait(S, P, it, ti, gate_at) != WAIT_OK) return false;
         if (lane == 0) {
           if (MK_DIAG & 2)
             mbar_arrive(S.full_bar(slot));

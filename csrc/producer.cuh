@@ -31,7 +31,18 @@ __device__ __forceinline__ void release_gate(const Smem& S, const Params& P, int
 // loads) waits in that queue: the release probe's fence-free hand-off floor was 5.8 us under streaming against
 // 1.0 idle (bench/NOTES.md session 16), and 6 x 32 KB is ~6x what the copy rate needs in flight.
 // Lane 0's outcome decides for the warp (lane 0 arms the barrier after it).
-__device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P, unsigned it, int ti) {
+// MK_GATE_AHEAD = G (A/B switch, session 35; 0 = off): a gated task (MK_RELEASE_GATE) issues its first G chunks
+// before the previous task's release and waits for it at chunk `gate_at` (its G-th; ~0u: no wait). Why: the full
+// gate gives the next task no head start, and session 35's H100 traces put the ungated releases at 1.5-1.9 us
+// (o_proj 4.3 at 1B b16): chunks that go out while the ring still holds the current task's last chunks land long
+// before its release, so a few of them should cost the fence little and keep the next task's start.
+__device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P, unsigned it, int ti,
+                                                  unsigned gate_at = ~0u) {
+#if MK_GATE_AHEAD
+  if (it == gate_at) release_gate(S, P, ti, threadIdx.x & 31);
+#else
+  (void)gate_at;
+#endif
 #if MK_INFLIGHT
   static_assert(MK_INFLIGHT > 0 && MK_INFLIGHT < NUM_STAGES, "MK_INFLIGHT: 1 .. NUM_STAGES - 1 chunks");
   if (it >= (unsigned)MK_INFLIGHT) {
@@ -57,7 +68,7 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
 #if MK_WGMMA_A   // matvec_wgmma_a.cuh (included after this file): which passes take 64-row chunks, and their copies
 __device__ __forceinline__ bool wga_takes(int K, int B);
 __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, const Task& t, int mtpu, int klo, int khi,
-                                            const void* wmap_one, unsigned& it, int ti, int lane);
+                                            const void* wmap_one, unsigned& it, int ti, int lane, unsigned gate_at);
 #endif
 #if MK_ATT_TMA   // attention_tma.cuh (included after this file)
 __device__ __forceinline__ bool att_tma_task(int L, int C, int c);
@@ -92,7 +103,13 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
 #endif
     WeightPlan wp;
     if (!weight_plan(P, t.opcode, t.layer, wp)) continue;
-    if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
+    const bool gated = MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1);
+#if MK_GATE_AHEAD
+    const unsigned gate_at = gated ? it + MK_GATE_AHEAD : ~0u;   // producer_slot_wait waits there
+#else
+    if (gated) release_gate(S, P, ti, lane);
+    const unsigned gate_at = ~0u;
+#endif
     if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
     const int upp = (ACC_TILES / nt) / wp.mtpu;
     const int uend = t.arg0 + t.arg1;
@@ -106,7 +123,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
 #endif
 #if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 x MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
     if (wga_takes(khi - klo, P.batch)) {
-      if (!wga_produce(S, P, t, wp.mtpu, klo, khi, wmap_one, it, ti, lane)) goto drain;
+      if (!wga_produce(S, P, t, wp.mtpu, klo, khi, wmap_one, it, ti, lane, gate_at)) goto drain;
     } else
 #endif
     for (int p0 = t.arg0; p0 < uend; p0 += upp) {
@@ -116,7 +133,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
-          if (producer_slot_wait(S, P, it, ti) != WAIT_OK) goto drain;
+          if (producer_slot_wait(S, P, it, ti, gate_at) != WAIT_OK) goto drain;
 #if MK_W_TMA   // one tensor-map copy per chunk (a tail: one per column group); rows past the matrix land as zeros
           (void)valid;
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), w_chunk_bytes(kc));

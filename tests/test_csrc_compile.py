@@ -56,7 +56,10 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             # session 30's MK_WGA_X (MK_WGMMA_A's rstd epilogue) at 2 and 4 x buffers, and x per warpgroup
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=1"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=1", "-DMK_NUM_STAGES=5"),
-            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2", "-DMK_WGA_X=2")]
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=2", "-DMK_WGA_X=2"),
+            # session 35's MK_GATE_AHEAD (a gated task's first chunks before the release) on the default and wgmma paths
+            ("-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at

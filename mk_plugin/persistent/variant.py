@@ -34,7 +34,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RELEASE_GATE", "release_gate", "release_gate"), ("MK_ATT_TMA", "att_tma", "att_tma"),
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
-                   ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"))
+                   ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
+                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -98,6 +99,10 @@ class KernelVariant:
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
+    # MK_GATE_AHEAD = G (A/B switch, session 35; 0 = off): a task that MK_RELEASE_GATE holds issues its first G weight
+    # chunks before the previous task's release and holds the rest (csrc/producer.cuh: producer_slot_wait).
+    # 1 .. num_stages - 1; needs a release gate.
+    gate_ahead: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -119,6 +124,13 @@ class KernelVariant:
         for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
+        if isinstance(self.gate_ahead, bool) or not isinstance(self.gate_ahead, int) \
+                or not (self.gate_ahead == 0 or 1 <= self.gate_ahead < self.num_stages):
+            raise ValueError(f"gate_ahead={self.gate_ahead!r}: 0 (off) or the chunks a gated task issues before the "
+                             f"release, 1 .. {self.num_stages - 1} (num_stages - 1)")
+        if self.gate_ahead and not self.release_gate:
+            raise ValueError(f"gate_ahead={self.gate_ahead} moves MK_RELEASE_GATE's wait: set release_gate too "
+                             "(it is 0)")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
