@@ -17,7 +17,7 @@
 #   sanitize       compute-sanitizer on the default build (b1 / 8 / 16) and the wgmma path's x staging (b16 / 12)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
-#   gate           MK_RELEASE_GATE 48 (also after o_proj) and MK_GATE_AHEAD 2 against the default, 1B b1/8/16, 8B b1/16
+#   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
@@ -86,11 +86,11 @@ case $n in
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
     done
     rm -f "$out"/*.perfetto.json ;;   # a run returns at most 8 files (session 35 lost b1's PNG and records to it)
-  gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv, down 1.5-1.8)
-    G="--build default --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_GATE_AHEAD=2"
-    timeout 170 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 8 16 --rounds 2 $G
-    timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
+  gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
+    G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"
+    timeout 240 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
       --batch 1 16 --rounds 2 $G ;;
   l2_probe)   # can weights parked in L2 reach an SM's ring faster than from HBM, with the tiled copy (MK_W_TMA's)?
     cp bench/results/bulk_probe.csv "$out/bulk_probe_before.csv"

@@ -531,3 +531,33 @@ def test_every_packaged_non_default_entry_is_used():
         for key, e in table.entries.items():
             if e.tuning != e.base:
                 assert table.winner(key) is e, f"{path.name}: {key} ({e.tuning.label()}) gains only {e.gain:.3f}"
+
+
+def test_release_gate_is_a_per_batch_knob():
+    """Session 35's release_gate: 0 = the decoder's variant, RELEASE_GATE_OFF = no gate, else an opcode mask; it reaches
+    the batch's variant only where the base has the default mask (an A/B build with its own keeps it, and one that moves
+    the gate's wait with gate_ahead is never left without a gate); JSON round trip; the autotuner offers the tried masks
+    and the default back."""
+    from mk_plugin.persistent.tuning import RELEASE_GATE_OFF, RELEASE_GATE_TRIES, tuned_variant
+    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
+
+    g48 = ScheduleTuning(release_gate=48)
+    assert g48.label() == "gate48" and not g48.is_default and g48.to_json()["release_gate"] == 48
+    assert ScheduleTuning.from_json(json.loads(json.dumps(g48.to_json()))) == g48
+    assert "release_gate" not in ScheduleTuning().to_json() and ScheduleTuning().label() == "default"
+    off = ScheduleTuning(release_gate=RELEASE_GATE_OFF)
+    assert off.label() == "gate_off" and ScheduleTuning.from_json(off.to_json()) == off
+    assert tuned_variant(KernelVariant(), g48).release_gate == 48
+    assert tuned_variant(KernelVariant(), off).release_gate == 0
+    assert tuned_variant(KernelVariant(), ScheduleTuning()).release_gate == RELEASE_GATE_DEFAULT
+    assert tuned_variant(KernelVariant(release_gate=34), g48).release_gate == 34          # the A/B build's own
+    ahead = KernelVariant(gate_ahead=2)
+    assert tuned_variant(ahead, off) == ahead and tuned_variant(ahead, g48).release_gate == 48
+    assert tuned_variant(KernelVariant(), g48).defines() == ("-DMK_RELEASE_GATE=48",)
+    for bad in (-2, 512, True, 1.5):
+        with pytest.raises(ValueError, match=r"release_gate=.*mask of opcodes"):
+            ScheduleTuning(release_gate=bad)
+    got = [t.release_gate for k, t in neighbours(SPEC, 2, SMS, ScheduleTuning(), lm_head=False) if k == "release_gate"]
+    assert got == list(RELEASE_GATE_TRIES)
+    got = [t.release_gate for k, t in neighbours(SPEC, 2, SMS, g48, lm_head=False) if k == "release_gate"]
+    assert got == [0, *(m for m in RELEASE_GATE_TRIES if m != 48)]

@@ -29,6 +29,7 @@ from .tuning import (
     DEFAULT_TUNING,
     KSPLIT_OPS,
     MAX_ATTN_CHUNKS,
+    RELEASE_GATE_TRIES,
     SPLIT_OPS,
     WGMMA_A_TUNED,
     ScheduleTuning,
@@ -114,6 +115,9 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
+    # the release gate's mask: which ops' next tasks wait for their release before their weights go out (a per-batch
+    # choice: session 8 at 1B against 8B, session 35's traces)
+    out += [("release_gate", base.with_release_gate(m)) for m in (0, *RELEASE_GATE_TRIES) if m != base.release_gate]
     if base.ksplit_for("down") > 1:   # gate_up's pieces at down's K parts: each part waits for its piece only
         out.append(("piece_deps", base.with_piece_deps(not base.piece_deps)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
@@ -174,7 +178,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi"]
+                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi", "release_gate"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)

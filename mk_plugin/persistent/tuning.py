@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from .encoding import STAGE_CHOICES, Rounding
+from .encoding import STAGE_CHOICES, Opcode, Rounding
 from .variant import (
     ATT_TMA_MAX_TOKENS,
     ATT_TMA_TUNED,
     INFLIGHT_MAX,
+    RELEASE_GATE_DEFAULT,
     WGA_X_CHOICES,
     WGMMA_A_CHOICES,
     KernelVariant,
@@ -46,6 +47,12 @@ MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
 # A tuning's explicit "no ring-fed attention": 0 means "the decoder's variant", which the base a table was
 # measured from may have turned on (UNTUNED_TUNING), so turning the ring off needs a value of its own.
 ATT_TMA_OFF = -1
+# A tuning's explicit "no release gate" (MK_RELEASE_GATE=0), for the same reason: 0 means the decoder's variant.
+RELEASE_GATE_OFF = -1
+# The masks the autotuner tries besides the default (gate_up's): also after qkv_rope (34), after o_proj (48), both (50).
+# Session 8 measured them on the kernel of that time: 48 / 50 worse at 1B b1..8, -86 us at 8B b1; session 35's H100
+# traces put the ungated releases at 1.5-1.9 us (o_proj 4.3 at 1B b16), so the choice is per batch.
+RELEASE_GATE_TRIES = (34, 48, 50)
 
 
 def _check_op_pairs(field_name: str, items: tuple, what: str, ops: tuple[str, ...], bad_op: str,
@@ -108,7 +115,11 @@ class ScheduleTuning:
       8's entry. Not with rstd_epi (it normalises x' before its MMAs).
     wga_x: the wgmma path's rstd epilogue (variant.KernelVariant.wga_x; fused rounding, bf16); 0 = the decoder's
       variant; only with wgmma_a. Session 30 (H200, ctx 512): -2.1% at 8B batch 16, -3.3% at 1B batch 16 against
-      the tables' builds, -0.6..-0.8% at 8B batch 9 / 12. 2: x staged per warpgroup (not yet measured).
+      the tables' builds, -0.6..-0.8% at 8B batch 9 / 12. 2: x staged per warpgroup (sessions 33-35, H100: -2..-4% at
+      8B batch 12 / 16 and 1B batch 16).
+    release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
+      task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
+      (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -122,6 +133,7 @@ class ScheduleTuning:
     rstd_epi: bool = False
     wgmma_a: int = 0
     wga_x: int = 0
+    release_gate: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -158,6 +170,10 @@ class ScheduleTuning:
                              "(and x staged per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
+        if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
+                or not (self.release_gate == RELEASE_GATE_OFF or 0 <= self.release_gate < 1 << len(Opcode)):
+            raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
+                             f"gate) or a mask of opcodes (bit Opcode.X), 1..{(1 << len(Opcode)) - 1}")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -211,6 +227,9 @@ class ScheduleTuning:
         names it otherwise)."""
         return replace(self, wga_x=wga_x)
 
+    def with_release_gate(self, release_gate: int) -> ScheduleTuning:
+        return replace(self, release_gate=release_gate)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -224,7 +243,7 @@ class ScheduleTuning:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
                 and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
-                and not self.wga_x)
+                and not self.wga_x and not self.release_gate)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -251,6 +270,10 @@ class ScheduleTuning:
             parts.append(f"wgmma_a{self.wgmma_a}")
         if self.wga_x:
             parts.append(f"wga_x{self.wga_x}")
+        if self.release_gate == RELEASE_GATE_OFF:
+            parts.append("gate_off")
+        elif self.release_gate:
+            parts.append(f"gate{self.release_gate}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -274,12 +297,14 @@ class ScheduleTuning:
             d["wgmma_a"] = self.wgmma_a
         if self.wga_x:                  # absent = the decoder's variant
             d["wga_x"] = self.wga_x
+        if self.release_gate:           # absent = the decoder's variant; RELEASE_GATE_OFF = no gate
+            d["release_gate"] = self.release_gate
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x")
+                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -288,7 +313,7 @@ class ScheduleTuning:
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
-                   int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)))
+                   int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -319,7 +344,7 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
     them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi, wga_x to a
     base without its own (the table's choices are measured on the default base; a user's variant that excludes one,
-    or sets wga_x, keeps its own)."""
+    or sets wga_x, keeps its own); the release gate's mask where the base has the default one."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
@@ -336,4 +361,10 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     # the rstd epilogue: fused rounding only; a base that sets its own (an A/B build: bench/mk_ab.py) keeps it
     if t.wga_x and not v.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:
         v = replace(v, wga_x=t.wga_x)
+    # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
+    if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:
+        if t.release_gate > 0:
+            v = replace(v, release_gate=t.release_gate)
+        elif not v.gate_ahead:
+            v = replace(v, release_gate=0)
     return v
