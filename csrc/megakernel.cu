@@ -23,6 +23,7 @@
 // MK_DIAG (timing diagnostics only, wrong results): 1 no counter waits, 2 no weight copies, 4 no MMAs, 8 a matvec
 // task's activations reach shared memory for its first pass only (matvec.cuh: the cost of the later passes' x)
 // 16 at NT = 1 a pass's first chunk's activation fragments serve all its chunks (matvec.cuh: their per-chunk cost)
+// 32 with MK_W_TMA every weight chunk from layer 0's first 512 rows, so the weights stay in L2 (producer.cuh: diag_row)
 // MK_RELEASE_GATE=<mask of opcodes> (default in tasks.h, generated: after gate_up; 0 = off): the producer does
 // not issue the weights of the task that follows one of these opcodes in its queue until that task's signal
 // is released. The release's fence (MEMBAR.ALL.GPU, ERRBAR) waits for the SM's in-flight weight copies

@@ -59,6 +59,18 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
                                             MBAR_TAG_EMPTY + slot, it, true, PRODUCER_BUDGET_MULT), 0);
 }
 
+// MK_DIAG & 32 (timing only, wrong results; MK_W_TMA builds): every weight chunk is read from layer 0's matrices at
+// its row modulo DIAG_L2_ROWS, so the weights a step streams (~14 MB at 1B, ~27 MB at 8B) stay in L2: the step
+// with L2-resident weights, between the default and MK_DIAG & 2 (no weight copies), says what parking weights in L2
+// could gain at most (session 35's question). 512 rows: a multiple of every head_dim (qkv's row pairs stay pairs) and
+// of the intermediate sizes (gate_up's up rows fold onto its gate rows). Many SMs then read the same tiles at once:
+// an L2 hot spot the parked weights would not have, so read it as a bound with that caveat.
+constexpr int DIAG_L2_ROWS = 512;
+__device__ __forceinline__ int diag_row(int row) { return (MK_DIAG & 32) ? row % DIAG_L2_ROWS : row; }
+#if (MK_DIAG & 32) && !MK_W_TMA
+#error "MK_DIAG & 32 folds the tensor-map copies' rows: build it with MK_W_TMA=1"
+#endif
+
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
 // (KC = chunk_cols_for(NT)).
@@ -116,8 +128,10 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     int klo = 0, khi = wp.K;   // a K-split task streams its part's columns of the rows
     if (is_ksplit(t)) ksplit_range(wp.K, t.arg2, klo, khi);
 #if MK_W_TMA
-    const void* wmap_full = w_map(P, t.opcode, t.layer, 0);
-    const void* wmap_one = w_map(P, t.opcode, t.layer, 1);
+    // MK_DIAG & 32 (timing only, wrong results): layer 0's maps for every layer, rows folded (diag_row)
+    const int wlayer = (MK_DIAG & 32) ? 0 : t.layer;
+    const void* wmap_full = w_map(P, t.opcode, wlayer, 0);
+    const void* wmap_one = w_map(P, t.opcode, wlayer, 1);
     if (lane == 0) tensormap_acquire(wmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
 #endif
@@ -141,7 +155,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
           } else {
-            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE, weight_row(t.opcode, p0, m * 16),
+            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE, diag_row(weight_row(t.opcode, p0, m * 16)),
                          k0, kc, S.full_bar(slot), lane);
           }
 #else

@@ -128,9 +128,11 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
     m = MegakernelModule(LlamaSpec.tiny(), variant=KernelVariant(num_stages=5))
     assert m.num_threads == 288 and m.options[-1] == "-DMK_NUM_STAGES=5" and m.layout.num_stages == 5
     assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
-    for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 32}, "diag=32")):
+    for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 64}, "diag=64"),
+                     ({"diag": 32}, r"diag=32 \(32: weights folded into L2\).*w_tma")):
         with pytest.raises(ValueError, match=msg):
             KernelVariant(**bad)
+    assert KernelVariant(diag=32, w_tma=True).defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1")
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)

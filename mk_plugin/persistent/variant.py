@@ -56,8 +56,8 @@ class KernelVariant:
     """What one build of the megakernel compiles in, as typed values: its rounding points, its weight
     ring's depth (the per-task scratch takes the rest of the shared memory) and, for bench only, the
     timing-only MK_DIAG mask (1 no counter waits, 2 no weight copies, 4 no MMAs, 8 activations staged for a matvec
-    task's first pass only, 16 a pass's first activation fragments reused for its other chunks at NT = 1: wrong
-    results).
+    task's first pass only, 16 a pass's first activation fragments reused for its other chunks at NT = 1, 32 every
+    weight chunk from layer 0's first 512 rows, L2-resident, with w_tma: wrong results).
     defines() renders the -D options; nothing reads a variant back from option strings: parse() is the
     command-line boundary (bench --define, pytest --mk-define), used once where the values come in."""
     rounding: Rounding = Rounding.FUSED
@@ -151,10 +151,14 @@ class KernelVariant:
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
-        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 31:
-            raise ValueError(f"diag={self.diag!r}: a mask in 0..31 (1 no waits, 2 no weight copies, 4 no MMAs, "
+        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 63:
+            raise ValueError(f"diag={self.diag!r}: a mask in 0..63 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
-                             "activation fragments reused for a pass's other chunks at NT = 1)")
+                             "activation fragments reused for a pass's other chunks at NT = 1, 32 weights from L2: "
+                             "layer 0's first 512 rows, with w_tma)")
+        if self.diag & 32 and not self.w_tma:
+            raise ValueError(f"diag={self.diag} (32: weights folded into L2) folds the tensor-map copies' rows: set "
+                             "w_tma=True too (MK_W_TMA=1)")
 
     def _changed(self) -> list[tuple[str, str, object]]:
         """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
