@@ -107,7 +107,10 @@ case $n in
     done
     diff "$out/bulk_probe_before.csv" bench/results/bulk_probe.csv | sed -n 's/^> //p' > "$out/bulk_probe_new_rows.csv"
     cp bench/results/bulk_probe_l2.csv "$out/"; rm -f "$out/bulk_probe_before.csv"
-    grep -hE "^\| (per-row|tiled) \| (512|1024) \|" "$out"/bulk_probe_*.md | cut -c1-150 ;;
+    grep -hE "^\| (per-row|tiled) \| (512|1024) \|" "$out"/bulk_probe_*.md | cut -c1-150
+    # one markdown file for the four tables (a run returns at most 8 files: this call may share one with others)
+    cat "$out"/bulk_probe_hbm.md "$out"/bulk_probe_l2_*.md > "$out/bulk_probe_tables.md"
+    rm -f "$out"/bulk_probe_hbm.md "$out"/bulk_probe_l2_*.md ;;
   part0|part1) copy_parts; ls /root/parts ;;
   tbt_8b) vllm_env
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \
