@@ -155,8 +155,8 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
           } else {
-            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE, diag_row(weight_row(t.opcode, p0, m * 16)),
-                         k0, kc, S.full_bar(slot), lane);
+            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE,
+                         diag_row(weight_row(t.opcode, p0, m * 16)), k0, kc, S.full_bar(slot), lane);
           }
 #else
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));
