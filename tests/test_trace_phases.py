@@ -126,3 +126,16 @@ def test_phase_delta_is_b_minus_a_per_common_op():
     assert (o.busy_us, o.stage_us, o.chunks_us, o.release_us) == pytest.approx((-1.0, -0.2, 0.0, -0.1))
     assert tp.phase_table_markdown(d, signed=True).splitlines()[2].startswith("| o_proj | 1 | -1.00 | +0.00 | -0.20 | +0.00 |")
 
+
+
+def test_stage_by_lead_splits_each_type_by_the_producers_lead():
+    def r(tid, op, ready, stage, pf):
+        x = rec(tid, op, ready, ready + 9000, stage, 1, 0)
+        x.update(prod_first=pf)
+        return x
+    rs = [r(i, Opcode.GATE_UP, 10000, 1000 * (8 - i), 10000 - 1000 * i) for i in range(8)]   # lead 0..7 us
+    rs.append(r(8, Opcode.O_PROJ, 10000, 1500, 9000))
+    rs.append(r(9, Opcode.O_PROJ, 10000, 0, 9000))          # no stage time: not counted
+    got = tp.stage_by_lead(rs)
+    assert got["gate_up"] == [(2, 0.5, 7.5), (2, 2.5, 5.5), (2, 4.5, 3.5), (2, 6.5, 1.5)]
+    assert got["o_proj"] == [(1, 1.0, 1.5)]

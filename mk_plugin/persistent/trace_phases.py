@@ -144,6 +144,24 @@ def release_by_lag(records: Sequence[dict]) -> dict[str, dict[str, tuple[int, fl
     return {t: {b: (len(v), statistics.median(v)) for b, v in sorted(bs.items())} for t, bs in cells.items()}
 
 
+def stage_by_lead(records: Sequence[dict], parts: int = 4) -> dict[str, list[tuple[int, float, float]]]:
+    """Matvec tasks per type, split into `parts` equal groups by the producer's lead (ready - the task's first weight
+    issue, us): [(tasks, median lead, median stage us)] from the shortest lead up. A stage that falls as the lead
+    grows waits behind the SM's own recent copies; a flat one does not (session 35: 1B b16's norm-fused stage, flat)."""
+    cells: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if r.get("prod_first") and r.get("ph_stage", 0) > 0:
+            cells[r.get("type") or task_type(r["opcode"])].append(((r["ready"] - r["prod_first"]) / 1e3,
+                                                                   r["ph_stage"] / 1e3))
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for typ, xs in cells.items():
+        xs.sort()
+        groups = [xs[len(xs) * i // parts:len(xs) * (i + 1) // parts] for i in range(parts)]
+        out[typ] = [(len(g), statistics.median(x[0] for x in g), statistics.median(x[1] for x in g))
+                    for g in groups if g]
+    return out
+
+
 # ---- the budget of one layer (issue 11): bytes, task time and hand-off gaps along the chain ---------------
 CHAIN = ("qkv_rope", "attn", "o_proj", "gate_up", "down")   # one layer's ops in dependency order
 READ_GBPS = 4500.0   # the H200's streaming read rate (bench/results/release_probe_2026-12-03_6b93050_inflight.md)
@@ -253,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("release us by when the SM's next weights began (tasks, median):\n")
         for typ, bs in release_by_lag(recs).items():
             print(f"- {typ}: " + ", ".join(f"{b}: {m:.2f} ({n})" for b, (n, m) in bs.items()))
+        print("\nstage us by the producer's lead, quartiles from the shortest (tasks, median lead -> median stage):\n")
+        for typ, qs in stage_by_lead(recs).items():
+            print(f"- {typ}: " + ", ".join(f"{ld:.2f} -> {sg:.2f} ({n})" for n, ld, sg in qs))
         print()
     return 0
 
