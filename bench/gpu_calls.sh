@@ -86,7 +86,7 @@ case $n in
       python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
     done
-    rm -f "$out"/*.perfetto.json ;;   # a run returns at most 8 files (session 35 lost b1's PNG and records to it)
+    rm -f "$out"/*.perfetto.json ;;   # large, never committed: `mk_plugin.trace convert` rebuilds them from the records
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
     G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"
     timeout 240 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
@@ -107,10 +107,7 @@ case $n in
     done
     diff "$out/bulk_probe_before.csv" bench/results/bulk_probe.csv | sed -n 's/^> //p' > "$out/bulk_probe_new_rows.csv"
     cp bench/results/bulk_probe_l2.csv "$out/"; rm -f "$out/bulk_probe_before.csv"
-    grep -hE "^\| (per-row|tiled) \| (512|1024) \|" "$out"/bulk_probe_*.md | cut -c1-150
-    # one markdown file for the four tables (the run's 8-file limit: this call may share a run with others)
-    cat "$out"/bulk_probe_hbm.md "$out"/bulk_probe_l2_*.md > "$out/bulk_probe_tables.md"
-    rm -f "$out"/bulk_probe_hbm.md "$out"/bulk_probe_l2_*.md ;;
+    grep -hE "^\| (per-row|tiled) \| (512|1024) \|" "$out"/bulk_probe_*.md | cut -c1-150 ;;
   part0|part1) copy_parts; ls /root/parts ;;
   tbt_8b) vllm_env
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,8 --prompts 512 \

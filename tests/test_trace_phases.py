@@ -127,7 +127,6 @@ def test_phase_delta_is_b_minus_a_per_common_op():
     assert tp.phase_table_markdown(d, signed=True).splitlines()[2].startswith("| o_proj | 1 | -1.00 | +0.00 | -0.20 | +0.00 |")
 
 
-
 def test_stage_by_lead_splits_each_type_by_the_producers_lead():
     def r(tid, op, ready, stage, pf):
         x = rec(tid, op, ready, ready + 9000, stage, 1, 0)

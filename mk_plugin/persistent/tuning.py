@@ -25,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from .encoding import STAGE_CHOICES, Opcode, Rounding
+from .encoding import STAGE_CHOICES, Rounding
 from .variant import (
     ATT_TMA_MAX_TOKENS,
     ATT_TMA_TUNED,
     INFLIGHT_MAX,
     RELEASE_GATE_DEFAULT,
+    RELEASE_GATE_MASKS,
     WGA_X_CHOICES,
     WGMMA_A_CHOICES,
     KernelVariant,
@@ -171,9 +172,9 @@ class ScheduleTuning:
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
         if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
-                or not (self.release_gate == RELEASE_GATE_OFF or 0 <= self.release_gate < 1 << len(Opcode)):
+                or not (self.release_gate == RELEASE_GATE_OFF or 0 <= self.release_gate < RELEASE_GATE_MASKS):
             raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
-                             f"gate) or a mask of opcodes (bit Opcode.X), 1..{(1 << len(Opcode)) - 1}")
+                             f"gate) or a mask of opcodes (bit Opcode.X), 1..{RELEASE_GATE_MASKS - 1}")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")

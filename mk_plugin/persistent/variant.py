@@ -28,6 +28,7 @@ from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
+RELEASE_GATE_MASKS = 1 << len(Opcode)   # MK_RELEASE_GATE's masks: a bit per opcode
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
@@ -110,9 +111,9 @@ class KernelVariant:
         if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
             raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
         if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
-                or not 0 <= self.release_gate < (1 << len(Opcode)):
+                or not 0 <= self.release_gate < RELEASE_GATE_MASKS:
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
-                             f"0..{(1 << len(Opcode)) - 1}")
+                             f"0..{RELEASE_GATE_MASKS - 1}")
         if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
                 or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
             raise ValueError(f"att_tma={self.att_tma!r}: the ring path's minimum tokens per attention task, "
