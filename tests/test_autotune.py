@@ -561,3 +561,40 @@ def test_release_gate_is_a_per_batch_knob():
     assert got == list(RELEASE_GATE_TRIES)
     got = [t.release_gate for k, t in neighbours(SPEC, 2, SMS, g48, lm_head=False) if k == "release_gate"]
     assert got == [0, *(m for m in RELEASE_GATE_TRIES if m != 48)]
+
+
+def test_gate_ahead_is_a_per_batch_knob():
+    """Session 36's gate_ahead: MK_GATE_AHEAD per batch size (0 = the decoder's variant); it reaches the variant only
+    where that has a gate and no head start of its own; it needs a gate (not RELEASE_GATE_OFF) and stays below every
+    ring depth; JSON round trip; the autotuner offers it alone and with mask 48 as one step (session 36: each alone
+    ~1%, together -4..-5% at 1B b1 / b16 on the H100)."""
+    from mk_plugin.persistent.tuning import (GATE_AHEAD_MAX, GATE_AHEAD_TRIED, RELEASE_GATE_OFF,
+                                             RELEASE_GATE_TRIED_WITH_AHEAD, tuned_variant)
+    from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
+
+    t = ScheduleTuning(release_gate=48, gate_ahead=2)
+    assert t.label() == "gate48,ahead2" and not t.is_default and t.to_json()["gate_ahead"] == 2
+    assert ScheduleTuning.from_json(json.loads(json.dumps(t.to_json()))) == t
+    assert "gate_ahead" not in ScheduleTuning(release_gate=48).to_json()
+    v = tuned_variant(KernelVariant(), t)
+    assert (v.release_gate, v.gate_ahead) == (48, 2)
+    assert set(v.defines()) == {"-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"}
+    only = tuned_variant(KernelVariant(), ScheduleTuning(gate_ahead=1))       # the default mask keeps its head start
+    assert (only.release_gate, only.gate_ahead) == (RELEASE_GATE_DEFAULT, 1)
+    assert tuned_variant(KernelVariant(release_gate=48, gate_ahead=3), t).gate_ahead == 3   # the A/B build's own
+    assert tuned_variant(KernelVariant(release_gate=0), ScheduleTuning(gate_ahead=2)).gate_ahead == 0   # no gate
+    assert tuned_variant(KernelVariant(num_stages=4), t).gate_ahead == 2 < 4
+    for bad in (-1, GATE_AHEAD_MAX + 1, True, 1.5):
+        with pytest.raises(ValueError, match=r"gate_ahead=.*1\.\." + str(GATE_AHEAD_MAX)):
+            ScheduleTuning(gate_ahead=bad)
+    with pytest.raises(ValueError, match="gate_ahead=2 moves the release gate's wait.*choose one"):
+        ScheduleTuning(release_gate=RELEASE_GATE_OFF, gate_ahead=2)
+    cands = neighbours(SPEC, 2, SMS, ScheduleTuning(), lm_head=False)
+    assert [c.gate_ahead for k, c in cands if k == "gate_ahead"] == [GATE_AHEAD_TRIED]
+    assert [(c.release_gate, c.gate_ahead) for k, c in cands if k == "release_gate+gate_ahead"] == \
+        [(RELEASE_GATE_TRIED_WITH_AHEAD, GATE_AHEAD_TRIED)]
+    cands = neighbours(SPEC, 2, SMS, t, lm_head=False)
+    assert [c.gate_ahead for k, c in cands if k == "gate_ahead"] == [0]
+    assert not [k for k, _ in cands if k == "release_gate+gate_ahead"]
+    assert not [k for k, _ in neighbours(SPEC, 2, SMS, ScheduleTuning(release_gate=RELEASE_GATE_OFF), lm_head=False)
+                if k == "gate_ahead"]

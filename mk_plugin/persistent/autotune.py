@@ -27,8 +27,11 @@ from .tensormap import check_model, check_weights_model
 from .tuning import (
     ATT_TMA_OFF,
     DEFAULT_TUNING,
+    GATE_AHEAD_TRIED,
     KSPLIT_OPS,
     MAX_ATTN_CHUNKS,
+    RELEASE_GATE_OFF,
+    RELEASE_GATE_TRIED_WITH_AHEAD,
     RELEASE_GATE_TRIES,
     SPLIT_OPS,
     WGMMA_A_TUNED,
@@ -118,6 +121,13 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     # the release gate's mask: which ops' next tasks wait for their release before their weights go out (a per-batch
     # choice: session 8 at 1B against 8B, session 35's traces)
     out += [("release_gate", base.with_release_gate(m)) for m in (0, *RELEASE_GATE_TRIES) if m != base.release_gate]
+    # the gated task's head start, and the pair as one step: session 36 (H100) measured mask 48 alone and ahead 2
+    # alone within ~1% at 1B b1 / b16 and the two together -4..-5%, which one knob at a time would miss
+    if base.release_gate != RELEASE_GATE_OFF:
+        out.append(("gate_ahead", base.with_gate_ahead(0 if base.gate_ahead else GATE_AHEAD_TRIED)))
+    if not base.gate_ahead and base.release_gate != RELEASE_GATE_TRIED_WITH_AHEAD:
+        out.append(("release_gate+gate_ahead",
+                    base.with_release_gate(RELEASE_GATE_TRIED_WITH_AHEAD).with_gate_ahead(GATE_AHEAD_TRIED)))
     if base.ksplit_for("down") > 1:   # gate_up's pieces at down's K parts: each part waits for its piece only
         out.append(("piece_deps", base.with_piece_deps(not base.piece_deps)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)
@@ -178,7 +188,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi", "release_gate"]
+                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi", "release_gate", "gate_ahead", "release_gate+gate_ahead"]
         for knob in knobs:
             cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                               chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)

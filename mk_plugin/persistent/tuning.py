@@ -54,6 +54,12 @@ RELEASE_GATE_OFF = -1
 # Session 8 measured them on the kernel of that time: 48 / 50 worse at 1B b1..8, -86 us at 8B b1; session 35's H100
 # traces put the ungated releases at 1.5-1.9 us (o_proj 4.3 at 1B b16), so the choice is per batch.
 RELEASE_GATE_TRIES = (34, 48, 50)
+# MK_GATE_AHEAD's chunks that a tuning may set: below every ring depth (STAGE_CHOICES), so any num_stages holds them.
+# Session 36 (H100, the H200 table's tunings): with mask 48, ahead 2 -4.3% at 1B b1 and -5.2% at b16, 1 and 3 less,
+# 4 and 5 nothing; ahead 2 with gate_up's mask alone -1%.
+GATE_AHEAD_MAX = min(STAGE_CHOICES) - 1
+GATE_AHEAD_TRIED = 2
+RELEASE_GATE_TRIED_WITH_AHEAD = 48   # the mask the autotuner pairs with it (gate_up's and o_proj's next tasks)
 
 
 def _check_op_pairs(field_name: str, items: tuple, what: str, ops: tuple[str, ...], bad_op: str,
@@ -121,6 +127,9 @@ class ScheduleTuning:
     release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
       task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
       (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
+    gate_ahead: MK_GATE_AHEAD for this batch size (variant.KernelVariant.gate_ahead: a gated task issues its first
+      gate_ahead chunks before the release it waits for), 1..GATE_AHEAD_MAX; 0 = the decoder's variant. Needs a gate
+      (not RELEASE_GATE_OFF). A base variant that sets its own keeps it.
     """
     split: tuple[tuple[str, float], ...] = ()
     attn_chunks: int = 0
@@ -135,6 +144,7 @@ class ScheduleTuning:
     wgmma_a: int = 0
     wga_x: int = 0
     release_gate: int = 0
+    gate_ahead: int = 0
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -175,6 +185,13 @@ class ScheduleTuning:
                 or not (self.release_gate == RELEASE_GATE_OFF or 0 <= self.release_gate < RELEASE_GATE_MASKS):
             raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
                              f"gate) or a mask of opcodes (bit Opcode.X), 1..{RELEASE_GATE_MASKS - 1}")
+        if isinstance(self.gate_ahead, bool) or not isinstance(self.gate_ahead, int) \
+                or not 0 <= self.gate_ahead <= GATE_AHEAD_MAX:
+            raise ValueError(f"gate_ahead={self.gate_ahead!r}: 0 (the decoder's variant) or the chunks a gated task "
+                             f"issues before its release, 1..{GATE_AHEAD_MAX}")
+        if self.gate_ahead and self.release_gate == RELEASE_GATE_OFF:
+            raise ValueError(f"gate_ahead={self.gate_ahead} moves the release gate's wait, and release_gate="
+                             f"{RELEASE_GATE_OFF} turns the gate off: choose one")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -231,6 +248,9 @@ class ScheduleTuning:
     def with_release_gate(self, release_gate: int) -> ScheduleTuning:
         return replace(self, release_gate=release_gate)
 
+    def with_gate_ahead(self, gate_ahead: int) -> ScheduleTuning:
+        return replace(self, gate_ahead=gate_ahead)
+
     def ksplit_for(self, op: str) -> int:
         """Parts op `op`'s reduction is cut into (1: not cut)."""
         return dict(self.ksplit).get(op, 1)
@@ -244,7 +264,7 @@ class ScheduleTuning:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
                 and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
-                and not self.wga_x and not self.release_gate)
+                and not self.wga_x and not self.release_gate and not self.gate_ahead)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -275,6 +295,8 @@ class ScheduleTuning:
             parts.append("gate_off")
         elif self.release_gate:
             parts.append(f"gate{self.release_gate}")
+        if self.gate_ahead:
+            parts.append(f"ahead{self.gate_ahead}")
         return ",".join(parts) or "default"
 
     def to_json(self) -> dict:
@@ -300,12 +322,14 @@ class ScheduleTuning:
             d["wga_x"] = self.wga_x
         if self.release_gate:           # absent = the decoder's variant; RELEASE_GATE_OFF = no gate
             d["release_gate"] = self.release_gate
+        if self.gate_ahead:             # absent = the decoder's variant
+            d["gate_ahead"] = self.gate_ahead
         return d
 
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate")
+                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -314,7 +338,8 @@ class ScheduleTuning:
         return cls(split, int(d.get("attn_chunks", 0)), int(d.get("num_stages", 0)),
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
-                   int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)))
+                   int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)),
+                   int(d.get("gate_ahead", 0)))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -345,7 +370,8 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
     them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi, wga_x to a
     base without its own (the table's choices are measured on the default base; a user's variant that excludes one,
-    or sets wga_x, keeps its own); the release gate's mask where the base has the default one."""
+    or sets wga_x, keeps its own); the release gate's mask where the base has the default one, and its head start (gate_ahead) where
+    the variant then has a gate and no head start of its own."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
@@ -368,4 +394,7 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
             v = replace(v, release_gate=t.release_gate)
         elif not v.gate_ahead:
             v = replace(v, release_gate=0)
+    # its head start: where the variant has a gate and no head start of its own (an A/B build keeps its own)
+    if t.gate_ahead and v.release_gate and not v.gate_ahead:
+        v = replace(v, gate_ahead=t.gate_ahead)
     return v
