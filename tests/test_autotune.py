@@ -568,8 +568,13 @@ def test_gate_ahead_is_a_per_batch_knob():
     where that has a gate and no head start of its own; it needs a gate (not RELEASE_GATE_OFF) and stays below every
     ring depth; JSON round trip; the autotuner offers it alone and with mask 48 as one step (session 36: each alone
     ~1%, together -4..-5% at 1B b1 / b16 on the H100)."""
-    from mk_plugin.persistent.tuning import (GATE_AHEAD_MAX, GATE_AHEAD_TRIED, RELEASE_GATE_OFF,
-                                             RELEASE_GATE_TRIED_WITH_AHEAD, tuned_variant)
+    from mk_plugin.persistent.tuning import (
+        GATE_AHEAD_MAX,
+        GATE_AHEAD_TRIED,
+        RELEASE_GATE_OFF,
+        RELEASE_GATE_TRIED_WITH_AHEAD,
+        tuned_variant,
+    )
     from mk_plugin.persistent.variant import RELEASE_GATE_DEFAULT, KernelVariant
 
     t = ScheduleTuning(release_gate=48, gate_ahead=2)
@@ -583,7 +588,7 @@ def test_gate_ahead_is_a_per_batch_knob():
     assert (only.release_gate, only.gate_ahead) == (RELEASE_GATE_DEFAULT, 1)
     assert tuned_variant(KernelVariant(release_gate=48, gate_ahead=3), t).gate_ahead == 3   # the A/B build's own
     assert tuned_variant(KernelVariant(release_gate=0), ScheduleTuning(gate_ahead=2)).gate_ahead == 0   # no gate
-    assert tuned_variant(KernelVariant(num_stages=4), t).gate_ahead == 2 < 4
+    assert tuned_variant(KernelVariant(num_stages=4), t).gate_ahead == 2   # below the shallowest ring (4)
     for bad in (-1, GATE_AHEAD_MAX + 1, True, 1.5):
         with pytest.raises(ValueError, match=r"gate_ahead=.*1\.\." + str(GATE_AHEAD_MAX)):
             ScheduleTuning(gate_ahead=bad)
