@@ -18,6 +18,7 @@
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
+#   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   gate_l2        MK_GATE_L2 4 / 8 / 14 (a gated task's next chunks asked of L2 at its gate) with mask 48 + ahead 2:
 #                  1B b1/4/8, 8B b1/8 (the default chunk loop's batches)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
@@ -95,6 +96,16 @@ case $n in
       --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
       --batch 1 16 --rounds 2 $G ;;
+  gate_h200)   # the 1B b1 / b16 entries' pair (session 36, H100 only) against the same table without it
+    python3 -c 'import json, sys
+d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
+for e in d["entries"]:
+    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
+    MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
+      --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 1 16 --rounds 2 --build default \
+      --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    rm -f "$out/table_before_gate.json" ;;
   gate_l2)   # session 36: mask 48 + ahead 2 holds gate_up's weights through the chain (1B b1: ~88 us more streaming)
     G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2"
     for n in 4 8 14; do G="$G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2,MK_GATE_L2=$n"; done
