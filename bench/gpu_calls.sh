@@ -19,8 +19,8 @@
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
-#   gate_l2        MK_GATE_L2 4 / 8 / 14 (a gated task's next chunks asked of L2 at its gate) with mask 48 + ahead 2:
-#                  1B b1/4/8, 8B b1/8 (the default chunk loop's batches)
+#   gate_l2        MK_GATE_L2 4 / 8 / 14 (a gated task's next chunks asked of L2 at its gate) with mask 48 + ahead 2, and
+#                  mask 112 + ahead 2: 1B b1/4/8, 8B b1/8 (the default chunk loop's batches)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
@@ -109,6 +109,7 @@ json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
   gate_l2)   # session 36: mask 48 + ahead 2 holds gate_up's weights through the chain (1B b1: ~88 us more streaming)
     G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2"
     for n in 4 8 14; do G="$G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2,MK_GATE_L2=$n"; done
+    G="$G --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"   # + down's bit: qkv_rope gated too (down's release 2.1 us)
     timeout 240 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 1 4 8 --rounds 2 $G
     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
