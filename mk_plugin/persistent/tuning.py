@@ -35,6 +35,7 @@ from .variant import (
     WGA_X_CHOICES,
     WGMMA_A_CHOICES,
     KernelVariant,
+    int_in,
 )
 
 # Ops cut into tasks over output units (tasks.py); their task count is num_sms * factor.
@@ -153,19 +154,16 @@ class ScheduleTuning:
         _check_op_pairs("ksplit", self.ksplit, "parts", KSPLIT_OPS, f": only {', '.join(KSPLIT_OPS)} can be cut over K",
                         lambda n: not isinstance(n, bool) and isinstance(n, int) and 2 <= n <= KSPLIT_MAX,
                         f"must be an int in 2..{KSPLIT_MAX}")
-        if isinstance(self.attn_chunks, bool) or not isinstance(self.attn_chunks, int) \
-                or not 0 <= self.attn_chunks <= MAX_ATTN_CHUNKS:
+        if not int_in(self.attn_chunks, 0, MAX_ATTN_CHUNKS):
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
         for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
-        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
-                or not ATT_TMA_OFF <= self.att_tma <= ATT_TMA_MAX_TOKENS:
+        if not int_in(self.att_tma, ATT_TMA_OFF, ATT_TMA_MAX_TOKENS):
             raise ValueError(f"att_tma={self.att_tma!r}: 0 (the decoder's variant), {ATT_TMA_OFF} (off) or the ring "
                              f"path's minimum tokens per attention task, 1..{ATT_TMA_MAX_TOKENS}")
-        if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) \
-                or not 0 <= self.inflight <= INFLIGHT_MAX:
+        if not int_in(self.inflight, 0, INFLIGHT_MAX):
             raise ValueError(f"inflight={self.inflight!r}: 0 (the decoder's variant) or the weight chunks in flight "
                              f"per SM, 1..{INFLIGHT_MAX} (below every ring depth)")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
@@ -181,12 +179,11 @@ class ScheduleTuning:
                              "(and x staged per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
-        if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
-                or not (self.release_gate == RELEASE_GATE_OFF or 0 <= self.release_gate < RELEASE_GATE_MASKS):
+        if not (int_in(self.release_gate, RELEASE_GATE_OFF, RELEASE_GATE_OFF)
+                or int_in(self.release_gate, 0, RELEASE_GATE_MASKS - 1)):
             raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
                              f"gate) or a mask of opcodes (bit Opcode.X), 1..{RELEASE_GATE_MASKS - 1}")
-        if isinstance(self.gate_ahead, bool) or not isinstance(self.gate_ahead, int) \
-                or not 0 <= self.gate_ahead <= GATE_AHEAD_MAX:
+        if not int_in(self.gate_ahead, 0, GATE_AHEAD_MAX):
             raise ValueError(f"gate_ahead={self.gate_ahead!r}: 0 (the decoder's variant) or the chunks a gated task "
                              f"issues before its release, 1..{GATE_AHEAD_MAX}")
         if self.gate_ahead and self.release_gate == RELEASE_GATE_OFF:

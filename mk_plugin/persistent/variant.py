@@ -53,6 +53,12 @@ INFLIGHT_TUNED = 2
 GATE_L2_MAX = 32   # MK_GATE_L2's most chunks (a gated task's whole 1B gate_up part is 16 at batch 1)
 
 
+def int_in(value: object, lo: int, hi: int) -> bool:
+    """An int (a bool is not one here) in lo..hi: the type and range check of every integer switch and knob
+    (KernelVariant, tuning.ScheduleTuning)."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
 @dataclass(frozen=True)
 class KernelVariant:
     """What one build of the megakernel compiles in, as typed values: its rounding points, its weight
@@ -115,30 +121,25 @@ class KernelVariant:
             raise TypeError(f"rounding={self.rounding!r} must be a Rounding ({', '.join(r.name for r in Rounding)})")
         if isinstance(self.num_stages, bool) or self.num_stages not in STAGE_CHOICES:
             raise ValueError(f"num_stages={self.num_stages!r}: choose one of {', '.join(map(str, STAGE_CHOICES))}")
-        if isinstance(self.release_gate, bool) or not isinstance(self.release_gate, int) \
-                or not 0 <= self.release_gate < RELEASE_GATE_MASKS:
+        if not int_in(self.release_gate, 0, RELEASE_GATE_MASKS - 1):
             raise ValueError(f"release_gate={self.release_gate!r}: a mask of opcodes (bit Opcode.X), "
                              f"0..{RELEASE_GATE_MASKS - 1}")
-        if isinstance(self.att_tma, bool) or not isinstance(self.att_tma, int) \
-                or not 0 <= self.att_tma <= ATT_TMA_MAX_TOKENS:
+        if not int_in(self.att_tma, 0, ATT_TMA_MAX_TOKENS):
             raise ValueError(f"att_tma={self.att_tma!r}: the ring path's minimum tokens per attention task, "
                              f"0 (off) .. {ATT_TMA_MAX_TOKENS}")
-        if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) \
-                or not (self.inflight == 0 or 1 <= self.inflight < self.num_stages):
+        if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
         for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
-        if isinstance(self.gate_ahead, bool) or not isinstance(self.gate_ahead, int) \
-                or not (self.gate_ahead == 0 or 1 <= self.gate_ahead < self.num_stages):
+        if not int_in(self.gate_ahead, 0, self.num_stages - 1):
             raise ValueError(f"gate_ahead={self.gate_ahead!r}: 0 (off) or the chunks a gated task issues before the "
                              f"release, 1 .. {self.num_stages - 1} (num_stages - 1)")
         if self.gate_ahead and not self.release_gate:
             raise ValueError(f"gate_ahead={self.gate_ahead} moves MK_RELEASE_GATE's wait: set release_gate too "
                              "(it is 0)")
-        if isinstance(self.gate_l2, bool) or not isinstance(self.gate_l2, int) \
-                or not 0 <= self.gate_l2 <= GATE_L2_MAX:
+        if not int_in(self.gate_l2, 0, GATE_L2_MAX):
             raise ValueError(f"gate_l2={self.gate_l2!r}: 0 (off) or the chunks a gated task prefetches into L2 at its "
                              f"gate, 1 .. {GATE_L2_MAX}")
         if self.gate_l2 and not self.gate_ahead:
@@ -166,7 +167,7 @@ class KernelVariant:
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
-        if isinstance(self.diag, bool) or not isinstance(self.diag, int) or not 0 <= self.diag <= 63:
+        if not int_in(self.diag, 0, 63):
             raise ValueError(f"diag={self.diag!r}: a mask in 0..63 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1, 32 weights from L2: "
