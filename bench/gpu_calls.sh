@@ -19,8 +19,9 @@
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
-#   gate_l2        MK_GATE_L2 4 / 8 / 14 (a gated task's next chunks asked of L2 at its gate) with mask 48 + ahead 2, and
-#                  mask 112 + ahead 2: 1B b1/4/8, 8B b1/8 (the default chunk loop's batches)
+#   gate_more      session 37's gate results followed up: the 1B b8 entry's gate (112 + ahead 2) at ctx 4096 and at
+#                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
+#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
@@ -106,14 +107,23 @@ json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
       --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 1 16 --rounds 2 --build default \
       --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
     rm -f "$out/table_before_gate.json" ;;
-  gate_l2)   # session 36: mask 48 + ahead 2 holds gate_up's weights through the chain (1B b1: ~88 us more streaming)
-    G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2"
-    for n in 4 8 14; do G="$G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2,MK_GATE_L2=$n"; done
-    G="$G --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"   # + down's bit: qkv_rope gated too (down's release 2.1 us)
-    timeout 240 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 4 8 --rounds 2 $G
-    timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 8 --rounds 2 $G ;;
+  gate_more)   # session 37: 1B b8's gate (release_gate 112 + gate_ahead 2, from ctx 512 b8 only) where it was not measured
+    python3 -c 'import json, sys
+d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
+for e in d["entries"]:
+    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
+    for c in 512 4096; do
+      MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
+        --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 6 8 11 --ctx $c --rounds 2 --build default \
+        --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
+    done
+    rm -f "$out/table_before_gate.json"
+    G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"
+    timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 4 --rounds 3 $G
+    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
+      --batch 1 8 --rounds 3 $G ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \

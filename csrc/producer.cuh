@@ -71,37 +71,6 @@ __device__ __forceinline__ int diag_row(int row) { return (MK_DIAG & 32) ? row %
 #error "MK_DIAG & 32 folds the tensor-map copies' rows: build it with MK_W_TMA=1"
 #endif
 
-// MK_GATE_L2 = N (A/B switch, session 36; 0 = off; needs MK_GATE_AHEAD, the default chunk loop): a gated task, at its
-// gate (chunk gate_at, before it waits for the previous task's release), asks L2 for its next N chunks' rows by
-// cp.async.bulk.prefetch.L2 (one per row segment, the lanes as the copies; no completion, no ring slot), so the
-// chunks the gate holds come from L2 once it opens. Why: with mask 48 and 2 chunks ahead (session 36, H100) gate_up
-// waits for o_proj's release and streams ~88 us a step longer at 1B batch 1, while HBM idles through the qkv ->
-// attention -> o_proj chain; l2_probe reads an L2-resident region at 2.4x HBM with one copy per chunk. Session 3's
-// self-prefetch (no gate then) cost +22 us a layer, read as prefetches in flight at every release.
-#if MK_GATE_L2
-static_assert(MK_GATE_AHEAD > 0, "MK_GATE_L2 prefetches at MK_GATE_AHEAD's gate: build it with MK_GATE_AHEAD");
-static_assert(MK_GATE_L2 > 0 && MK_GATE_L2 <= 32, "MK_GATE_L2: 1 .. 32 chunks");
-__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-// The chunk loop's walk (p0 passes of upp units, k0 column steps of KC in [klo, khi), M-tiles m) from the chunk at
-// (p0, k0, m) on, MK_GATE_L2 chunks or to the task's end: the rows each lane would copy.
-__device__ __forceinline__ void gate_l2_prefetch(const Task& t, const WeightPlan& wp, int p0, int k0, int m, int upp,
-                                                 int uend, int klo, int khi, int KC, int lane) {
-  int mt = min(upp, uend - p0) * wp.mtpu;
-  for (int n = 0; n < MK_GATE_L2 && p0 < uend; ++n) {
-    if (lane < tile_rows(t.opcode, p0, m))
-      prefetch_l2(chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(min(KC, khi - k0) * 2));
-    if (++m < mt) continue;
-    m = 0;
-    if ((k0 += KC) < khi) continue;
-    k0 = klo;
-    p0 += upp;
-    mt = min(upp, uend - p0) * wp.mtpu;
-  }
-}
-#endif
-
 // Chunk order of a pass (mirrored by matvec_task): for k0 in 0, KC, 2 KC, ..: for each M-tile m.
 // A chunk = the tile's 16 weight rows x [k0, k0 + kc): 16 bulk copies of kc * 2 bytes
 // (KC = chunk_cols_for(NT)).
@@ -178,9 +147,6 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
         for (int m = 0; m < mt; ++m) {
           const int slot = it % NUM_STAGES;
           const int valid = tile_rows(t.opcode, p0, m);
-#if MK_GATE_L2
-          if (it == gate_at) gate_l2_prefetch(t, wp, p0, k0, m, upp, uend, klo, khi, KC, lane);
-#endif
           if (producer_slot_wait(S, P, it, ti, gate_at) != WAIT_OK) goto drain;
 #if MK_W_TMA   // one tensor-map copy per chunk (a tail: one per column group); rows past the matrix land as zeros
           (void)valid;

@@ -60,8 +60,6 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             # session 35's MK_GATE_AHEAD (a gated task's first chunks before the release) on the default and wgmma paths
             ("-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
-            # session 36's MK_GATE_L2 (a gated task's next chunks asked of L2 at its gate; the default chunk loop)
-            ("-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2", "-DMK_GATE_L2=8"),
             # session 35's MK_DIAG & 32 (weights folded into L2, timing only) on both tensor-map paths
             ("-DMK_W_TMA=1", "-DMK_DIAG=32"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=32")]
 

@@ -36,7 +36,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
-                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_GATE_L2", "gate_l2", "gate_l2"))
+                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -50,7 +50,6 @@ WGMMA_A_CHOICES = (0, 1, 2, 4)
 WGA_X_CHOICES = (0, 1, 2)
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
-GATE_L2_MAX = 32   # MK_GATE_L2's most chunks (a gated task's whole 1B gate_up part is 16 at batch 1)
 
 
 def int_in(value: object, lo: int, hi: int) -> bool:
@@ -111,10 +110,6 @@ class KernelVariant:
     # chunks before the previous task's release and holds the rest (csrc/producer.cuh: producer_slot_wait).
     # 1 .. num_stages - 1; needs a release gate.
     gate_ahead: int = 0
-    # MK_GATE_L2 = N (A/B switch, session 36; 0 = off; needs gate_ahead): a gated task asks L2 for its next N chunks'
-    # rows at its gate, before it waits for the release (csrc/producer.cuh: gate_l2_prefetch). The default chunk loop
-    # only (not with wgmma_a, whose tasks take 64-row chunks). 1 .. GATE_L2_MAX.
-    gate_l2: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -139,14 +134,6 @@ class KernelVariant:
         if self.gate_ahead and not self.release_gate:
             raise ValueError(f"gate_ahead={self.gate_ahead} moves MK_RELEASE_GATE's wait: set release_gate too "
                              "(it is 0)")
-        if not int_in(self.gate_l2, 0, GATE_L2_MAX):
-            raise ValueError(f"gate_l2={self.gate_l2!r}: 0 (off) or the chunks a gated task prefetches into L2 at its "
-                             f"gate, 1 .. {GATE_L2_MAX}")
-        if self.gate_l2 and not self.gate_ahead:
-            raise ValueError(f"gate_l2={self.gate_l2} prefetches at gate_ahead's gate: set gate_ahead too (it is 0)")
-        if self.gate_l2 and self.wgmma_a:
-            raise ValueError(f"gate_l2={self.gate_l2} walks the default chunk loop; wgmma_a={self.wgmma_a}'s tasks take "
-                             "64-row chunks (not built): choose one")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
