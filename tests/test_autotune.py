@@ -566,7 +566,7 @@ def test_release_gate_is_a_per_batch_knob():
 def test_gate_ahead_is_a_per_batch_knob():
     """Session 36's gate_ahead: MK_GATE_AHEAD per batch size (0 = the decoder's variant); it reaches the variant only
     where that has a gate and no head start of its own; it needs a gate (not RELEASE_GATE_OFF) and stays below every
-    ring depth; JSON round trip; the autotuner offers it alone and with mask 48 as one step (session 36: each alone
+    ring depth; JSON round trip; the autotuner offers it alone and with masks 48 and 112 as one step each (session 36: each alone
     ~1%, together -4..-5% at 1B b1 / b16 on the H100)."""
     from mk_plugin.persistent.tuning import (
         GATE_AHEAD_MAX,
@@ -597,9 +597,14 @@ def test_gate_ahead_is_a_per_batch_knob():
     cands = neighbours(SPEC, 2, SMS, ScheduleTuning(), lm_head=False)
     assert [c.gate_ahead for k, c in cands if k == "gate_ahead"] == [GATE_AHEAD_TRIED]
     assert [(c.release_gate, c.gate_ahead) for k, c in cands if k == "release_gate+gate_ahead"] == \
-        [(RELEASE_GATE_TRIED_WITH_AHEAD, GATE_AHEAD_TRIED)]
+        [(m, GATE_AHEAD_TRIED) for m in RELEASE_GATE_TRIED_WITH_AHEAD] == [(48, 2), (112, 2)]
+    # a base at mask 48 without a head start: the 48 pair is its gate_ahead step, so only 112's pair is added
+    cands48 = neighbours(SPEC, 2, SMS, ScheduleTuning(release_gate=48), lm_head=False)
+    assert [(c.release_gate, c.gate_ahead) for k, c in cands48 if k == "release_gate+gate_ahead"] == [(112, 2)]
+    assert [(c.release_gate, c.gate_ahead) for k, c in cands48 if k == "gate_ahead"] == [(48, 2)]
     cands = neighbours(SPEC, 2, SMS, t, lm_head=False)
     assert [c.gate_ahead for k, c in cands if k == "gate_ahead"] == [0]
     assert not [k for k, _ in cands if k == "release_gate+gate_ahead"]
+    assert (112, 2) in [(c.release_gate, c.gate_ahead) for k, c in cands if k == "release_gate"]   # the mask, head start kept
     assert not [k for k, _ in neighbours(SPEC, 2, SMS, ScheduleTuning(release_gate=RELEASE_GATE_OFF), lm_head=False)
                 if k == "gate_ahead"]

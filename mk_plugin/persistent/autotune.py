@@ -125,9 +125,9 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     # alone within ~1% at 1B b1 / b16 and the two together -4..-5%, which one knob at a time would miss
     if base.release_gate != RELEASE_GATE_OFF:
         out.append(("gate_ahead", base.with_gate_ahead(0 if base.gate_ahead else GATE_AHEAD_TRIED)))
-    if not base.gate_ahead and base.release_gate != RELEASE_GATE_TRIED_WITH_AHEAD:
-        out.append(("release_gate+gate_ahead",
-                    base.with_release_gate(RELEASE_GATE_TRIED_WITH_AHEAD).with_gate_ahead(GATE_AHEAD_TRIED)))
+    if not base.gate_ahead:   # (a base already at one of the masks has this pair as its gate_ahead step)
+        out += [("release_gate+gate_ahead", base.with_release_gate(m).with_gate_ahead(GATE_AHEAD_TRIED))
+                for m in RELEASE_GATE_TRIED_WITH_AHEAD if m != base.release_gate]
     if base.ksplit_for("down") > 1:   # gate_up's pieces at down's K parts: each part waits for its piece only
         out.append(("piece_deps", base.with_piece_deps(not base.piece_deps)))
     for op in KSPLIT_OPS:   # cut over K (session 13: down in 4 parts wins at 1B batch 8 / 16, 2 at 8B batch 16)

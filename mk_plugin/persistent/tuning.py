@@ -51,16 +51,19 @@ MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
 ATT_TMA_OFF = -1
 # A tuning's explicit "no release gate" (MK_RELEASE_GATE=0), for the same reason: 0 means the decoder's variant.
 RELEASE_GATE_OFF = -1
-# The masks the autotuner tries besides the default (gate_up's): also after qkv_rope (34), after o_proj (48), both (50).
-# Session 8 measured them on the kernel of that time: 48 / 50 worse at 1B b1..8, -86 us at 8B b1; session 35's H100
-# traces put the ungated releases at 1.5-1.9 us (o_proj 4.3 at 1B b16), so the choice is per batch.
-RELEASE_GATE_TRIES = (34, 48, 50)
+# The masks the autotuner tries besides the default (gate_up's): also after qkv_rope (34), after o_proj (48), both (50),
+# after o_proj and down (112: qkv_rope's weights wait for down's release too). Session 8 measured them on the kernel of
+# that time: 48 / 50 worse at 1B b1..8, -86 us at 8B b1; session 35's H100 traces put the ungated releases at 1.5-1.9
+# us (o_proj 4.3 at 1B b16), so the choice is per batch; session 37 (H200, with ahead 2): 112 -3.7 / -2.8% at 1B b8.
+RELEASE_GATE_TRIES = (34, 48, 50, 112)
 # MK_GATE_AHEAD's chunks that a tuning may set: below every ring depth (STAGE_CHOICES), so any num_stages holds them.
 # Session 36 (H100, the H200 table's tunings): with mask 48, ahead 2 -4.3% at 1B b1 and -5.2% at b16, 1 and 3 less,
 # 4 and 5 nothing; ahead 2 with gate_up's mask alone -1%.
 GATE_AHEAD_MAX = min(STAGE_CHOICES) - 1
 GATE_AHEAD_TRIED = 2
-RELEASE_GATE_TRIED_WITH_AHEAD = 48   # the mask the autotuner pairs with it (gate_up's and o_proj's next tasks)
+# The masks the autotuner pairs with it as one step: 48 (gate_up's and o_proj's next tasks; session 36) and 112 (down's
+# next task too; session 37, H200: 1B b8 -3.7 / -2.8%, 48's pair -3.5 / -2.5%; 8B b1 / b8 -1.1..-1.6%, 48's -0.5..-0.8%)
+RELEASE_GATE_TRIED_WITH_AHEAD = (48, 112)
 
 
 def _check_op_pairs(field_name: str, items: tuple, what: str, ops: tuple[str, ...], bad_op: str,
