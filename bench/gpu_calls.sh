@@ -21,7 +21,7 @@
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   gate_more      session 37's gate results followed up: the 1B b8 entry's gate (112 + ahead 2) at ctx 4096 and at
 #                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
-#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds)
+#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
@@ -123,7 +123,11 @@ json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
     timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 4 --rounds 3 $G
     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 8 --rounds 3 $G ;;
+      --batch 1 8 --rounds 3 $G
+    # the tensor-map copy (2.4x from L2, session 36's l2_probe) under the 1B b1 entry's gate: the premise of reviving
+    # session 36's gate L2 prefetch (git 141be85) on that copy path (session 37 measured it on the per-row copies)
+    timeout 100 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
