@@ -98,21 +98,13 @@ case $n in
     timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
       --batch 1 16 --rounds 2 $G ;;
   gate_h200)   # the 1B b1 / b16 entries' pair (session 36, H100 only) against the same table without it
-    python3 -c 'import json, sys
-d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
-for e in d["entries"]:
-    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
-json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
+    table_without_gate "$out/table_before_gate.json"
     MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
       --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 1 16 --rounds 2 --build default \
       --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
     rm -f "$out/table_before_gate.json" ;;
   gate_more)   # session 37: 1B b8's gate (release_gate 112 + gate_ahead 2, from ctx 512 b8 only) where it was not measured
-    python3 -c 'import json, sys
-d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
-for e in d["entries"]:
-    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
-json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/table_before_gate.json"
+    table_without_gate "$out/table_before_gate.json"
     for c in 512 4096; do
       MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
         --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 6 8 11 --ctx $c --rounds 2 --build default \

@@ -2,12 +2,19 @@
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
 # machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
-# (serve_auto, tbt_1layer_profiled, soak).
+# (serve_auto, tbt_1layer_profiled, soak), and table_without_gate (the gate A/B calls' base table).
 export PYTHONUNBUFFERED=1
 : "${n:?gpu_lib.sh: set n (the call name) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
 step() { timeout "${T:-${STEP_T:-200}}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
+table_without_gate() {   # the packaged H200 table with every entry's release_gate / gate_ahead dropped, written to $1
+  python3 -c 'import json, sys
+d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
+for e in d["entries"]:
+    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$1"
+}
 copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
 vllm_env() {
   copy_parts
