@@ -22,6 +22,9 @@
 #   gate_more      session 37's gate results followed up: the 1B b8 entry's gate (112 + ahead 2) at ctx 4096 and at
 #                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
 #                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate
+#   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
+#                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
+#                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
@@ -120,6 +123,9 @@ case $n in
     # session 36's gate L2 prefetch (git 141be85) on that copy path (session 37 measured it on the per-row copies)
     timeout 100 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
+  release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
+    timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
+      --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \

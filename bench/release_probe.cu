@@ -34,6 +34,12 @@
 // mode 7: mode 0 with the same 4 KB payload (the kernel's form at that size: flag, then the payload's loads)
 // The reader polls the flag with ld.acquire.gpu and reads the payload with ld.relaxed.gpu (modes 0-4, 7).
 //
+// stream 3 / 4 (session 37: why did MK_GATE_L2 cost ~16 N us a step?): the producer of a prefetching CTA issues
+// cp.async.bulk.prefetch.L2 of its region instead of copies (16 x 2 KB a 32 KB chunk, as MK_GATE_L2 did, no ring,
+// no completion), one chunk every `pace_ns` (0: as fast as it issues). 3: every CTA prefetches; 4: the two ping-pong
+// CTAs prefetch and every other CTA streams copies (stream 2's load): if the release fence waits for the SM's own
+// prefetches, stream 4's hand-off is far above stream 2's and grows as the pace shortens.
+//
 // out[0] = CTA 0's ns for all rounds, out[1] = payload mismatches (both sides), out[2] = CTA 0's end
 // time, out[3] = the earliest producer end time (atomicMin; the host sets it to ~0 first: streaming
 // must outlast the ping-pong), out[4] = 1 when a wait timed out (a probe bug or a broken form), out[5] / out[6] =
@@ -47,6 +53,10 @@
 #define RP_PAYLOAD_WORDS 64      // modes 0-5 (the bulk forms stage this many words in shared memory)
 #define RP_PAYLOAD_WORDS_BIG 1024 // modes 6, 7 (4 KB); each CTA's payload slot in `payloads` holds this many
 #include "probe_ring.cuh"
+
+__device__ __forceinline__ void rp_prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ int rp_words(int mode) { return mode >= 6 ? RP_PAYLOAD_WORDS_BIG : RP_PAYLOAD_WORDS; }
 __device__ __forceinline__ bool rp_data_flag(int mode) { return mode == 5 || mode == 6; }
@@ -148,7 +158,7 @@ __device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, c
 
 extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     release_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int iters,
-                  int chunks, int inflight, unsigned* flags, unsigned* payloads, unsigned long long* out) {
+                  int chunks, int inflight, int pace_ns, unsigned* flags, unsigned* payloads, unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
   const unsigned full0 = ring + RP_NS * RP_SLOT, empty0 = full0 + 8 * RP_NS;
@@ -163,8 +173,28 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
-  const int n = (stream == 1 || (stream == 2 && blockIdx.x >= 2)) ? chunks : 0;
-  if (warp == 0) {  // producer
+  const bool pp = blockIdx.x < 2;   // a ping-pong CTA
+  const int n = (stream == 1 || ((stream == 2 || stream == 4) && !pp)) ? chunks : 0;     // chunks copied
+  const int np = (stream == 3 || (stream == 4 && pp)) ? chunks : 0;                     // chunks prefetched to L2
+  if (warp == 0 && np > 0) {  // producer, prefetching: paced, nothing to wait for
+    long long off = 0;
+    const unsigned long long t0 = probe_ns();
+    if (lane == 0) atomicMin(out + 5, t0);
+    for (int it = 0; it < np; ++it) {
+      if (lane < (int)(RP_SLOT / RP_COPY)) rp_prefetch_l2(region + off + lane * RP_COPY, RP_COPY);
+      off += RP_SLOT;
+      if (off + RP_SLOT > region_bytes) off = 0;
+      if (lane == 0)
+        while (probe_ns() - t0 < (unsigned long long)(it + 1) * (unsigned)pace_ns) {
+        }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      const unsigned long long t_end = probe_ns();
+      atomicMin(out + 3, t_end);
+      atomicMax(out + 6, t_end);
+    }
+  } else if (warp == 0) {  // producer
     long long off = 0;
     if (lane == 0 && n > 0) atomicMin(out + 5, probe_ns());
     for (int it = 0; it < n; ++it) {

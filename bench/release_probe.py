@@ -19,7 +19,10 @@ payload (the kernel's form at the size of a batch-1 activation of the 1B model).
 streaming SMs' chunks in flight (issued, not landed) at N x 32 KB, the megakernel's MK_INFLIGHT: the table then
 says what the cap costs the streaming rate and what it buys every hand-off (session 20's question: is the
 hand-off's 5.8-us floor under streaming the queue of 6 x 32 KB per SM?); --stream 2 keeps the two ping-pong SMs
-out of the streaming (a per-SM queue or the whole memory system's). `mismatches` counts payload
+out of the streaming (a per-SM queue or the whole memory system's); --stream 3 / 4 (session 37) put L2 prefetches
+(cp.async.bulk.prefetch.L2, MK_GATE_L2's instruction) in flight instead, one 32 KB chunk every --pace-ns: 3 on every
+SM, 4 on the two ping-pong SMs only while the others stream copies (does a release wait for its own SM's prefetches,
+as it waits for its copies?). `mismatches` counts payload
 words that the reader saw stale after the flag (a form that does not order them). Reading it: if mode 0
 under streaming is far above mode 0 idle and mode 1 under streaming is near its idle figure, the bulk
 store's completion does not wait for the SM's weight copies and a release built on it can drop the gate.
@@ -48,13 +51,16 @@ MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed
          5: "data as flag: st.relaxed, reader re-reads (256 B)", 6: "data as flag (4 KB)",
          7: "st + red.release.gpu (kernel), 4 KB"}
 PAYLOAD_WORDS_BIG = 1024   # release_probe.cu's RP_PAYLOAD_WORDS_BIG: each CTA's payload slot (modes 6, 7 use it all)
-STREAMS = {0: "off", 1: "all SMs", 2: "all but the two"}
-# rows of this version (the in-flight cap, the streaming rate); release_probe.csv keeps session 16's rows
-CSV = common.RESULTS / "release_probe_v2.csv"
-CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "inflight", "iters", "ns_per_handoff", "stream_gbps",
-              "mismatches")
-TABLE_HEADER = ("mode", "form", "stream", "in flight/SM", "ns per hand-off (median)", "min", "max", "stream GB/s",
-                "mismatches")
+STREAMS = {0: "off", 1: "all SMs", 2: "all but the two", 3: "all SMs prefetch to L2",
+           4: "the two prefetch to L2, the rest copy"}
+PREFETCH_STREAMS = (3, 4)   # streams whose ping-pong SMs' producers prefetch (paced by --pace-ns)
+# rows of this version (the in-flight cap, the streaming rate, the prefetch pace); release_probe.csv keeps session
+# 16's rows, release_probe_v2.csv sessions 20-21's (no pace column)
+CSV = common.RESULTS / "release_probe_v3.csv"
+CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "inflight", "pace_ns", "iters", "ns_per_handoff",
+              "stream_gbps", "mismatches")
+TABLE_HEADER = ("mode", "form", "stream", "in flight/SM", "prefetch pace ns", "ns per hand-off (median)", "min", "max",
+                "stream GB/s", "mismatches")
 
 
 def build_source() -> str:
@@ -81,9 +87,13 @@ def stream_gbps(streaming_ctas: int, chunks: int, span_ns: int) -> float:
     return streaming_ctas * chunks * RP_SLOT / span_ns
 
 
-def check_args(inflight: list[int], streams: list[int], modes: list[int], iters: int, reps: int) -> None:
+def check_args(inflight: list[int], streams: list[int], modes: list[int], iters: int, reps: int,
+               paces: tuple[int, ...] = (1000,)) -> None:
     if iters < 1 or reps < 1:
         raise SystemExit(f"--iters {iters} --reps {reps}: want >= 1 each")
+    bad = [p for p in paces if not 0 <= p <= 100_000]
+    if bad or not paces:
+        raise SystemExit(f"--pace-ns {bad or paces}: ns between 32 KB prefetch chunks, 0 (unpaced) .. 100000")
     bad = [n for n in inflight if not 1 <= n <= RP_NS]
     if bad:
         raise SystemExit(f"--inflight {bad}: chunks in flight per SM, 1..{RP_NS} ({RP_NS}: no cap)")
@@ -95,15 +105,19 @@ def check_args(inflight: list[int], streams: list[int], modes: list[int], iters:
         raise SystemExit(f"--modes {bad}: choose from {', '.join(map(str, MODES))}")
 
 
-def table_row(mode: int, stream: int, inflight: int, ns: list[float], gbps: float, mismatches: int) -> list[str]:
+def table_row(mode: int, stream: int, inflight: int, ns: list[float], gbps: float, mismatches: int,
+              pace: int | None = None) -> list[str]:
     ns = sorted(ns)
-    return [str(mode), MODES[mode], STREAMS[stream], f"{inflight * RP_SLOT // 1024} KB" if stream else "-",
+    copies = stream in (1, 2, 4)
+    return [str(mode), MODES[mode], STREAMS[stream], f"{inflight * RP_SLOT // 1024} KB" if copies else "-",
+            str(pace) if stream in PREFETCH_STREAMS and pace is not None else "-",
             f"{common.median(ns):.0f}", f"{ns[0]:.0f}", f"{ns[-1]:.0f}", f"{gbps:.0f}" if stream else "-",
             str(mismatches)]
 
 
-def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: list[int]) -> tuple[str, list[list]]:
-    check_args(inflight, streams, modes, iters, reps)
+def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: list[int],
+        paces: tuple[int, ...] = (1000,)) -> tuple[str, list[list]]:
+    check_args(inflight, streams, modes, iters, reps, paces)
     cp, props = common.probe_device("release_probe")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     grid = int(props["multiProcessorCount"])
@@ -116,41 +130,47 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     out = cp.zeros(8, dtype=cp.uint64)
     rows_md, rows_csv = [], []
     commit, date = common.git_commit(), common.today()
-    for stream in streams:
-        for cap in (inflight if stream else [RP_NS]):
-            for mode in modes:
-                chunks, ns, rates, bad = 4 * iters, [], [], 0
-                while len(ns) < reps:
-                    flags.fill(0)
-                    payloads.fill(0)
-                    out.fill(0)
-                    out[3] = cp.uint64(2**64 - 1)
-                    out[5] = cp.uint64(2**64 - 1)
-                    fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
-                                             cp.int32(iters), cp.int32(chunks), cp.int32(cap), flags, payloads, out),
-                       shared_mem=SMEM_BYTES)
-                    o = [int(v) for v in out.get()]
-                    if o[4]:
-                        raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
-                    if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
-                        chunks *= 2
-                        if chunks > 1 << 22:
-                            raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
-                        continue
-                    ns.append(handoff_ns(o[0], iters))
-                    ctas = grid if stream == 1 else grid - 2
-                    rates.append(stream_gbps(ctas, chunks, o[6] - o[5]) if stream else float("nan"))
-                    bad += o[1]
-                gbps = common.median(rates)
-                rows_md.append(table_row(mode, stream, cap, ns, gbps, bad))
-                rows_csv.append([date, name, commit, mode, stream, cap if stream else 0, iters,
-                                 f"{common.median(ns):.1f}", f"{gbps:.0f}" if stream else "", bad])
+    cases = [(stream, cap, pace) for stream in streams
+             for cap in (inflight if stream in (1, 2, 4) else [RP_NS])
+             for pace in (paces if stream in PREFETCH_STREAMS else [0])]
+    for stream, cap, pace in cases:
+        for mode in modes:
+            chunks, ns, rates, bad = 4 * iters, [], [], 0
+            while len(ns) < reps:
+                flags.fill(0)
+                payloads.fill(0)
+                out.fill(0)
+                out[3] = cp.uint64(2**64 - 1)
+                out[5] = cp.uint64(2**64 - 1)
+                fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
+                                         cp.int32(iters), cp.int32(chunks), cp.int32(cap), cp.int32(pace), flags,
+                                         payloads, out),
+                   shared_mem=SMEM_BYTES)
+                o = [int(v) for v in out.get()]
+                if o[4]:
+                    raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
+                if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
+                    chunks *= 2
+                    if chunks > 1 << 22:
+                        raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
+                    continue
+                ns.append(handoff_ns(o[0], iters))
+                ctas = grid if stream in (1, 3) else (2 if stream == 4 else grid - 2)
+                # stream 3: the prefetch issue rate; 4: the two prefetching SMs' (the copies end first)
+                rates.append(stream_gbps(ctas, chunks, o[6] - o[5]) if stream else float("nan"))
+                bad += o[1]
+            gbps = common.median(rates)
+            rows_md.append(table_row(mode, stream, cap, ns, gbps, bad, pace))
+            rows_csv.append([date, name, commit, mode, stream, cap if stream else 0, pace, iters,
+                             f"{common.median(ns):.1f}", f"{gbps:.0f}" if stream else "", bad])
     title = (f"### release_probe: {name}, {grid} SMs, {iters} ping-pong rounds, median of {reps} launches, "
              f"commit {commit}, {date}")
     notes = ("stream: every SM's producer (or every SM but the two ping-pong ones) streams 32 KB chunks (16 x 2 KB "
              "cp.async.bulk) into a 6-slot ring freed at once (HBM-bound), with at most `in flight/SM` issued and "
              "not landed; stream GB/s = the streaming CTAs' bytes over the first start to the last end; "
-             "ns per hand-off = CTA 0's time for the rounds / (2 x rounds).")
+             "ns per hand-off = CTA 0's time for the rounds / (2 x rounds). Streams 3 / 4: L2 prefetches of 32 KB "
+             "chunks (16 x 2 KB) every `prefetch pace ns` on the prefetching SMs, their GB/s the prefetches issued "
+             "over the span (the ping-pong outlasted by doubling the chunks).")
     return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
 
 
@@ -167,13 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="launches per (mode, stream) (median; default 5)")
     p.add_argument("--inflight", default="6", help="chunks of 32 KB in flight per streaming SM, comma-separated "
                    "(1..6; 6 = no cap, the default)")
-    p.add_argument("--stream", default="0,1", help="0 idle, 1 every SM streams, 2 all but the ping-pong SMs "
-                   "(comma-separated; default 0,1)")
+    p.add_argument("--stream", default="0,1", help="0 idle, 1 every SM streams, 2 all but the ping-pong SMs, "
+                   "3 every SM prefetches to L2, 4 the ping-pong SMs prefetch and the others stream (comma-separated; "
+                   "default 0,1)")
+    p.add_argument("--pace-ns", default="1000", help="streams 3 / 4: ns between a prefetching SM's 32 KB chunks, "
+                   "comma-separated (0: unpaced; default 1000, about an SM's share of the copy rate)")
     p.add_argument("--modes", default=",".join(map(str, MODES)), help="release forms (default all)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
     a = p.parse_args(argv)
-    md, rows = run(a.iters, a.reps, _ints(a.inflight), _ints(a.stream), _ints(a.modes))
+    md, rows = run(a.iters, a.reps, _ints(a.inflight), _ints(a.stream), _ints(a.modes), tuple(_ints(a.pace_ns)))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)

@@ -53,9 +53,12 @@ def test_handoff_is_half_a_round():
 def test_table_row():
     row = rp.table_row(1, 1, 2, [900.0, 1100.0, 1000.0], 3901.4, 0)
     assert len(row) == len(rp.TABLE_HEADER)
-    assert row == ["1", rp.MODES[1], "all SMs", "64 KB", "1000", "900", "1100", "3901", "0"]
+    assert row == ["1", rp.MODES[1], "all SMs", "64 KB", "-", "1000", "900", "1100", "3901", "0"]
     idle = rp.table_row(0, 0, 6, [1200.0], float("nan"), 0)
-    assert idle[2:4] == ["off", "-"] and idle[7] == "-"
+    assert idle[2:5] == ["off", "-", "-"] and idle[8] == "-"
+    # session 37's prefetch streams: the pace shows, the cap only where some SMs copy (stream 4)
+    assert rp.table_row(0, 3, 6, [1.0], 5.0, 0, 500)[2:5] == [rp.STREAMS[3], "-", "500"]
+    assert rp.table_row(0, 4, 6, [1.0], 5.0, 0, 250)[3:5] == ["192 KB", "250"]
 
 
 def test_stream_rate():
@@ -67,8 +70,11 @@ def test_stream_rate():
 def test_arguments_are_checked():
     with pytest.raises(SystemExit, match="--inflight \\[0, 7\\]"):
         rp.check_args([0, 7, 2], [1], [0], 10, 1)
-    with pytest.raises(SystemExit, match="--stream \\[3\\]"):
-        rp.check_args([2], [3], [0], 10, 1)
+    with pytest.raises(SystemExit, match="--stream \\[5\\]"):
+        rp.check_args([2], [5], [0], 10, 1)
+    with pytest.raises(SystemExit, match="--pace-ns \\[-1\\]"):
+        rp.check_args([2], [3], [0], 10, 1, (1000, -1))
+    rp.check_args([2], [0, 3, 4], [0], 10, 1, (0, 250, 1000))
     with pytest.raises(SystemExit, match="--modes \\[9\\]"):
         rp.check_args([2], [1], [9], 10, 1)
     rp.check_args([1, 6], [0, 1, 2], [0, 3], 10, 1)
@@ -76,7 +82,17 @@ def test_arguments_are_checked():
 
 def test_kernel_caps_what_is_in_flight():
     src = rp.build_source()
-    assert "int chunks, int inflight," in src and "it >= inflight" in src
+    assert "int chunks, int inflight, int pace_ns," in src and "it >= inflight" in src
+
+
+def test_prefetch_streams_are_the_kernels():
+    """Streams 3 / 4 (session 37): the producer of a prefetching CTA issues MK_GATE_L2's instruction, paced; 4 puts
+    the prefetches on the ping-pong CTAs only, with the others copying as stream 2."""
+    src = rp.build_source()
+    assert "cp.async.bulk.prefetch.L2.global" in src
+    assert "(stream == 2 || stream == 4) && !pp" in src and "stream == 3 || (stream == 4 && pp)" in src
+    assert set(rp.STREAMS) == {0, 1, 2, 3, 4} and rp.PREFETCH_STREAMS == (3, 4)
+    assert "pace_ns" in rp.CSV_HEADER and rp.CSV.name == "release_probe_v3.csv"
 
 
 def test_no_gpu_is_a_clear_error(monkeypatch):
