@@ -150,7 +150,8 @@ case $n in
   correctness) vllm_env
     timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
       --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16
-    rm -f "$out"/logs/*payload* ;;
+    # its 8-10 child logs in one archive: a run returns at most 8 files (session 37 lost part c's batch-4 truth log)
+    rm -f "$out"/logs/*payload*; tar czf "$out/logs_correctness.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
   serve_1b) vllm_env && serve_auto llama-3.2-1b --rounds 2 && tar czf "$out/logs_serve_1b.tgz" -C "$out" logs && rm -rf "$out/logs" ;;
   serve_8b) vllm_env && serve_auto llama-3.1-8b; rm -rf "$out/logs" ;;
   tbt_1layer) vllm_env && tbt_1layer_profiled tbt_1layer ;;
