@@ -21,7 +21,8 @@
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   gate_more      session 37's gate results followed up: the 1B b8 entry's gate (112 + ahead 2) at ctx 4096 and at
 #                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
-#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate
+#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate;
+#                  the b8 entry's program at 1B b3..5 (b4's entry has no K-split; b8 ran faster than b4)
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
@@ -117,6 +118,11 @@ case $n in
     G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"
     timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 4 --rounds 3 $G
+    # 1B b8 (868 us) ran faster than b4 (876) in session 37's paths: the b4 entry (batch 3..5) has no K-split of down;
+    # the b8 entry's program (forced for every batch: its K-split, ring attention, rstd epilogue), without and with its gate
+    B8="ksplit.down=4,MK_ATT_TMA=128,MK_RSTD_EPI=1"
+    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 3 4 5 --rounds 2 --build default --build $B8 --build $B8,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
     timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
       --batch 1 8 --rounds 3 $G
     # the tensor-map copy (2.4x from L2, session 36's l2_probe) under the 1B b1 entry's gate: the premise of reviving
