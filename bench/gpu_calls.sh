@@ -23,6 +23,7 @@
 #                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
 #                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate;
 #                  the b8 entry's program at 1B b3..5 (b4's entry has no K-split; b8 ran faster than b4)
+#   b1_knobs       1B b1 under the pair: attention KV chunks 8 / 32, o_proj / down cut in 2 over K, a 5-slot ring (~60 s)
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
@@ -129,6 +130,12 @@ case $n in
     # session 36's gate L2 prefetch (git 141be85) on that copy path (session 37 measured it on the per-row copies)
     timeout 100 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
+  b1_knobs)   # the 1B b1 program's other knobs under the pair (the table's b1 entry since session 36; a forced tuning
+    # replaces the table, so those builds name the pair): KV chunks 8 / 32 (16 by default), o_proj / down cut over K
+    P=MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 1 --rounds 2 --build default --build chunks=8,$P --build chunks=32,$P --build ksplit.o_proj=2,$P \
+      --build ksplit.down=2,$P --build MK_NUM_STAGES=5 ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;
