@@ -24,6 +24,7 @@
 #                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate;
 #                  the b8 entry's program at 1B b3..5 (b4's entry has no K-split; b8 ran faster than b4)
 #   b1_knobs       1B b1 under the pair: attention KV chunks 8 / 32, o_proj / down cut in 2 over K, a 5-slot ring (~60 s)
+#   b16_knobs      1B b16's entry with mask 112 / a 5-slot ring; its program forced with down in 2 / o_proj in 2 (~60 s)
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
@@ -136,6 +137,13 @@ case $n in
     timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
       --batch 1 --rounds 2 --build default --build chunks=8,$P --build chunks=32,$P --build ksplit.o_proj=2,$P \
       --build ksplit.down=2,$P --build MK_NUM_STAGES=5 ;;
+  b16_knobs)   # the 1B b16 entry's knobs (its bar needs ~-12%): mask 112 (the entry's head start 2 kept) and a 5-slot ring
+    # on top of the table; its program forced (a forced tuning replaces the table, so it names every knob): as the
+    # table (the control), with down cut in 2 instead of 4, and with o_proj cut in 2 too
+    E=MK_ATT_TMA=128,MK_W_TMA=1,MK_WGMMA_A=4,MK_WGA_X=2,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
+      --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=112 --build MK_NUM_STAGES=5 \
+      --build ksplit.down=4,$E --build ksplit.down=2,$E --build ksplit.down=4,ksplit.o_proj=2,$E ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;
