@@ -56,12 +56,9 @@ case $n in
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
     T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096 ;;
   wga_x)   # the 8B b14..16 entry takes wga_x 2 since session 34 (H100 only), b12 keeps 1; the 1B b16 entry 2
-    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
-    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
-    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1 ;;
+    ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
+    ab 200 llama-3.1-8b --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1 ;;
   lm_head)   # rows megakernel (LM head inside) and megakernel+torch_lm_head, one graph each
     T=200 step --model bench/models/llama-3.1-8b --batch 1 8 16 --lm-head --no-triton
     T=120 step --model bench/models/llama-3.2-1b --batch 1 8 16 --lm-head --no-triton ;;
@@ -99,60 +96,45 @@ case $n in
     rm -f "$out"/*.perfetto.json ;;   # large, never committed: `mk_plugin.trace convert` rebuilds them from the records
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
     G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"
-    timeout 240 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    timeout 300 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 16 --rounds 2 $G ;;
+    ab 240 llama-3.2-1b --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    ab 300 llama-3.1-8b --batch 1 16 --rounds 2 $G ;;
   gate_h200)   # the 1B b1 / b16 entries' pair (session 36, H100 only) against the same table without it
-    table_without_gate "$out/table_before_gate.json"
-    MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
-      --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 1 16 --rounds 2 --build default \
-      --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    rm -f "$out/table_before_gate.json" ;;
+    ab_without_gate 150 llama-3.2-1b --batch 1 16 --rounds 2 --build default \
+      --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 ;;
   gate_more)   # session 37: 1B b8's gate (release_gate 112 + gate_ahead 2, from ctx 512 b8 only) where it was not measured
-    table_without_gate "$out/table_before_gate.json"
     for c in 512 4096; do
-      MK_TUNING="$out/table_before_gate.json" timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" \
-        --model bench/models/llama-3.2-1b --group llama-3.2-1b --batch 6 8 11 --ctx $c --rounds 2 --build default \
+      ab_without_gate 150 llama-3.2-1b --batch 6 8 11 --ctx $c --rounds 2 --build default \
         --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
     done
-    rm -f "$out/table_before_gate.json"
     G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"
-    timeout 120 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 4 --rounds 3 $G
+    ab 120 llama-3.2-1b --batch 4 --rounds 3 $G
     # 1B b8 (868 us) ran faster than b4 (876) in session 37's paths: the b4 entry (batch 3..5) has no K-split of down;
     # the b8 entry's program (forced for every batch: its K-split, ring attention, rstd epilogue), without and with its gate
     B8="ksplit.down=4,MK_ATT_TMA=128,MK_RSTD_EPI=1"
-    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 3 4 5 --rounds 2 --build default --build $B8 --build $B8,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
-    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 8 --rounds 3 $G
+    ab 150 llama-3.2-1b --batch 3 4 5 --rounds 2 --build default --build $B8 \
+      --build $B8,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
+    ab 200 llama-3.1-8b --batch 1 8 --rounds 3 $G
     # the tensor-map copy (2.4x from L2, session 36's l2_probe) under the 1B b1 entry's gate: the premise of reviving
     # session 36's gate L2 prefetch (git 141be85) on that copy path (session 37 measured it on the per-row copies)
-    timeout 100 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
+    ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
   b1_knobs)   # the 1B b1 program's other knobs under the pair (the table's b1 entry since session 36; a forced tuning
     # replaces the table, so those builds name the pair): KV chunks 8 / 32 (16 by default), o_proj / down cut over K
     P=MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 --rounds 2 --build default --build chunks=8,$P --build chunks=32,$P --build ksplit.o_proj=2,$P \
-      --build ksplit.down=2,$P --build MK_NUM_STAGES=5 ;;
+    ab 150 llama-3.2-1b --batch 1 --rounds 2 --build default --build chunks=8,$P --build chunks=32,$P \
+      --build ksplit.o_proj=2,$P --build ksplit.down=2,$P --build MK_NUM_STAGES=5 ;;
   b16_knobs)   # the 1B b16 entry's knobs (its bar needs ~-12%): mask 112 (the entry's head start 2 kept) and a 5-slot ring
     # on top of the table; its program forced (a forced tuning replaces the table, so it names every knob): as the
     # table (the control), with down cut in 2 instead of 4, and with o_proj cut in 2 too
     E=MK_ATT_TMA=128,MK_W_TMA=1,MK_WGMMA_A=4,MK_WGA_X=2,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    timeout 150 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=112 --build MK_NUM_STAGES=5 \
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=112 --build MK_NUM_STAGES=5 \
       --build ksplit.down=4,$E --build ksplit.down=2,$E --build ksplit.down=4,ksplit.o_proj=2,$E ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
-    timeout 200 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.2-1b --group llama-3.2-1b \
-      --batch 1 8 16 --rounds 2 $D
-    timeout 250 python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model bench/models/llama-3.1-8b --group llama-3.1-8b \
-      --batch 1 16 --rounds 2 $D ;;
+    ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D
+    ab 250 llama-3.1-8b --batch 1 16 --rounds 2 $D ;;
   l2_probe)   # can weights parked in L2 reach an SM's ring faster than from HBM, with the tiled copy (MK_W_TMA's)?
     cp bench/results/bulk_probe.csv "$out/bulk_probe_before.csv"
     timeout 60 python3 bench/bulk_probe.py --gb 1.0 --reps 5 --out "$out/bulk_probe_hbm.md" | tail -1

@@ -1,19 +1,31 @@
 # Shared by bench/gpu_calls.sh, sourced once `n` (the call name) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
-# STEP_T, default 200 s), copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
+# STEP_T, default 200 s), ab() (an mk_ab.py A/B, rows to $out/mk_ab.csv) and ab_without_gate (the same on the
+# table without release gates), copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
 # machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
-# (serve_auto, tbt_1layer_profiled, soak), and table_without_gate (the gate A/B calls' base table).
+# (serve_auto, tbt_1layer_profiled, soak).
 export PYTHONUNBUFFERED=1
 : "${n:?gpu_lib.sh: set n (the call name) first}" "${out:?gpu_lib.sh: set out (the output folder, e.g. \$OUT) first: records written elsewhere do not come back}"
 commit=$(python3 bench/common.py)
 echo "date $(date -u +%FT%TZ) call $n commit $commit"
 step() { timeout "${T:-${STEP_T:-200}}" python3 bench/mk_step.py --reps 100 --csv "$out/mk_step.csv" "$@" 2>&1 | grep -v "^tuning" | tail -12; }
-table_without_gate() {   # the packaged H200 table with every entry's release_gate / gate_ahead dropped, written to $1
+ab() {   # ab SECONDS MODEL ARGS...: bench/mk_ab.py on bench/models/MODEL (its column group), rows to $out/mk_ab.csv
+  local t=$1 m=$2
+  shift 2
+  timeout "$t" python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model "bench/models/$m" --group "$m" "$@"
+}
+ab_without_gate() {   # ab's arguments, run on the packaged H200 table with every entry's release_gate / gate_ahead
+  # dropped (the gate A/B calls' base), written to $out for the run and removed after it
+  local table="$out/table_without_gate.json" rc
   python3 -c 'import json, sys
 d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
 for e in d["entries"]:
     e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
-json.dump(d, open(sys.argv[1], "w"), indent=1)' "$1"
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$table"
+  MK_TUNING="$table" ab "$@"
+  rc=$?
+  rm -f "$table"
+  return $rc
 }
 copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
 vllm_env() {
