@@ -53,6 +53,7 @@ MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed
 PAYLOAD_WORDS_BIG = 1024   # release_probe.cu's RP_PAYLOAD_WORDS_BIG: each CTA's payload slot (modes 6, 7 use it all)
 STREAMS = {0: "off", 1: "all SMs", 2: "all but the two", 3: "all SMs prefetch to L2",
            4: "the two prefetch to L2, the rest copy"}
+COPY_STREAMS = (1, 2, 4)    # streams in which some SMs copy (the in-flight cap applies)
 PREFETCH_STREAMS = (3, 4)   # streams whose ping-pong SMs' producers prefetch (paced by --pace-ns)
 # rows of this version (the in-flight cap, the streaming rate, the prefetch pace); release_probe.csv keeps session
 # 16's rows, release_probe_v2.csv sessions 20-21's (no pace column)
@@ -108,8 +109,8 @@ def check_args(inflight: list[int], streams: list[int], modes: list[int], iters:
 def table_row(mode: int, stream: int, inflight: int, ns: list[float], gbps: float, mismatches: int,
               pace: int | None = None) -> list[str]:
     ns = sorted(ns)
-    copies = stream in (1, 2, 4)
-    return [str(mode), MODES[mode], STREAMS[stream], f"{inflight * RP_SLOT // 1024} KB" if copies else "-",
+    cap = f"{inflight * RP_SLOT // 1024} KB" if stream in COPY_STREAMS else "-"
+    return [str(mode), MODES[mode], STREAMS[stream], cap,
             str(pace) if stream in PREFETCH_STREAMS and pace is not None else "-",
             f"{common.median(ns):.0f}", f"{ns[0]:.0f}", f"{ns[-1]:.0f}", f"{gbps:.0f}" if stream else "-",
             str(mismatches)]
@@ -131,7 +132,7 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     rows_md, rows_csv = [], []
     commit, date = common.git_commit(), common.today()
     cases = [(stream, cap, pace) for stream in streams
-             for cap in (inflight if stream in (1, 2, 4) else [RP_NS])
+             for cap in (inflight if stream in COPY_STREAMS else [RP_NS])
              for pace in (paces if stream in PREFETCH_STREAMS else [0])]
     for stream, cap, pace in cases:
         for mode in modes:
