@@ -1,9 +1,10 @@
 """Autotune the megakernel's task sizes per (GPU, model shape, batch, lm_head) and cache the winners.
 
     python bench/autotune.py [--models 1b 8b] [--batch 1 2 4 8 16] [--lm-head both] [--ctx 512]
-                             [--rounds 2] [--reps 200] [--write-tuned]
+                             [--rounds 2] [--reps 200] [--seeds table|none] [--write-tuned]
 
-For each key: coordinate descent over persistent.tuning.ScheduleTuning (tasks per op, attention KV
+For each key: the tables' winners at the model's other batch sizes tried whole (--seeds table, the default), then
+coordinate descent over persistent.tuning.ScheduleTuning (tasks per op, attention KV
 chunks; persistent/autotune.py) from the base an untuned model runs on a GPU (the ring-fed attention where
 the model allows it, tuning.UNTUNED_TUNING: at one short --ctx the ring cannot show its long-context gain,
 so only a loss of more than 2% there turns it off), every candidate first checked against the base program's output,
@@ -62,6 +63,13 @@ def search_base(spec: LlamaSpec, cuda: bool) -> ScheduleTuning:
     return UNTUNED_TUNING
 
 
+def table_seeds(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: list[Path]) -> list[ScheduleTuning]:
+    """The winners of the other batch sizes of this model (SM count, lm_head) in `tables`, in order: the search tries
+    each whole before its one-knob steps (persistent/autotune.py seed_tunings)."""
+    key = spec_tuning_key(spec, bsz, num_sms, lm_head)
+    return [e.tuning for p in tables for e in TuningTable.load(p, "").other_batch_winners(key)]
+
+
 def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log) -> tuple[TuningEntry, list]:
     """Autotune dec's program for bsz tokens of context args.ctx; the table entry and every trial."""
     spec, device, lm_head = dec.spec, dec.device, dec.lm_head
@@ -99,9 +107,12 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
     log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
     t0 = time.time()
     base = search_base(spec, cuda)
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
+    tables = [tuned_file(gpu), args.cache or user_cache_file(gpu)] if args.seeds == "table" else []
+    seeds = table_seeds(spec, bsz, dec.num_sms, lm_head, tables)
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
-                            log=log)
+                            seeds=seeds, log=log)
     meta = {"spec": spec.name, "ctx": args.ctx, "base": base.to_json(), "date": common.today(),
             "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
@@ -150,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tune the program without the LM head (what vLLM runs), with it (mk_step's headline), or both")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seeds", choices=("table", "none"), default="table",
+                    help="table: first try the packaged table's and the cache's winners of the model's other batch "
+                         "sizes, each as a whole; none: coordinate descent from the base only")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--num-sms", type=int, default=132, help="cpu only: SMs of the modelled GPU")

@@ -9,22 +9,20 @@
 # each figure). Calls that need vLLM (vllm_env) unpack the bundle once per machine: `part0` and `part1` carry
 # .gpuhost/part.0 / part.1, the first vLLM call carries .gpuhost/part.2 and .gpuhost/unpack.sh.
 #
-#   paths          issue 11: both decode paths, 1B b1/4/8/16 and 8B b1/8/16 at ctx 512 and 4096; the op-by-op and
+#   paths          issue 11: both decode paths, 1B b1/4/8/12/16 and 8B b1/8/16 at ctx 512 and 4096; the op-by-op and
 #                  tuned-program GPU tests (~170 s on an H200)
 #   wga_x          issue 11: the table's wga_x against the other value at 8B b12 / b16 and 1B b16, 2 alternated rounds
 #   lm_head        MK_LM_HEAD kernel-only: the LM head as megakernel tasks against vLLM's GEMM after the step
 #   kernel_tests   the kernel GPU tests other than op-by-op (~390 s)
-#   sanitize       compute-sanitizer on the default build (b1 / 8 / 16) and the wgmma path's x staging (b16 / 12)
+#   sanitize       compute-sanitizer on the default build (b1 / 8 / 16; racecheck up to 300 s a run: session 38's b8
+#                  run, the b3..11 entries' gate, passed 200 s without a report)
+#   sanitize_wga   compute-sanitizer on the wgmma path's x staging (b16 / 12; ~150 s)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
-#   gate_more      session 37's gate results followed up: the 1B b8 entry's gate (112 + ahead 2) at ctx 4096 and at
-#                  b6 / b11 (the batch sizes it also serves), against the same table without it; 112 + ahead 2 at 1B b4
-#                  and 8B b1 / b8 (-1.1..-1.9% in session 37: 3 rounds); MK_W_TMA (+ MK_INFLIGHT=2) under 1B b1's gate;
-#                  the b8 entry's program at 1B b3..5 (b4's entry has no K-split; b8 ran faster than b4)
-#   b1_knobs       1B b1 under the pair: attention KV chunks 8 / 32, o_proj / down cut in 2 over K, a 5-slot ring (~60 s)
-#   b16_knobs      1B b16's entry with mask 112 / a 5-slot ring; its program forced with down in 2 / o_proj in 2 (~60 s)
+#   b16_gate       batch 16's releases (qkv 1.9 us a task at 1B b16 against 0.5 at b1, session 38's H100 trace): masks
+#                  with qkv_rope's bit (50, 54, 114) under a 2-chunk head start, 1B b16 and 8B b16 (~150 s)
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
@@ -49,7 +47,7 @@ W=MK_W_TMA=1,MK_WGMMA_A=4   # the wgmma path's builds, as the tables' b10..16 en
 {
 case $n in
   paths)
-    T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16
+    T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_ring_mma_gpu.py \
       tests/test_wgmma_a_gpu.py -k "op_by_op or tuned_programs" 2>&1 | tail -8
@@ -65,10 +63,12 @@ case $n in
   kernel_tests)
     timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_rstd_epi_gpu.py \
       tests/test_wgmma_a_gpu.py tests/test_ring_mma_gpu.py tests/test_decode_step.py -k "not op_by_op" 2>&1 | tail -8 ;;
-  sanitize)   # 2 layers; the batch-1 racecheck takes ~95-100 s under the tool (the atomic polls): 200 s each
-    MK_SAN_TIMEOUT=200 timeout 280 bash bench/sanitize.sh "$out/san_default" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c
-    MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=90 \
-      timeout 200 bash bench/sanitize.sh "$out/san_wga_x2" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
+  sanitize)   # 2 layers. Racecheck under the tool (the atomic polls): b1 ~95 s without a gate (session 34), 37 s with
+    # the b1 entry's (session 38); b8 11 s before its entry's gate and K-split, > 200 s with them (session 38, H100)
+    MK_SAN_TIMEOUT=300 timeout 590 bash bench/sanitize.sh "$out/san_default" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
+  sanitize_wga)
+    MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=120 \
+      timeout 300 bash bench/sanitize.sh "$out/san_wga_x2" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
   ncu_b1)   # session 29's question: 0.9-1.2 us a resident chunk in the b1 loops for 0.26-0.56 us of MMA instructions
     for m in llama-3.2-1b llama-3.1-8b; do
       timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
@@ -101,33 +101,14 @@ case $n in
   gate_h200)   # the 1B b1 / b16 entries' pair (session 36, H100 only) against the same table without it
     ab_without_gate 150 llama-3.2-1b --batch 1 16 --rounds 2 --build default \
       --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 ;;
-  gate_more)   # session 37: 1B b8's gate (release_gate 112 + gate_ahead 2, from ctx 512 b8 only) where it was not measured
-    for c in 512 4096; do
-      ab_without_gate 150 llama-3.2-1b --batch 6 8 11 --ctx $c --rounds 2 --build default \
-        --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
-    done
-    G="--build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=112,MK_GATE_AHEAD=2"
-    ab 120 llama-3.2-1b --batch 4 --rounds 3 $G
-    # 1B b8 (868 us) ran faster than b4 (876) in session 37's paths: the b4 entry (batch 3..5) has no K-split of down;
-    # the b8 entry's program (forced for every batch: its K-split, ring attention, rstd epilogue), without and with its gate
-    B8="ksplit.down=4,MK_ATT_TMA=128,MK_RSTD_EPI=1"
-    ab 150 llama-3.2-1b --batch 3 4 5 --rounds 2 --build default --build $B8 \
-      --build $B8,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2
-    ab 200 llama-3.1-8b --batch 1 8 --rounds 3 $G
-    # the tensor-map copy (2.4x from L2, session 36's l2_probe) under the 1B b1 entry's gate: the premise of reviving
-    # session 36's gate L2 prefetch (git 141be85) on that copy path (session 37 measured it on the per-row copies)
-    ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_W_TMA=1 --build MK_W_TMA=1,MK_INFLIGHT=2 ;;
-  b1_knobs)   # the 1B b1 program's other knobs under the pair (the table's b1 entry since session 36; a forced tuning
-    # replaces the table, so those builds name the pair): KV chunks 8 / 32 (16 by default), o_proj / down cut over K
-    P=MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    ab 150 llama-3.2-1b --batch 1 --rounds 2 --build default --build chunks=8,$P --build chunks=32,$P \
-      --build ksplit.o_proj=2,$P --build ksplit.down=2,$P --build MK_NUM_STAGES=5 ;;
-  b16_knobs)   # the 1B b16 entry's knobs (its bar needs ~-12%): mask 112 (the entry's head start 2 kept) and a 5-slot ring
-    # on top of the table; its program forced (a forced tuning replaces the table, so it names every knob): as the
-    # table (the control), with down cut in 2 instead of 4, and with o_proj cut in 2 too
-    E=MK_ATT_TMA=128,MK_W_TMA=1,MK_WGMMA_A=4,MK_WGA_X=2,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=112 --build MK_NUM_STAGES=5 \
-      --build ksplit.down=4,$E --build ksplit.down=2,$E --build ksplit.down=4,ksplit.o_proj=2,$E ;;
+  b16_gate)   # session 38's H100 traces: at b16 qkv_rope's release takes 1.89 us a task (0.51 at b1), o_proj's 1.79 (0.48):
+    # the next task's copies in flight at the fence. 34 / 50 alone lost at 1B b16 in session 36 (+2.3..+2.7%: no head
+    # start); with the 2-chunk head start the 1B b16 entry's 48 won -3.2%. The 1B entry keeps its gate_ahead 2, the 8B
+    # entry (no gate of its own) gets it named
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=50 --build MK_RELEASE_GATE=54 \
+      --build MK_RELEASE_GATE=114
+    ab 220 llama-3.1-8b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 \
+      --build MK_RELEASE_GATE=50,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=114,MK_GATE_AHEAD=2 ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;

@@ -133,7 +133,8 @@ def main() -> None:
                 print("\nmedian per task (us):\n" + trace_phases.phase_table_markdown(trace_phases.phase_table(recs)))
             if args.records_dir is not None:
                 tag = "_".join(d.removeprefix("-D").replace("=", "").replace("/", "") for d in defines) or "default"
-                meta = mktrace.program_meta(tdec.program(bsz), seq, defines=list(defines), commit=common.git_commit(),
+                meta = mktrace.program_meta(tdec.program(bsz), seq, context=args.ctx, defines=list(defines),
+                                            commit=common.git_commit(),
                                             gpu=torch.cuda.get_device_name(), command=" ".join(sys.argv))
                 path = args.records_dir / f"mk_step_{spec.name}_b{bsz}_ctx{args.ctx}_{tag}.records.json.gz"
                 print(f"records: {mktrace.save_records(path, recs, meta)}")

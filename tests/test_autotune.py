@@ -20,7 +20,7 @@ from mk_plugin import reference as ref
 from mk_plugin.config import ConfigError, MkConfig
 from mk_plugin.persistent import tuning as tn
 from mk_plugin.persistent import tuning_table as tt
-from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours
+from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours, seed_tunings
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.errors import ProgramMismatch
 from mk_plugin.persistent.header import generate_header
@@ -487,6 +487,45 @@ def test_autotune_from_the_ring_turns_it_off_only_when_measured_slower():
                                 rounds=2, base=tn.UNTUNED_TUNING, log=lambda s: None)
         assert trials[0].tuning == tn.UNTUNED_TUNING and best.tuning == want and state["t"] == want
         assert [t.tuning for t in trials].count(off) == 1
+
+
+def test_autotune_tries_other_batch_sizes_winners_whole_first():
+    """Seeds (other batch sizes' winners) are tried right after the base, whole: here a three-knob program is 10%
+    faster while each of its knobs alone is within min_gain, so coordinate descent alone keeps the base. A seed with
+    wgmma_a (two n-tiles only) is never built at batch <= 8, and a seed's attention chunks are reset."""
+    truth = torch.linspace(-1, 1, 50, dtype=torch.bfloat16)
+    three = ScheduleTuning(ksplit=(("down", 4),), release_gate=112, gate_ahead=2)
+    wga = ScheduleTuning(w_tma=True, wgmma_a=4)
+    built: list[ScheduleTuning] = []
+
+    def measure(s):
+        t = s["t"]
+        return 90.0 if t == three else 99.5 if t.ksplit_for("down") == 4 or t.release_gate == 112 else 100.0
+
+    for seeds, want in (((), ScheduleTuning()), ((wga, three.with_chunks(3), three), three)):
+        state = {"t": None}
+        best, trials = autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False,
+                                retune=lambda t, s=state: (built.append(t), s.__setitem__("t", t)),
+                                run_step=truth.clone, measure=partial(measure, state), predict=lambda: 1.0, ops=(),
+                                factors=(), chunks=(), stages=(6,), rounds=2, seeds=seeds, log=lambda s: None)
+        assert best.tuning == want and state["t"] == want
+        if seeds:
+            assert trials[1].tuning == three and [t.tuning for t in trials].count(three) == 1
+    assert wga not in built
+    assert seed_tunings([wga, three.with_chunks(3), three], 12) == [wga, three]
+
+
+def test_table_other_batch_winners_are_the_seeds(tmp_path):
+    fast = ScheduleTuning((("o_proj", 0.5),), 2)
+    k8 = ScheduleTuning(ksplit=(("down", 4),))
+    tab = TuningTable("NVIDIA H200", [entry(1, fast, 90.0, 100.0), entry(4, ScheduleTuning(), 100.0, 100.0),
+                                      entry(8, k8, 90.0, 100.0), entry(8, k8, 90.0, 100.0, lm_head=True)])
+    k = lambda b: tt.spec_tuning_key(SPEC, b, SMS, False)
+    assert [e.tuning for e in tab.other_batch_winners(k(4))] == [fast, k8]   # batch 4's "default wins" is no seed
+    assert [e.tuning for e in tab.other_batch_winners(k(8))] == [fast]       # not its own, not the lm_head key's
+    bench = _load_bench()
+    p = tab.save(tmp_path / "t.json")
+    assert bench.table_seeds(SPEC, 16, SMS, False, [p, tmp_path / "missing.json"]) == [fast, k8]
 
 
 def _load_bench():

@@ -1,7 +1,7 @@
-"""Search over ScheduleTuning for one (decoder, batch): coordinate descent over the task split of
-each op, the attention KV chunks and the ring depth, with a measurement and a correctness check per
-candidate. The GPU driver is bench/autotune.py; CPU tests drive it with the
-VM and the time model as the "measurement".
+"""Search over ScheduleTuning for one (decoder, batch): other batch sizes' winners tried whole (seeds), then
+coordinate descent over the task split of each op, the attention KV chunks, the ring depth and the other knobs,
+with a measurement and a correctness check per candidate. The GPU driver is bench/autotune.py; CPU tests drive it
+with the VM and the time model as the "measurement".
 
 The search starts from `base` (bench/autotune.py: the ring-fed attention on a GPU where the model allows it,
 UNTUNED_TUNING, since a search at one short context cannot see its long-context gain, so only a measured loss of
@@ -137,6 +137,20 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     return out
 
 
+def seed_tunings(seeds: Iterable[ScheduleTuning], batch: int) -> list[ScheduleTuning]:
+    """The seeds (other batch sizes' winners) that build a program at `batch`, in order, duplicates dropped, with the
+    attention KV chunks reset to the default (they are chosen per batch size: they scale with B x kv heads, as
+    TuningTable.nearest resets them). wgmma with the weights as A runs at two n-tiles only (batch 9..16): a seed with
+    it does not apply at batch <= 8."""
+    out: list[ScheduleTuning] = []
+    for t in seeds:
+        t = t.with_chunks(0)
+        if (t.wgmma_a and batch <= 8) or t in out:
+            continue
+        out.append(t)
+    return out
+
+
 def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              retune: Callable[[ScheduleTuning], object],
              run_step: Callable[[], torch.Tensor],
@@ -145,9 +159,10 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              rounds: int = 2, min_gain: float = TUNED_MIN_GAIN,
              ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
              chunks: Iterable[int] | None = None, stages: Iterable[int] = STAGE_CHOICES,
-             base: ScheduleTuning = DEFAULT_TUNING,
+             base: ScheduleTuning = DEFAULT_TUNING, seeds: Iterable[ScheduleTuning] = (),
              log: Callable[[str], None] = print) -> tuple[Trial, list[Trial]]:
-    """Coordinate descent from `base` (a candidate moves the best only when > min_gain faster).
+    """Coordinate descent from `base` (a candidate moves the best only when > min_gain faster), after trying each
+    of `seeds` (seed_tunings: other batch sizes' winners) as a whole.
 
     retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
     run_step(): one decode step; returns its output (copied), compared with the base's.
@@ -182,6 +197,17 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         raise RuntimeError(f"the base program's ({base.label()}) output is not finite: fix the kernel before tuning it")
     best = start
     tried = {base}
+    # other batch sizes' winners first, whole: session 38 found the 1B batch-8 program -4.5% at batch 4, three knobs
+    # from batch 4's winner (down's K-split alone ~-1%, under min_gain), where one knob (or one measured pair) at a
+    # time does not reach
+    for t in seed_tunings(seeds, batch):
+        if t in tried:
+            continue
+        tried.add(t)
+        tr, _ = trial(t, ref)
+        if tr.ok and tr.us < best.us / (1 + min_gain):
+            best = tr
+            log(f"  -> best so far (a seed): {best.tuning.label()} {best.us:.1f} us")
     for r in range(rounds):
         moved = False
         # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps

@@ -142,6 +142,12 @@ class TuningTable:
             return None
         return e
 
+    def other_batch_winners(self, key: TuningKey) -> list[TuningEntry]:
+        """The winners of key's model, SM count, lm_head and fallback at the other batch sizes, in batch order (the
+        autotuner's seeds: autotune.seed_tunings)."""
+        keys = sorted((k for k in self._same_model(key) if k.batch != key.batch), key=lambda k: k.batch)
+        return [e for e in map(self.winner, keys) if e is not None]
+
     def nearest(self, key: TuningKey) -> TuningEntry | None:
         """The winner for `key` if its batch size was measured (None: the default won there), else what
         the nearest measured batch size of the same model, SM count, lm_head and fallback found (ties: the
