@@ -14,8 +14,8 @@
 #   wga_x          issue 11: the table's wga_x against the other value at 8B b12 / b16 and 1B b16, 2 alternated rounds
 #   lm_head        MK_LM_HEAD kernel-only: the LM head as megakernel tasks against vLLM's GEMM after the step
 #   kernel_tests   the kernel GPU tests other than op-by-op (~390 s)
-#   sanitize       compute-sanitizer on the default build (b1 / 8 / 16; racecheck up to 300 s a run: session 38's b8
-#                  run, the b3..11 entries' gate, passed 200 s without a report)
+#   sanitize       compute-sanitizer on the default build, each batch size's table program (b1 / 8 / 16; racecheck up to
+#                  300 s a run: session 38's b8 run passed 200 s without a report)
 #   sanitize_wga   compute-sanitizer on the wgmma path's x staging (b16 / 12; ~150 s)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
@@ -63,8 +63,9 @@ case $n in
   kernel_tests)
     timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_rstd_epi_gpu.py \
       tests/test_wgmma_a_gpu.py tests/test_ring_mma_gpu.py tests/test_decode_step.py -k "not op_by_op" 2>&1 | tail -8 ;;
-  sanitize)   # 2 layers. Racecheck under the tool (the atomic polls): b1 ~95 s without a gate (session 34), 37 s with
-    # the b1 entry's (session 38); b8 11 s before its entry's gate and K-split, > 200 s with them (session 38, H100)
+  sanitize)   # 2 layers, the full model's table program per batch size (sanitize.py --tuning table; before session 38
+    # the untuned one). Racecheck under the tool varies run to run (the atomic polls): one program took > 90 s / 37 s at
+    # b1 and 11 s / > 200 s at b8 (sessions 34 / 38, H100)
     MK_SAN_TIMEOUT=300 timeout 590 bash bench/sanitize.sh "$out/san_default" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
   sanitize_wga)
     MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=120 \
