@@ -14,6 +14,8 @@
 #   wga_x          issue 11: the table's wga_x against the other value at 8B b12 / b16 and 1B b16, 2 alternated rounds
 #   lm_head        MK_LM_HEAD kernel-only: the LM head as megakernel tasks against vLLM's GEMM after the step
 #   kernel_tests   the kernel GPU tests other than op-by-op (~390 s)
+#   table_tests    the packaged tables' own programs (every winning entry on a 2-layer cut of its model) against the fp32
+#                  reference and Triton: tests/test_packaged_tables_gpu.py (new in session 38; ~150-300 s)
 #   sanitize       compute-sanitizer on the default build, each batch size's table program (b1 / 8 / 16; racecheck up to
 #                  300 s a run: session 38's b8 run passed 200 s without a report)
 #   sanitize_wga   compute-sanitizer on the wgmma path's x staging (b16 / 12; ~150 s)
@@ -63,6 +65,8 @@ case $n in
   kernel_tests)
     timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_rstd_epi_gpu.py \
       tests/test_wgmma_a_gpu.py tests/test_ring_mma_gpu.py tests/test_decode_step.py -k "not op_by_op" 2>&1 | tail -8 ;;
+  table_tests)
+    timeout 450 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py 2>&1 | tail -8 ;;
   sanitize)   # 2 layers, the full model's table program per batch size (sanitize.py --tuning table; before session 38
     # the untuned one). Racecheck under the tool varies run to run (the atomic polls): one program took > 90 s / 37 s at
     # b1 and 11 s / > 200 s at b8 (sessions 34 / 38, H100)
