@@ -16,6 +16,7 @@ from mk_plugin.persistent import trace as T
 from mk_plugin.persistent import trace_views as TV
 from mk_plugin.persistent.encoding import TRACE_FIELDS
 from mk_plugin.persistent.schedule import build_program
+from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.spec import LlamaSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,6 +242,22 @@ def test_records_file_round_trip_and_convert(big, tmp_path, capsys):
     assert T.load_records(p3) == (recs, meta) and 4 * p3.stat().st_size < p2.stat().st_size
     assert main(["convert", str(p3), "--outdir", str(tmp_path / "gz"), "--no-png"]) == 0
     assert (tmp_path / "gz" / "y.md").is_file()
+
+
+def test_a_tuned_programs_raw_records_are_annotated_with_that_program(tmp_path):
+    """load_records rebuilds the traced program from the meta to derive the bytes: a tuned program (down cut over K,
+    other splits) has other tasks than the default, so the meta carries the tuning (before session 38 it did not, and
+    a tuned trace's raw records were annotated against the default program)."""
+    tuned = ScheduleTuning((("o_proj", 0.5),), attn_chunks=3, ksplit=(("down", 2),))
+    prog, raw, recs = _traced(TINY, [37, 5, 0], 12, lm_head=True, tuning=tuned)
+    default = build_program(TINY, 3, 12, lm_head=True)
+    assert [t.op.name for t in prog.taskset.tasks] != [t.op.name for t in default.taskset.tasks]
+    meta = T.program_meta(prog, [37, 5, 0], context=37)
+    assert ScheduleTuning.from_json(meta["tuning"]) == tuned
+    got, got_meta = T.load_records(T.save_records(tmp_path / "t.records.json", raw, meta))
+    assert got == recs and got_meta == meta
+    old = {k: v for k, v in meta.items() if k != "tuning"}   # a file written before the tuning was recorded
+    assert T.program_from_meta(old).tuning == ScheduleTuning()
 
 
 def test_load_records_rejects_other_json(tmp_path):

@@ -44,6 +44,7 @@ from ..spec import Llama3RopeScaling, LlamaSpec
 from .encoding import TRACE_FIELDS, UNIT, Opcode, ksplit_parts, ksplit_range
 from .schedule import FallbackStep, Program, Segment, build_program
 from .tasks import Task, unit_weight_bytes
+from .tuning import DEFAULT_TUNING, ScheduleTuning
 from .vm import _chunk, _rows
 
 FORMAT = "mk-trace/1"
@@ -169,16 +170,21 @@ def spec_from_dict(d: dict[str, Any]) -> LlamaSpec:
 
 
 def program_meta(program: Program, seq_lens: Sequence[int], **extra: Any) -> dict[str, Any]:
-    """What convert needs to rebuild the program and re-derive the bytes (plus any provenance)."""
+    """What convert needs to rebuild the program and re-derive the bytes (plus any provenance). The tuning is part
+    of it: a tuned program (splits, K-splits, attention chunks) has other tasks than the default one."""
     return {"model": program.spec.name, "spec": spec_to_dict(program.spec), "layers": program.spec.num_layers,
             "batch": program.batch,
             "num_sms": program.num_sms, "lm_head": program.lm_head, "fallback": sorted(program.fallback),
-            "attn_chunks": program.attn_chunks, "seq_lens": _padded_seq_lens(program, seq_lens), **extra}
+            "attn_chunks": program.attn_chunks, "tuning": program.tuning.to_json(),
+            "seq_lens": _padded_seq_lens(program, seq_lens), **extra}
 
 
 def program_from_meta(meta: dict[str, Any]) -> Program:
+    """The traced program again (records saved before the tuning was in the meta: the default tuning's)."""
+    tuning = ScheduleTuning.from_json(meta["tuning"]) if "tuning" in meta else DEFAULT_TUNING
     return build_program(spec_from_dict(meta["spec"]), int(meta["batch"]), int(meta["num_sms"]),
-                         lm_head=bool(meta.get("lm_head", False)), fallback=frozenset(meta.get("fallback", ())))
+                         lm_head=bool(meta.get("lm_head", False)), fallback=frozenset(meta.get("fallback", ())),
+                         tuning=tuning)
 
 
 def save_records(path: str | Path, records: Sequence[dict], meta: dict[str, Any] | None = None) -> Path:
