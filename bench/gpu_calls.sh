@@ -110,8 +110,9 @@ case $n in
     # the next task's copies in flight at the fence. 34 / 50 alone lost at 1B b16 in session 36 (+2.3..+2.7%: no head
     # start); with the 2-chunk head start the 1B b16 entry's 48 won -3.2%. The 1B entry keeps its gate_ahead 2, the 8B
     # entry (no gate of its own) gets it named
-    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=50 --build MK_RELEASE_GATE=54 \
-      --build MK_RELEASE_GATE=114
+    # (MK_GATE_AHEAD=1: o_proj's release waits for gate_up's head-start chunks in flight; 1 instead of 2 halves them)
+    ab 170 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=50 --build MK_RELEASE_GATE=54 \
+      --build MK_RELEASE_GATE=114 --build MK_GATE_AHEAD=1
     ab 220 llama-3.1-8b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 \
       --build MK_RELEASE_GATE=50,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=114,MK_GATE_AHEAD=2 ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
