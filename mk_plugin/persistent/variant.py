@@ -46,7 +46,8 @@ INFLIGHT_MAX = min(STAGE_CHOICES) - 1
 # MK_WGMMA_A's values: off, or the 64-row blocks a pass holds (8 accumulator registers a thread each)
 WGMMA_A_CHOICES = (0, 1, 2, 4)
 # MK_WGA_X's values: off, the wgmma path's rstd epilogue (session 30: its x pipeline without the epilogue, then value 1,
-# measured +0.7% and left), and that with each warpgroup staging its own half of x (A/B switch, not yet measured)
+# measured +0.7% and left), and that with each warpgroup staging its own half of x (sessions 33-35: the tables' value
+# at 1B batch 12..16 and 8B batch 11..16)
 WGA_X_CHOICES = (0, 1, 2)
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
