@@ -70,8 +70,10 @@ def table_seeds(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: 
     return [e.tuning for p in tables for e in TuningTable.load(p, "").other_batch_winners(key)]
 
 
-def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log) -> tuple[TuningEntry, list]:
-    """Autotune dec's program for bsz tokens of context args.ctx; the table entry and every trial."""
+def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
+               seed_tables: list[Path]) -> tuple[TuningEntry, list]:
+    """Autotune dec's program for bsz tokens of context args.ctx, first trying the winners of the model's other batch
+    sizes in seed_tables; the table entry and every trial."""
     spec, device, lm_head = dec.spec, dec.device, dec.lm_head
     cuda = device.type == "cuda"
     seq = [args.ctx] * bsz
@@ -107,9 +109,7 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
     log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
     t0 = time.time()
     base = search_base(spec, cuda)
-    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
-    tables = [tuned_file(gpu), args.cache or user_cache_file(gpu)] if args.seeds == "table" else []
-    seeds = table_seeds(spec, bsz, dec.num_sms, lm_head, tables)
+    seeds = table_seeds(spec, bsz, dec.num_sms, lm_head, seed_tables)
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
                             seeds=seeds, log=log)
@@ -121,7 +121,7 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log)
     return TuningEntry(key, best.tuning, best.us, trials[0].us, meta), trials
 
 
-def tune_model(spec: LlamaSpec, args, device: str, log) -> list[tuple[TuningEntry, list]]:
+def tune_model(spec: LlamaSpec, args, device: str, log, seed_tables: list[Path]) -> list[tuple[TuningEntry, list]]:
     cuda = device == "cuda"
     w = random_weights(spec, device=device, draw_on_device=cuda)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to(device)
@@ -129,7 +129,7 @@ def tune_model(spec: LlamaSpec, args, device: str, log) -> list[tuple[TuningEntr
     for lm_head in {"off": [False], "on": [True], "both": [False, True]}[args.lm_head]:
         dec = MegakernelDecoder(spec, w, max(args.batch), device, lm_head=lm_head, tuning="off",
                                 num_sms=None if cuda else args.num_sms)
-        results += [tune_batch(dec, w, cs, bsz, args, log) for bsz in args.batch]
+        results += [tune_batch(dec, w, cs, bsz, args, log, seed_tables) for bsz in args.batch]
     return results
 
 
@@ -178,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and args.write_tuned:
         raise SystemExit("--write-tuned records GPU measurements; a cpu run has none")
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    cache = args.cache or user_cache_file(gpu)
+    seed_tables = [tuned_file(gpu), cache] if args.seeds == "table" else []
     all_results = []
     for name in args.models:
-        all_results += tune_model(load_spec(name), args, args.device, print)
-    paths = [args.cache or user_cache_file(gpu)] + ([tuned_file(gpu)] if args.write_tuned else [])
+        all_results += tune_model(load_spec(name), args, args.device, print, seed_tables)
+    paths = [cache] + ([tuned_file(gpu)] if args.write_tuned else [])
     for p in paths:
         table = TuningTable.load(p, gpu)
         for e, _ in all_results:

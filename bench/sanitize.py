@@ -75,11 +75,14 @@ def main() -> int:
     tout = torch.empty_like(hidden)
     decode_step(spec, w, hidden, pos, tcaches, bt, sl, slots, cs, workspace=ws, out=tout)
 
-    tuning, src = served_tuning(full, args.batch, torch.cuda.get_device_properties(0).multi_processor_count,
-                                get_config().tuning, torch.cuda.get_device_name())
-    print(f"tuning {tuning.label()} ({src})" if args.tuning == "table" else "tuning: the cut model's own lookup")
+    tuning: str | dict[int, ScheduleTuning] = "auto"   # --tuning untuned: the cut model's own lookup
+    if args.tuning == "table":
+        t, src = served_tuning(full, args.batch, torch.cuda.get_device_properties(0).multi_processor_count,
+                               get_config().tuning, torch.cuda.get_device_name())
+        print(f"tuning {t.label()} ({src})")
+        tuning = {args.batch: t}
     dec = MegakernelDecoder(spec, w, args.batch, "cuda", lm_head=True, watchdog_ms=args.watchdog_ms,
-                            variant=variant, tuning={args.batch: tuning} if args.tuning == "table" else "auto")
+                            variant=variant, tuning=tuning)
     out = torch.full_like(hidden, float("nan"))
     logits = torch.full((args.batch, spec.vocab_size), float("nan"), device="cuda")
     dec(hidden, pos, caches, bt, sl, slots, cs, out=out, logits_out=logits)

@@ -197,17 +197,25 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         raise RuntimeError(f"the base program's ({base.label()}) output is not finite: fix the kernel before tuning it")
     best = start
     tried = {base}
+
+    def try_each(cands: Iterable[ScheduleTuning], what: str = "") -> bool:
+        """Trial every candidate not tried yet; the best moves to one > min_gain faster. True if it moved."""
+        nonlocal best
+        moved = False
+        for t in cands:
+            if t in tried:
+                continue
+            tried.add(t)
+            tr, _ = trial(t, ref)
+            if tr.ok and tr.us < best.us / (1 + min_gain):
+                best, moved = tr, True
+                log(f"  -> best so far{what}: {best.tuning.label()} {best.us:.1f} us")
+        return moved
+
     # other batch sizes' winners first, whole: session 38 found the 1B batch-8 program -4.5% at batch 4, three knobs
     # from batch 4's winner (down's K-split alone ~-1%, under min_gain), where one knob (or one measured pair) at a
     # time does not reach
-    for t in seed_tunings(seeds, batch):
-        if t in tried:
-            continue
-        tried.add(t)
-        tr, _ = trial(t, ref)
-        if tr.ok and tr.us < best.us / (1 + min_gain):
-            best = tr
-            log(f"  -> best so far (a seed): {best.tuning.label()} {best.us:.1f} us")
+    try_each(seed_tunings(seeds, batch), " (a seed)")
     for r in range(rounds):
         moved = False
         # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
@@ -216,15 +224,9 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
                  "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi", "release_gate", "gate_ahead", "release_gate+gate_ahead"]
         for knob in knobs:
-            cands = [t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
-                                              chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)
-                     if k == knob and t not in tried]
-            for t in cands:
-                tried.add(t)
-                tr, _ = trial(t, ref)
-                if tr.ok and tr.us < best.us / (1 + min_gain):
-                    best, moved = tr, True
-                    log(f"  -> best so far: {best.tuning.label()} {best.us:.1f} us")
+            moved |= try_each(t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
+                                                       chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)
+                              if k == knob)
         if not moved:
             break
         log(f"round {r + 1} done: {best.tuning.label()} {best.us:.1f} us (base {start.us:.1f} us)")
