@@ -32,6 +32,7 @@ from strategies import small_specs  # tests/strategies.py
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.encoding import decode
 from mk_plugin.persistent.schedule import build_program
+from mk_plugin.persistent.tuning import ScheduleTuning
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.weights import random_weights
 
@@ -255,17 +256,27 @@ def _random_order_run(program, seed: int) -> int:
     n = 0
     for seg in program.segments:
         counters = [0] * program.num_counters
-        for _, t in vm.schedule_order(decode(seg.encoded), counters, order="random", seed=seed):
-            if t["signal_ctr"] >= 0:
-                counters[t["signal_ctr"]] += t["signal_add"]
+        dp = decode(seg.encoded)
+        signalled = set()
+        for _, t in vm.schedule_order(dp, counters, order="random", seed=seed):
+            vm.take_ticket_and_signal(t, counters, dp.header["attn_chunks"])
+            signalled.add(t["signal_ctr"])
             n += 1
+        # every counter ends at its total: a ticket's completer signals for all of its tasks
+        assert all(counters[c] == program.counters[c].total for c in signalled - {-1})
     return n
 
 
+# K-split cuts (tickets whose completer signals for every part) beside merge-in-partial attention (the default)
+_KSPLITS = ((), (("down", 4),), (("down", 3), ("o_proj", 2)))
+
+
 @settings(max_examples=40, deadline=None)
-@given(small_specs(), st.integers(1, 16), st.integers(1, 24), st.booleans(), st.integers(0, 2 ** 16))
-def test_programs_are_deadlock_free_under_random_interleavings(unsatisfiable_wait, spec, batch, sms, lm_head, seed):
-    p = build_program(spec, batch, sms, lm_head=lm_head)
+@given(small_specs(), st.integers(1, 16), st.integers(1, 24), st.booleans(), st.integers(0, 2 ** 16),
+       st.sampled_from(_KSPLITS))
+def test_programs_are_deadlock_free_under_random_interleavings(unsatisfiable_wait, spec, batch, sms, lm_head, seed,
+                                                               ksplit):
+    p = build_program(spec, batch, sms, lm_head=lm_head, tuning=ScheduleTuning(ksplit=ksplit))
     vm.check_deadlock_free(p)
     assert _random_order_run(p, seed) == p.num_tids
     # the watchdog test's corruption is always caught on the CPU, before any launch
