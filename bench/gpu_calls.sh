@@ -25,8 +25,6 @@
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   b16_gate       batch 16's releases (qkv 1.9 us a task at 1B b16 against 0.5 at b1, session 38's H100 trace): masks
 #                  with qkv_rope's bit (50, 54, 114) under a 2-chunk head start, 1B b16 and 8B b16 (~150 s)
-#   ticket         MK_TICKET_SIGNAL (session 39: one release per ticket, the completer's) against 0 (every K-split part
-#                  and merge-in-partial chunk also signals its own share): 1B b1/4/8/16, 8B b1/8/16, 2 rounds (~300 s)
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
@@ -117,10 +115,6 @@ case $n in
       --build MK_RELEASE_GATE=114 --build MK_GATE_AHEAD=1
     ab 220 llama-3.1-8b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 \
       --build MK_RELEASE_GATE=50,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=114,MK_GATE_AHEAD=2 ;;
-  ticket)   # session 39: a non-last K-split part / attention chunk pays its ticket's release only (predicted 1B b4..16
-    # -0.5..-1%, b1 -0.3..-1% (attention's 15 of 16 chunks), 8B -0.2..-0.5%; the rule: not slower anywhere, faster somewhere)
-    ab 200 llama-3.2-1b --batch 1 4 8 16 --rounds 2 --build default --build MK_TICKET_SIGNAL=0
-    ab 200 llama-3.1-8b --batch 1 8 16 --rounds 2 --build default --build MK_TICKET_SIGNAL=0 ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;

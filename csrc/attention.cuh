@@ -154,10 +154,8 @@ __device__ __forceinline__ void attn_ticket_merge(const Smem& S, const Params& P
   // Every thread's partial stores precede thread 0's ticket (the consumer_sync before this); the ticket
   // (acq_rel) releases them and, for the last taker, acquires the other chunks' partials.
   int* last = reinterpret_cast<int*>(S.scratch());
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0)
     *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)C;
-    *S.signal_scale() = !MK_TICKET_SIGNAL ? 1u : *last ? (unsigned)C : 0u;   // the merging chunk signals for all
-  }
   consumer_sync();
   if (*last) attn_merge(P, b, g);
 }

@@ -134,8 +134,8 @@ constexpr int MISC_OFF = UNION_OFF + UNION_BYTES;
 constexpr int FULL_BAR_OFF = MISC_OFF;                        // NUM_STAGES x 8 bytes
 constexpr int EMPTY_BAR_OFF = FULL_BAR_OFF + 8 * NUM_STAGES;  // NUM_STAGES x 8 bytes
 constexpr int RSTD_OFF = EMPTY_BAR_OFF + 8 * NUM_STAGES;      // MAX_BATCH floats
-constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task, tasks released, signal scale
-constexpr int STEP_OFF = (FLAGS_OFF + 16 + 15) / 16 * 16;      // positions, slots, seq_lens (step_inputs)
+constexpr int FLAGS_OFF = RSTD_OFF + 4 * MAX_BATCH;            // abort flag, current task, tasks released
+constexpr int STEP_OFF = (FLAGS_OFF + 12 + 15) / 16 * 16;      // positions, slots, seq_lens (step_inputs)
 constexpr int PARAMS_OFF = STEP_OFF + (8 + 8 + 4) * MAX_BATCH;
 static_assert(PARAMS_OFF + (int)sizeof(Params) <= MISC_OFF + MISC_BYTES, "misc shared memory overflow");
 
@@ -158,10 +158,6 @@ struct Smem {
   // Written and polled with shared-memory atomics after the start barrier (a volatile word is the same
   // hint, but racecheck reports every write/poll pair of it as a hazard: 8449 at batch 8, session 8).
   __device__ __forceinline__ int* released() const { return reinterpret_cast<int*>(base + FLAGS_OFF + 8); }
-  // Thread 0 only (no barrier needed): how many times its task's signal_add the task's signal adds. 1, except for
-  // a ticketed task (K-split part, merge-in-partial attention chunk): the ticket's size if it completed the
-  // ticket, else 0 (its ticket was its release; the completer signals for the whole ticket, after the merge).
-  __device__ __forceinline__ unsigned* signal_scale() const { return reinterpret_cast<unsigned*>(base + FLAGS_OFF + 12); }
   // This step's per-request inputs, copied once per launch (step_inputs): the qkv epilogue and the
   // attention read them from shared memory instead of paying a global round trip per task.
   __device__ __forceinline__ long long* pos() const { return reinterpret_cast<long long*>(base + STEP_OFF); }

@@ -116,7 +116,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;
-      *S.signal_scale() = 1u;   // a ticketed task's ticket sets it (0 or the ticket's size)
       stop = *S.abort_flag();  // a weight-ring wait of the previous task timed out
 #pragma unroll
       for (int w = 0; w < NUM_WAITS; ++w) {
@@ -158,8 +157,8 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     consumer_sync();  // all of this task's stores precede the release below
     unsigned long long t_rel = 0;
     if (MK_TRACE_PHASES && P.trace != nullptr && threadIdx.x == 0) t_rel = global_ns();
-    if (threadIdx.x == 0 && t.signal_ctr >= 0 && *S.signal_scale() != 0u)
-      red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add * *S.signal_scale());
+    if (threadIdx.x == 0 && t.signal_ctr >= 0)
+      red_release_gpu_add(P.counters + (size_t)t.signal_ctr * COUNTER_STRIDE, (unsigned)t.signal_add);
     if (MK_RELEASE_GATE && threadIdx.x == 0) gate_word_write(S.released(), ti + 1);  // after the release's fence
     if (P.trace != nullptr && threadIdx.x == 0) {
       unsigned long long* tr = P.trace + (size_t)ti * TRACE_WORDS;

@@ -61,16 +61,14 @@ __device__ __forceinline__ void ksplit_store(const Params& P, const Task& t, int
 // After a K-split task's passes (their last consumer_sync orders every partial store before thread 0's
 // ticket): the ticket (acq_rel) releases this part's partials and, for the last taker, acquires the other
 // parts'. The last one adds the parts in part order, whichever finished last (bit-identical results), then
-// the residual as residual_epilogue does, and stores the output; its signal follows in consumer_loop and counts
-// for every part of the range (Smem::signal_scale): a part that is not last does not signal, its ticket having
-// released its partials already.
+// the residual as residual_epilogue does, and stores the output; its signal follows in consumer_loop. Every part
+// signals (a non-last part's second release): only the completer signalling for all measured +0.5..+0.9% at 1B b4 / b8
+// (session 39, MK_TICKET_SIGNAL, bench/NOTES.md).
 __device__ __noinline__ void ksplit_merge(const Smem S, const Params& P, const Task t) {
   const int parts = ksplit_parts(t.arg2);
   int* last = reinterpret_cast<int*>(S.scratch());
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0)
     *last = atom_add_acq_rel_gpu(P.counters + (size_t)t.ticket_ctr * COUNTER_STRIDE, 1u) + 1 == (unsigned)parts;
-    *S.signal_scale() = !MK_TICKET_SIGNAL ? 1u : *last ? (unsigned)parts : 0u;   // one release a part
-  }
   consumer_sync();
   if (!*last) return;
   const float* pk = reinterpret_cast<const float*>(P.buf[BUF_PART_K]);

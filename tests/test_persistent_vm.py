@@ -13,7 +13,7 @@ from strategies import small_specs  # tests/strategies.py
 from mk_plugin import reference as ref
 from mk_plugin.persistent import vm
 from mk_plugin.persistent.backend import MegakernelDecoder
-from mk_plugin.persistent.encoding import Buf, Opcode, Rounding, ksplit_arg
+from mk_plugin.persistent.encoding import Buf, Rounding
 from mk_plugin.persistent.schedule import build_program, check_ordering
 from mk_plugin.persistent.tuning import DEFAULT_TUNING, ScheduleTuning
 from mk_plugin.persistent.variant import KernelVariant
@@ -432,23 +432,3 @@ def test_vm_models_the_wgmma_paths_rstd_epilogue():
             dec(hidden, batch.positions, batch.clone_caches(), batch.block_table, batch.seq_lens, batch.slot_mapping,
                 cs, out=out)
             assert torch.equal(out, outs[1][0])
-
-
-def test_a_ticket_signals_once_for_all_of_its_tasks():
-    """The kernel's signal rule (Smem::signal_scale): a ticketed task that does not complete its ticket adds
-    nothing (its ticket was its release); the completer adds signal_add x the ticket's size: a K-split part's
-    part count, a merge-in-partial chunk's C. Unticketed tasks add signal_add."""
-    part = {"opcode": int(Opcode.DOWN), "arg2": ksplit_arg(1, 3), "signal_ctr": 0, "signal_add": 5, "ticket_ctr": 1}
-    chunk = {"opcode": int(Opcode.ATTN_PARTIAL), "arg2": 2, "signal_ctr": 2, "signal_add": 1, "ticket_ctr": 3}
-    counters = [0, 0, 0, 0]
-    for expect in ([0, 1, 0, 0], [0, 2, 0, 0], [15, 3, 0, 0]):   # parts 1, 2, 3 of 3: the third signals 3 x 5
-        vm.take_ticket_and_signal(part, counters, attn_chunks=4)
-        assert counters == expect
-    for expect in (1, 2, 3):
-        vm.take_ticket_and_signal(chunk, counters, attn_chunks=4)
-        assert counters[2:] == [0, expect]
-    vm.take_ticket_and_signal(chunk, counters, attn_chunks=4)
-    assert counters == [15, 3, 4, 4]
-    plain = {"opcode": int(Opcode.O_PROJ), "arg2": 0, "signal_ctr": 0, "signal_add": 7, "ticket_ctr": -1}
-    vm.take_ticket_and_signal(plain, counters, attn_chunks=4)
-    assert counters == [22, 3, 4, 4]

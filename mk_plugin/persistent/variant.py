@@ -15,7 +15,8 @@ MK_BULK_QKV: they raced, bench/NOTES.md session 17; session 21: a later pass's x
 MK_PASS_PREFETCH, lost at every shape; session 24: the branch-free one-n-tile fragment build, MK_XFRAG, won
 and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA, the ring-fed attention on the
 tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with the weights as B at batch <= 8,
-and MK_WARP_ARRIVE, one ring-slot release per warp, lost).
+and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_SIGNAL, one release per ticket, the
+completer's, lost at 1B b4 / b8).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
-                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_TICKET_SIGNAL", "ticket_signal", "ticket_signal"))
+                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"))
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -111,11 +112,6 @@ class KernelVariant:
     # chunks before the previous task's release and holds the rest (csrc/producer.cuh: producer_slot_wait).
     # 1 .. num_stages - 1; needs a release gate.
     gate_ahead: int = 0
-    # MK_TICKET_SIGNAL (A/B switch, session 39; on): of a ticket's tasks (a K-split range's parts, a merge-in-partial
-    # (b, g)'s chunks) only the one that completes the ticket signals, for all of them (csrc/common.cuh: Smem::
-    # signal_scale; vm.apply_signal); the others' ticket is their only release. Off: every task also signals its own
-    # share after its ticket, a second release (the rule until session 38). Same counter totals, same results.
-    ticket_signal: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -131,7 +127,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "ticket_signal"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):

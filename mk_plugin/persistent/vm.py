@@ -101,34 +101,6 @@ def schedule_order(dp: DecodedProgram, counters: list[int], *, order: str = "rou
                 consider(wq)
 
 
-def ticket_size(t: dict[str, int], attn_chunks: int) -> int:
-    """How many tasks share t's ticket: a K-split part's part count, or a merge-in-partial chunk's C."""
-    return attn_chunks if t["opcode"] == Opcode.ATTN_PARTIAL else ksplit_parts(t["arg2"])[1]
-
-
-def apply_signal(t: dict[str, int], counters: list[int], attn_chunks: int) -> None:
-    """The kernel's signal (consumer_loop and Smem::signal_scale): once t's stores are visible it adds signal_add to
-    counters[signal_ctr]. A ticketed task (ticket_ctr >= 0; it has taken its ticket by now) signals only if it
-    completed the ticket, then for the whole ticket (signal_add x its size); the others' ticket was their release.
-    Every target is its counter's total, which is reached at the same moment either way: at the completer's signal."""
-    sc = t["signal_ctr"]
-    if sc < 0:
-        return
-    scale = 1
-    if t["ticket_ctr"] >= 0:
-        size = ticket_size(t, attn_chunks)
-        scale = size if counters[t["ticket_ctr"]] == size else 0
-    counters[sc] += t["signal_add"] * scale
-
-
-def take_ticket_and_signal(t: dict[str, int], counters: list[int], attn_chunks: int) -> None:
-    """A run without numerics (check_deadlock_free, random interleavings): the ticket t's op would take, and its
-    signal."""
-    if t["ticket_ctr"] >= 0:
-        counters[t["ticket_ctr"]] += 1
-    apply_signal(t, counters, attn_chunks)
-
-
 @dataclass
 class DeadlockReport:
     tasks: int
@@ -155,7 +127,8 @@ def check_deadlock_free(program: Program) -> list[DeadlockReport]:
         counters = [0] * program.num_counters
         n = 0
         for _, t in schedule_order(dp, counters):
-            take_ticket_and_signal(t, counters, dp.header["attn_chunks"])
+            if t["signal_ctr"] >= 0:
+                counters[t["signal_ctr"]] += t["signal_add"]
             n += 1
         reports.append(DeadlockReport(n))
     return reports
@@ -470,9 +443,10 @@ def run_segment(seg: Segment, st: VMState, *, order: str = "round_robin", seed: 
     if dp.header["batch"] != st.batch or dp.header["attn_chunks"] != st.attn_chunks:
         raise ValueError("program header does not match the VM state (batch / attention chunks)")
     for _, t in schedule_order(dp, st.counters, order=order, seed=seed):
-        OPS[Opcode(t["opcode"])](st, t)   # a ticketed task's op takes its ticket
+        OPS[Opcode(t["opcode"])](st, t)
         st.executed.append(t["tid"])
-        apply_signal(t, st.counters, st.attn_chunks)
+        if t["signal_ctr"] >= 0:
+            st.counters[t["signal_ctr"]] += t["signal_add"]
 
 
 def run_fallback_as_tasks(program: Program, op: FusedOp, st: VMState) -> None:
