@@ -75,7 +75,7 @@ case $n in
     MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=120 \
       timeout 300 bash bench/sanitize.sh "$out/san_wga_x2" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
   ncu_b1)   # session 29's question: 0.9-1.2 us a resident chunk in the b1 loops for 0.26-0.56 us of MMA instructions
-    for m in llama-3.2-1b llama-3.1-8b; do
+    for m in ${NCU_MODELS:-llama-3.2-1b llama-3.1-8b}; do   # NCU_MODELS=llama-3.2-1b: the 1B step only
       timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
         --section SourceCounters -o "$out/ncu_${m}_b1" -f python3 bench/mk_step.py --model bench/models/$m \
         --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 --csv /dev/null > "$out/ncu_${m}_b1_run.log" 2>&1
