@@ -80,11 +80,23 @@ case $n in
         --section SourceCounters -o "$out/ncu_${m}_b1" -f python3 bench/mk_step.py --model bench/models/$m \
         --batch 1 --reps 3 --no-triton --define MK_LINEINFO=1 --csv /dev/null > "$out/ncu_${m}_b1_run.log" 2>&1
       echo "ncu $m rc $?"
-      for v in sass cuda; do
-        timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source $v \
-          > "$out/ncu_${m}_b1_$v.csv" 2>&1
-        gzip -f "$out/ncu_${m}_b1_$v.csv"
+      # the CUDA page needs the source NVRTC compiled: CuPy's temporary <hash>.cubin.cu is gone by now (session 39's
+      # export found nothing), so it is written again under that name (from ncu's own warning) for --source-folders
+      mkdir -p "$out/src"
+      cu=$(timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source cuda 2>&1 \
+        | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
+      [ -n "$cu" ] && python3 -c 'import sys; from mk_plugin.persistent.runtime import build_source
+open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
+      timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source sass \
+        > "$out/ncu_${m}_b1_sass.csv" 2>&1
+      for flag in --resolve-source-file --source-folders; do   # (which of the two this ncu has: not checked on a CPU)
+        arg="$out/src/$cu"; [ "$flag" = --source-folders ] && arg="$out/src"
+        timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source cuda "$flag" "$arg" \
+          > "$out/ncu_${m}_b1_cuda.csv" 2>&1
+        grep -qiE "unable to open source|unrecogni|unknown option|invalid option" "$out/ncu_${m}_b1_cuda.csv" || break
       done
+      gzip -f "$out/ncu_${m}_b1_sass.csv" "$out/ncu_${m}_b1_cuda.csv"
+      rm -rf "$out/src"
       python3 bench/ncu_stalls.py "$out/ncu_${m}_b1_sass.csv.gz" --top 30 --context 3 --fetch \
         --out "$out/ncu_${m}_b1_stalls.md" | head -40
       rm -f "$out/ncu_${m}_b1.ncu-rep"
