@@ -89,9 +89,11 @@ case $n in
 open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source sass \
         > "$out/ncu_${m}_b1_sass.csv" 2>&1
-      for flag in --resolve-source-file --source-folders; do   # (which of the two this ncu has: not checked on a CPU)
+      # (session 39: --resolve-source-file found the file, but the plain cuda view exported no metric columns; cuda,sass
+      # interleaves the source lines with the SASS rows that carry the samples)
+      for flag in --resolve-source-file --source-folders; do
         arg="$out/src/$cu"; [ "$flag" = --source-folders ] && arg="$out/src"
-        timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source cuda "$flag" "$arg" \
+        timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source cuda,sass "$flag" "$arg" \
           > "$out/ncu_${m}_b1_cuda.csv" 2>&1
         grep -qiE "unable to open source|unrecogni|unknown option|invalid option" "$out/ncu_${m}_b1_cuda.csv" || break
       done
