@@ -28,6 +28,8 @@
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
+#   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
+#                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   part0 part1    copy a vLLM bundle part to /root/parts
@@ -129,6 +131,9 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       --build MK_RELEASE_GATE=114 --build MK_GATE_AHEAD=1
     ab 220 llama-3.1-8b --batch 16 --rounds 2 --build default --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 \
       --build MK_RELEASE_GATE=50,MK_GATE_AHEAD=2 --build MK_RELEASE_GATE=114,MK_GATE_AHEAD=2 ;;
+  release_coresident)   # predicted: per SM (6 near 5, far above 7); if 6 is near 7, the fence is per CTA
+    timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,1,5,6,7 --iters 1000 --reps 5 \
+      --csv "$out/release_probe_v3.csv" --out "$out/release_probe_coresident.md" | tail -14 ;;
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;

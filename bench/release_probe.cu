@@ -40,11 +40,20 @@
 // CTAs prefetch and every other CTA streams copies (stream 2's load): if the release fence waits for the SM's own
 // prefetches, stream 4's hand-off is far above stream 2's and grows as the pace shortens.
 //
+// stream 5 / 6 / 7 (session 39: does a release wait for the copies of *another CTA* on its SM, or only its own?): two
+// CTAs per SM (grid 2 x SMs, a `ring_slots`-slot ring each, 3 by the host), so each ping-pong CTA shares its SM with one
+// partner CTA (found by %smid). 5: every CTA streams, the ping-pong CTAs' own producers too (a release beside its own
+// CTA's copies, at this ring depth); 6: the partners stream, the ping-pong CTAs' producers do not (copies of another
+// CTA on the same SM); 7: the partners idle too (other SMs' copies only, stream 2's case). If 6 is near 5, the fence
+// waits for the SM's copies whoever issued them; if near 7, only for its own CTA's: a producer CTA beside a consumer
+// CTA would free the chain's releases from the weight stream (the release gate's reason).
+//
 // out[0] = CTA 0's ns for all rounds, out[1] = payload mismatches (both sides), out[2] = CTA 0's end
 // time, out[3] = the earliest producer end time (atomicMin; the host sets it to ~0 first: streaming
 // must outlast the ping-pong), out[4] = 1 when a wait timed out (a probe bug or a broken form), out[5] / out[6] =
 // the earliest producer start / the latest producer end (the streaming rate: chunks x 32 KB per streaming CTA
-// over that span).
+// over that span), out[7] = streams 5-7: the partner CTAs found on the ping-pong CTAs' SMs (the host wants 2), or
+// 1000 when the two ping-pong CTAs share an SM.
 
 #define RP_THREADS 96
 #define RP_NS 6
@@ -158,11 +167,15 @@ __device__ __forceinline__ unsigned rp_take(int mode, const unsigned* payload, c
 
 extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     release_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int iters,
-                  int chunks, int inflight, int pace_ns, unsigned* flags, unsigned* payloads, unsigned long long* out) {
+                  int chunks, int inflight, int pace_ns, int ring_slots, unsigned* flags, unsigned* payloads,
+                  unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
+  // ring_slots slots (RP_NS for streams 0-4: the layout measured since session 16), then the mbarriers and the stage
+  const int ns = ring_slots;
   const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
-  const unsigned full0 = ring + RP_NS * RP_SLOT, empty0 = full0 + 8 * RP_NS;
-  unsigned* stage = reinterpret_cast<unsigned*>(smem + RP_NS * RP_SLOT + 16 * RP_NS);
+  const unsigned full0 = ring + ns * RP_SLOT, empty0 = full0 + 8 * RP_NS;
+  unsigned* stage = reinterpret_cast<unsigned*>(smem + ns * RP_SLOT + 16 * RP_NS);
+  __shared__ int partner_s;   // streams 5-7: this CTA shares its SM with a ping-pong CTA
   if (threadIdx.x == 0) {
     for (int s = 0; s < RP_NS; ++s) {
       probe_mbar_init(full0 + 8 * s, 1);
@@ -174,7 +187,35 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
   const bool pp = blockIdx.x < 2;   // a ping-pong CTA
-  const int n = (stream == 1 || ((stream == 2 || stream == 4) && !pp)) ? chunks : 0;     // chunks copied
+  if (threadIdx.x == 0) {
+    partner_s = 0;
+    if (stream >= 5) {   // every CTA of the 2 x SMs grid is resident (the host sizes it so): the spin ends
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      if (pp) {
+        atomicExch(flags + 8 + blockIdx.x, smid + 1u);
+      } else {
+        const unsigned long long t0 = probe_ns();
+        unsigned a = 0, b = 0;
+        while ((a = rp_ld_relaxed(flags + 8)) == 0u || (b = rp_ld_relaxed(flags + 9)) == 0u) {
+          if (probe_ns() - t0 > PROBE_WAIT_BUDGET_NS) {
+            out[4] = 1;
+            break;
+          }
+        }
+        // a partner only while its ping-pong CTA still runs (flags[10 + i]: CTA i done): co-resident, not a CTA the
+        // scheduler placed on that SM after the ping-pong ended
+        partner_s = (a == smid + 1u && rp_ld_relaxed(flags + 10) == 0u) || (b == smid + 1u && rp_ld_relaxed(flags + 11) == 0u);
+        if (partner_s) atomicAdd(out + 7, 1ull);
+        if (blockIdx.x == 2 && a == b) atomicAdd(out + 7, 1000ull);   // the ping-pong CTAs share an SM
+      }
+    }
+  }
+  __syncthreads();
+  const bool partner = partner_s != 0;
+  const bool copies = stream == 1 || stream == 5 || ((stream == 2 || stream == 4 || stream == 6) && !pp) ||
+                      (stream == 7 && !pp && !partner);
+  const int n = copies ? chunks : 0;     // chunks copied
   const int np = (stream == 3 || (stream == 4 && pp)) ? chunks : 0;                     // chunks prefetched to L2
   if (warp == 0 && np > 0) {  // producer, prefetching: paced, nothing to wait for
     long long off = 0;
@@ -198,10 +239,10 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     long long off = 0;
     if (lane == 0 && n > 0) atomicMin(out + 5, probe_ns());
     for (int it = 0; it < n; ++it) {
-      const int slot = it % RP_NS;
-      const unsigned parity = (unsigned)(it / RP_NS) & 1u;
-      if (inflight < RP_NS && it >= inflight)   // chunk it - inflight has landed (its slot is not re-armed yet)
-        probe_wait(full0 + 8 * ((it - inflight) % RP_NS), (unsigned)((it - inflight) / RP_NS) & 1u, out);
+      const int slot = it % ns;
+      const unsigned parity = (unsigned)(it / ns) & 1u;
+      if (inflight < ns && it >= inflight)   // chunk it - inflight has landed (its slot is not re-armed yet)
+        probe_wait(full0 + 8 * ((it - inflight) % ns), (unsigned)((it - inflight) / ns) & 1u, out);
       probe_wait(empty0 + 8 * slot, parity ^ 1u, out);
       if (lane == 0) probe_arrive_expect_tx(full0 + 8 * slot, RP_SLOT);
       __syncwarp();
@@ -210,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
       off += RP_SLOT;
       if (off + RP_SLOT > region_bytes) off = 0;
     }
-    for (int it = n > RP_NS ? n - RP_NS : 0; it < n; ++it) probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
+    for (int it = n > ns ? n - ns : 0; it < n; ++it) probe_wait(full0 + 8 * (it % ns), (unsigned)(it / ns) & 1u, out);
     if (lane == 0 && n > 0) {
       const unsigned long long t_end = probe_ns();
       atomicMin(out + 3, t_end);
@@ -218,8 +259,8 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
     }
   } else if (warp == 1) {  // frees each slot once full
     for (int it = 0; it < n; ++it) {
-      probe_wait(full0 + 8 * (it % RP_NS), (unsigned)(it / RP_NS) & 1u, out);
-      probe_arrive(empty0 + 8 * (it % RP_NS));
+      probe_wait(full0 + 8 * (it % ns), (unsigned)(it / ns) & 1u, out);
+      probe_arrive(empty0 + 8 * (it % ns));
     }
   } else if (blockIdx.x < 2) {  // ping-pong
     const int me = blockIdx.x, other = 1 - me;
@@ -245,6 +286,7 @@ extern "C" __global__ void __launch_bounds__(RP_THREADS, 1)
       if (stop) break;
     }
     if (lane == 0) {
+      atomicExch(flags + 10 + me, 1u);
       atomicAdd(out + 1, (unsigned long long)bad);
       if (me == 0) {
         const unsigned long long t1 = probe_ns();

@@ -22,7 +22,9 @@ hand-off's 5.8-us floor under streaming the queue of 6 x 32 KB per SM?); --strea
 out of the streaming (a per-SM queue or the whole memory system's); --stream 3 / 4 (session 37) put L2 prefetches
 (cp.async.bulk.prefetch.L2, MK_GATE_L2's instruction) in flight instead, one 32 KB chunk every --pace-ns: 3 on every
 SM, 4 on the two ping-pong SMs only while the others stream copies (does a release wait for its own SM's prefetches,
-as it waits for its copies?). `mismatches` counts payload
+as it waits for its copies?). --stream 5 / 6 / 7 (session 39) run two CTAs per SM (3-slot rings): 5 every CTA streams,
+6 the ping-pong CTAs' SM partners stream but not the ping-pong CTAs, 7 the partners idle too (does a release wait for
+the copies of another CTA on its SM?). `mismatches` counts payload
 words that the reader saw stale after the flag (a form that does not order them). Reading it: if mode 0
 under streaming is far above mode 0 idle and mode 1 under streaming is near its idle figure, the bulk
 store's completion does not wait for the SM's weight copies and a release built on it can drop the gate.
@@ -52,8 +54,12 @@ MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed
          7: "st + red.release.gpu (kernel), 4 KB"}
 PAYLOAD_WORDS_BIG = 1024   # release_probe.cu's RP_PAYLOAD_WORDS_BIG: each CTA's payload slot (modes 6, 7 use it all)
 STREAMS = {0: "off", 1: "all SMs", 2: "all but the two", 3: "all SMs prefetch to L2",
-           4: "the two prefetch to L2, the rest copy"}
-COPY_STREAMS = (1, 2, 4)    # streams in which some SMs copy (the in-flight cap applies)
+           4: "the two prefetch to L2, the rest copy", 5: "2 CTAs/SM: all stream",
+           6: "2 CTAs/SM: the two's partners stream, the two do not", 7: "2 CTAs/SM: all but the two and partners"}
+CO_STREAMS = (5, 6, 7)      # two CTAs per SM, each with a CO_SLOTS-slot ring (both fit an SM's shared memory)
+CO_SLOTS = 3
+CO_SMEM_BYTES = CO_SLOTS * RP_SLOT + 16 * 6 + 256
+COPY_STREAMS = (1, 2, 4, 5, 6, 7)   # streams in which some SMs copy (the in-flight cap applies)
 PREFETCH_STREAMS = (3, 4)   # streams whose ping-pong SMs' producers prefetch (paced by --pace-ns)
 # rows of this version (the in-flight cap, the streaming rate, the prefetch pace); release_probe.csv keeps session
 # 16's rows, release_probe_v2.csv sessions 20-21's (no pace column)
@@ -125,6 +131,7 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     arch = f"sm_{props['major']}{props['minor']}a"
     fn = cp.RawModule(code=build_source(), options=compile_options(arch)).get_function(KERNEL)
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    fn.preferred_shared_memory_carveout = 100   # the whole carveout: streams 5-7 need two CTAs' rings on an SM
     src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
     flags = cp.zeros(64, dtype=cp.uint32)
     payloads = cp.zeros(2 * PAYLOAD_WORDS_BIG, dtype=cp.uint32)
@@ -132,7 +139,7 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     rows_md, rows_csv = [], []
     commit, date = common.git_commit(), common.today()
     cases = [(stream, cap, pace) for stream in streams
-             for cap in (inflight if stream in COPY_STREAMS else [RP_NS])
+             for cap in ([CO_SLOTS] if stream in CO_STREAMS else inflight if stream in COPY_STREAMS else [RP_NS])
              for pace in (paces if stream in PREFETCH_STREAMS else [0])]
     for stream, cap, pace in cases:
         for mode in modes:
@@ -143,20 +150,24 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
                 out.fill(0)
                 out[3] = cp.uint64(2**64 - 1)
                 out[5] = cp.uint64(2**64 - 1)
-                fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode),
-                                         cp.int32(iters), cp.int32(chunks), cp.int32(cap), cp.int32(pace), flags,
-                                         payloads, out),
-                   shared_mem=SMEM_BYTES)
+                co = stream in CO_STREAMS
+                fn((2 * grid if co else grid,), (THREADS,),
+                   (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode), cp.int32(iters), cp.int32(chunks),
+                    cp.int32(cap), cp.int32(pace), cp.int32(CO_SLOTS if co else RP_NS), flags, payloads, out),
+                   shared_mem=CO_SMEM_BYTES if co else SMEM_BYTES)
                 o = [int(v) for v in out.get()]
                 if o[4]:
                     raise SystemExit(f"mode {mode} stream {stream}: a wait timed out in the probe kernel")
+                if co and o[7] != 2:
+                    raise SystemExit(f"stream {stream}: {o[7]} co-resident partner CTAs found on the ping-pong CTAs' "
+                                     "SMs (want 2; >= 1000: the two ping-pong CTAs share an SM)")
                 if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
                     chunks *= 2
                     if chunks > 1 << 22:
                         raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
                     continue
                 ns.append(handoff_ns(o[0], iters))
-                ctas = grid if stream in (1, 3) else (2 if stream == 4 else grid - 2)
+                ctas = {1: grid, 3: grid, 4: 2, 5: 2 * grid, 6: 2 * grid - 2, 7: 2 * grid - 4}.get(stream, grid - 2)
                 # stream 3: the prefetch issue rate; 4: the two prefetching SMs' (the copies end first)
                 rates.append(stream_gbps(ctas, chunks, o[6] - o[5]) if stream else float("nan"))
                 bad += o[1]
@@ -189,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inflight", default="6", help="chunks of 32 KB in flight per streaming SM, comma-separated "
                    "(1..6; 6 = no cap, the default)")
     p.add_argument("--stream", default="0,1", help="0 idle, 1 every SM streams, 2 all but the ping-pong SMs, "
-                   "3 every SM prefetches to L2, 4 the ping-pong SMs prefetch and the others stream (comma-separated; "
-                   "default 0,1)")
+                   "3 every SM prefetches to L2, 4 the ping-pong SMs prefetch and the others stream, 5 / 6 / 7 two CTAs "
+                   "per SM: all stream / the ping-pong CTAs' partners stream, they do not / the partners idle too "
+                   "(comma-separated; default 0,1)")
     p.add_argument("--pace-ns", default="1000", help="streams 3 / 4: ns between a prefetching SM's 32 KB chunks, "
                    "comma-separated (0: unpaced; default 1000, about an SM's share of the copy rate)")
     p.add_argument("--modes", default=",".join(map(str, MODES)), help="release forms (default all)")

@@ -70,8 +70,8 @@ def test_stream_rate():
 def test_arguments_are_checked():
     with pytest.raises(SystemExit, match="--inflight \\[0, 7\\]"):
         rp.check_args([0, 7, 2], [1], [0], 10, 1)
-    with pytest.raises(SystemExit, match="--stream \\[5\\]"):
-        rp.check_args([2], [5], [0], 10, 1)
+    with pytest.raises(SystemExit, match="--stream \\[8\\]"):
+        rp.check_args([2], [8], [0], 10, 1)
     with pytest.raises(SystemExit, match="--pace-ns \\[-1\\]"):
         rp.check_args([2], [3], [0], 10, 1, (1000, -1))
     rp.check_args([2], [0, 3, 4], [0], 10, 1, (0, 250, 1000))
@@ -90,8 +90,8 @@ def test_prefetch_streams_are_the_kernels():
     the prefetches on the ping-pong CTAs only, with the others copying as stream 2."""
     src = rp.build_source()
     assert "cp.async.bulk.prefetch.L2.global" in src
-    assert "(stream == 2 || stream == 4) && !pp" in src and "stream == 3 || (stream == 4 && pp)" in src
-    assert set(rp.STREAMS) == {0, 1, 2, 3, 4} and rp.PREFETCH_STREAMS == (3, 4)
+    assert "(stream == 2 || stream == 4 || stream == 6) && !pp" in src and "stream == 3 || (stream == 4 && pp)" in src
+    assert set(rp.STREAMS) == {0, 1, 2, 3, 4, 5, 6, 7} and rp.PREFETCH_STREAMS == (3, 4)
     assert "pace_ns" in rp.CSV_HEADER and rp.CSV.name == "release_probe_v3.csv"
 
 
@@ -110,3 +110,14 @@ def test_data_as_flag_modes_agree_with_the_kernel():
     assert "mode == 5 || mode == 6" in src and "mode >= 6 ? RP_PAYLOAD_WORDS_BIG" in src
     assert "st.relaxed.gpu.global.u32" in src
     rp.check_args([6], [0, 1], [5, 6, 7], 10, 1)
+
+
+def test_two_ctas_per_sm_streams():
+    """Streams 5-7 (session 39): two CTAs per SM, each with a 3-slot ring, both under the 227 KB an SM opts into; the
+    kernel finds each ping-pong CTA's partner by %smid, counts it only while the ping-pong runs, and streams by role."""
+    assert rp.CO_STREAMS == (5, 6, 7) and set(rp.CO_STREAMS) <= set(rp.COPY_STREAMS)
+    assert 2 * (rp.CO_SMEM_BYTES + 1024) <= 227 * 1024 < 2 * rp.SMEM_BYTES
+    src = rp.build_source()
+    assert "%%smid" in src and "int pace_ns, int ring_slots," in src
+    assert "stream == 1 || stream == 5 ||" in src and "(stream == 7 && !pp && !partner)" in src
+    assert rp.table_row(0, 6, rp.CO_SLOTS, [1.0], 5.0, 0)[2:4] == [rp.STREAMS[6], "96 KB"]
