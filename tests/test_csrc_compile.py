@@ -61,7 +61,9 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
             # session 35's MK_DIAG & 32 (weights folded into L2, timing only) on both tensor-map paths
-            ("-DMK_W_TMA=1", "-DMK_DIAG=32"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=32")]
+            ("-DMK_W_TMA=1", "-DMK_DIAG=32"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=32"),
+            # session 39's b16_inflight A/B: the in-flight cap on the wgmma path (the b16 entries' build)
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_INFLIGHT=3")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at
