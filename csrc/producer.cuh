@@ -109,7 +109,11 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
       const int L = __shfl_sync(0xffffffffu, lane_len, t.arg0);
       if (!att_tma_task(L, P.chunks, t.arg2)) continue;   // a short task: the consumers' default loop
       if (MK_RELEASE_GATE && gate_op >= 0 && ((MK_RELEASE_GATE >> gate_op) & 1)) release_gate(S, P, ti, lane);
+      // its K/V copies in the trace as a matvec's weights (mk_plugin.persistent.trace: prod_first / prod_last), so
+      // that a release before an attention task sees them in flight (session 39: qkv_rope's at 8B b16)
+      if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_FIRST] = global_ns();
       if (!att_tma_produce(S, P, t, L, ti, lane, it)) goto drain;
+      if (P.trace != nullptr && lane == 0) P.trace[(size_t)ti * TRACE_WORDS + TR_PROD_LAST] = global_ns();
       continue;
     }
 #endif

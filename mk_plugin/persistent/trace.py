@@ -7,7 +7,8 @@ key (e.g. "L3.o_proj") and the encoding.TRACE_FIELDS values:
     start       %globaltimer ns when the consumer warps pick the task up (before its counter waits)
     ready       ... once its counter waits are done          (counter wait = ready - start)
     end         ... once its stores are done, before the release of its signal
-    prod_first  when the producer warp starts issuing the task's weight chunks (0: no weights)
+    prod_first  when the producer warp starts issuing the task's weight chunks, or under att_tma an attention
+                task's K/V tiles (since session 39; 0: none)
     prod_last   when it has issued the last of them
     wait_cycles SM clock cycles the first consumer warp waited for weight chunks (ring empty)
     sm, opcode

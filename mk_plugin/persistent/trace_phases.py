@@ -124,7 +124,8 @@ def _lag_bucket(lag_us: float | None) -> str:
 
 def release_by_lag(records: Sequence[dict]) -> dict[str, dict[str, tuple[int, float]]]:
     """Median release time (us) per task type and per how long before the release this SM's producer
-    began issuing the weights of its next weight-streaming task ("no later weights": none follows):
+    began issuing the weights of its next weight-streaming task (or, in traces since session 39, an att_tma
+    attention task's K/V tiles; "no later weights": none follows):
     {type: {bucket: (tasks, median us)}}. Recently issued copies still in flight make the release's
     fence slow (bench/NOTES.md session 7)."""
     if not any(r.get("ph_release", 0) > 0 for r in records):
@@ -268,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not has_phases(recs):
                 continue
         print(f"## {path}\n\nmedian per task (us):\n\n{phase_table_markdown(phase_table(recs))}\n")
-        print("release us by when the SM's next weights began (tasks, median):\n")
+        print("release us by when the SM's next weights (or ring-fed K/V) began (tasks, median):\n")
         for typ, bs in release_by_lag(recs).items():
             print(f"- {typ}: " + ", ".join(f"{b}: {m:.2f} ({n})" for b, (n, m) in bs.items()))
         print("\nstage us by the producer's lead, quartiles from the shortest (tasks, median lead -> median stage):\n")
