@@ -28,9 +28,9 @@
 #   release_prefetch  release_probe streams 3 / 4: does a release wait for its own SM's L2 prefetches (session 37's
 #                  reading of the gate L2 prefetch's cost)? The kernel's release (modes 0, 7) idle, beside copies, beside
 #                  prefetches paced 1000 / 250 ns a 32 KB chunk (~20 s)
-#   b16_inflight   MK_INFLIGHT 2 / 3 / 4 on the wgmma path (the b12 / b16 entries have no cap): 8B and 1B b12 / b16, 2 rounds
+#   b16_inflight   MK_INFLIGHT 2 / 3 on the wgmma path (the b12 / b16 entries have no cap): 8B and 1B b12 / b16, 2 rounds
 #                  (~250 s)
-#   b1_inflight    MK_INFLIGHT 3 / 4 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
+#   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
 #                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
@@ -138,14 +138,13 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
   b16_inflight)   # session 39's 8B b16 trace: the x stage costs ~1.5 us a 512-column group in qkv_rope, gate_up and down
     # against 0.5 in o_proj, whose weights are mostly in the ring before it starts: x's cp.async reads wait behind the
     # SM's weight copies in flight (session 21's reading of w_tma at b16, when the cap won). Predicted 8B b16 -2..-5%,
-    # 1B b16 -1..-3%, or slower if fewer bytes in flight starve the weight stream (inflight 2 = 64 KB an SM)
-    ab 240 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 \
-      --build MK_INFLIGHT=4
-    ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 \
-      --build MK_INFLIGHT=4 ;;
+    # 1B b16 -1..-3%, or slower if fewer bytes in flight starve the weight stream (inflight 2 = 64 KB an SM; a table's cap
+    # is 1..3, tuning.INFLIGHT_MAX, and session 20 had 2 beat 4 at 8B)
+    ab 240 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3
+    ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
-    ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=3 --build MK_INFLIGHT=4 ;;
+    ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
   release_coresident)   # predicted: per SM (6 near 5, far above 7); if 6 is near 7, the fence is per CTA
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,1,5,6,7 --iters 1000 --reps 5 \
       --csv "$out/release_probe_v3.csv" --out "$out/release_probe_coresident.md" | tail -14 ;;
