@@ -87,6 +87,12 @@ def handoff_ns(total_ns: int, iters: int) -> float:
     return total_ns / (2 * iters)
 
 
+def regions(sms: int, streams: list[int]) -> int:
+    """Streamed regions to allocate: one per CTA of the largest grid the streams launch (streams 5-7: two CTAs an SM;
+    the kernel's CTA i streams region i)."""
+    return (2 if any(x in CO_STREAMS for x in streams) else 1) * sms
+
+
 def stream_gbps(streaming_ctas: int, chunks: int, span_ns: int) -> float:
     """GB/s of the streaming CTAs: chunks x 32 KB each over the span from the first start to the last end."""
     if span_ns <= 0:
@@ -135,7 +141,7 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
         fn.preferred_shared_memory_carveout = 100
     except AttributeError:   # a CuPy without the setter: the driver's default, checked by the partner count
         pass
-    src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
+    src = cp.zeros(regions(grid, streams) * REGION_BYTES // 2, dtype=cp.uint16)
     flags = cp.zeros(64, dtype=cp.uint32)
     payloads = cp.zeros(2 * PAYLOAD_WORDS_BIG, dtype=cp.uint32)
     out = cp.zeros(8, dtype=cp.uint64)

@@ -121,3 +121,6 @@ def test_two_ctas_per_sm_streams():
     assert "%%smid" in src and "int pace_ns, int ring_slots," in src
     assert "stream == 1 || stream == 5 ||" in src and "(stream == 7 && !pp && !partner)" in src
     assert rp.table_row(0, 6, rp.CO_SLOTS, [1.0], 5.0, 0)[2:4] == [rp.STREAMS[6], "96 KB"]
+    # every CTA streams its own region (blockIdx.x * region_bytes): twice the regions for the two-CTA grid
+    assert "(size_t)blockIdx.x * region_bytes" in src
+    assert rp.regions(132, [0, 1, 2]) == 132 and rp.regions(132, [1, 6]) == 264
