@@ -46,7 +46,15 @@ THREADS = 96
 RP_SLOT = 32768   # bytes per chunk (release_probe.cu's RP_SLOT)
 RP_NS = 6         # ring slots (RP_NS): an in-flight cap of 6 is no cap
 RING_BYTES = RP_NS * RP_SLOT
-SMEM_BYTES = RING_BYTES + 16 * 6 + 256      # the ring, 6 full + 6 empty mbarriers, the payload stage
+
+
+def smem_bytes(slots: int) -> int:
+    """A CTA's dynamic shared memory with a `slots`-slot ring: the ring, then 6 full + 6 empty mbarriers (RP_NS of
+    each, whatever the ring's depth) and the 256-byte payload stage (release_probe.cu's layout)."""
+    return slots * RP_SLOT + 16 * RP_NS + 256
+
+
+SMEM_BYTES = smem_bytes(RP_NS)
 REGION_BYTES = 8 << 20                      # streamed per CTA, cycled (132 x 8 MB >> the 50 MB L2)
 MODES = {0: "st + red.release.gpu (kernel)", 1: "bulk store + wait + red.relaxed", 2: "bulk store + red.release",
          3: "st + fence.cta + red.relaxed (invalid)", 4: "bulk store + wait + proxy fence + red.relaxed",
@@ -58,7 +66,7 @@ STREAMS = {0: "off", 1: "all SMs", 2: "all but the two", 3: "all SMs prefetch to
            6: "2 CTAs/SM: the two's partners stream, the two do not", 7: "2 CTAs/SM: all but the two and partners"}
 CO_STREAMS = (5, 6, 7)      # two CTAs per SM, each with a CO_SLOTS-slot ring (both fit an SM's shared memory)
 CO_SLOTS = 3
-CO_SMEM_BYTES = CO_SLOTS * RP_SLOT + 16 * 6 + 256
+CO_SMEM_BYTES = smem_bytes(CO_SLOTS)
 COPY_STREAMS = (1, 2, 4, 5, 6, 7)   # streams in which some SMs copy (the in-flight cap applies)
 PREFETCH_STREAMS = (3, 4)   # streams whose ping-pong SMs' producers prefetch (paced by --pace-ns)
 # rows of this version (the in-flight cap, the streaming rate, the prefetch pace); release_probe.csv keeps session
