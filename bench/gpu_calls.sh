@@ -95,8 +95,8 @@ case $n in
 open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source sass \
         > "$out/ncu_${m}_b1_sass.csv" 2>&1
-      # (session 39: --resolve-source-file found the file, but the plain cuda view exported no metric columns; cuda,sass
-      # interleaves the source lines with the SASS rows that carry the samples)
+      # (session 39: one of the two flags found the file -- the export does not say which -- but the plain cuda view had
+      # no metric columns; cuda,sass interleaves the source lines with the SASS rows that carry the samples)
       for flag in --resolve-source-file --source-folders; do
         arg="$out/src/$cu"; [ "$flag" = --source-folders ] && arg="$out/src"
         timeout 120 ncu --import "$out/ncu_${m}_b1.ncu-rep" --page source --csv --print-source cuda,sass "$flag" "$arg" \
