@@ -36,6 +36,8 @@
 #                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
+#   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
+#                  H200 table's programs and Triton, 1B b1/4/8/12/16 and 8B b1/8/16: the H100's packaged tables (~350 s)
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
@@ -61,6 +63,13 @@ case $n in
       tests/test_wgmma_a_gpu.py -k "op_by_op or tuned_programs" 2>&1 | tail -8
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
     T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096 ;;
+  h100_tables)   # the untuned rows go to their own CSV (not the tuned program's step); the tuned rows are `paths`' first two
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_tables: not an H100"; exit 2; fi
+    U="--no-triton --csv $out/mk_step_untuned.csv"
+    MK_TUNING= T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16 $U
+    MK_TUNING= T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 $U
+    T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16
+    T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
   wga_x)   # the 8B b14..16 entry takes wga_x 2 since session 34 (H100 only), b12 keeps 1; the 1B b16 entry 2
     ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
     ab 200 llama-3.1-8b --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
