@@ -38,6 +38,9 @@
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
 #                  H200 table's programs and Triton, 1B b1/4/8/12/16 and 8B b1/8/16: the H100's packaged tables (~350 s)
+#   h100_rows      an H100 only: the 8B b10 / b12 entries against the untuned program (2 alternated rounds), then the
+#                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
+#   tbt_auto_8b    issue 12: 8B TBT inside vLLM, stock alternated with the default mode (auto), b1 / 4 / 8 / 16, 2 rounds
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
@@ -70,6 +73,15 @@ case $n in
     MK_TUNING= T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 $U
     T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
+  h100_rows)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_rows: not an H100"; exit 2; fi
+    for r in 1 2; do
+      MK_TUNING= T=120 step --model bench/models/llama-3.1-8b --batch 10 12 --no-triton --csv "$out/mk_step_untuned.csv"
+      T=120 step --model bench/models/llama-3.1-8b --batch 10 12 --no-triton --csv "$out/mk_step_tuned.csv"
+    done
+    # no MK_TUNING: the packaged table of this GPU (mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json)
+    MK_TUNING= timeout 90 python3 bench/mk_step.py --reps 100 --model bench/models/llama-3.2-1b --batch 1 4 --no-triton \
+      --csv "$out/mk_step_h100_table.csv" 2>&1 | tail -12 ;;
   wga_x)   # the 8B b14..16 entry takes wga_x 2 since session 34 (H100 only), b12 keeps 1; the 1B b16 entry 2
     ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
     ab 200 llama-3.1-8b --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
@@ -179,6 +191,10 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       --modes megakernel,megakernel+MK_LM_HEAD=megakernel --rounds 2 --runs 1 --outdir "$out" 2>&1 \
       | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
     rm -rf "$out/logs" ;;
+  tbt_auto_8b) vllm_env
+    timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 --modes auto --rounds 2 \
+      --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+    tar czf "$out/logs_tbt_auto_8b.tgz" -C "$out" logs 2>/dev/null; rm -rf "$out/logs" ;;
   correctness) vllm_env
     timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
       --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16
