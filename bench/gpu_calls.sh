@@ -6,7 +6,7 @@
 #
 # On an H100 (the device tool lends one when no H200 comes) the calls run the packaged H200 table's tunings: its keys
 # are model, batch and 132 SMs, which the H100 SXM shares, so every build is the H200 program (say which card gave
-# each figure). Calls that need vLLM (vllm_env) unpack the bundle once per machine: `part0` and `part1` carry
+# each figure); the vLLM calls (vllm_env) unset it and read the H100's own tables (session 40). Calls that need vLLM (vllm_env) unpack the bundle once per machine: `part0` and `part1` carry
 # .gpuhost/part.0 / part.1, the first vLLM call carries .gpuhost/part.2 and .gpuhost/unpack.sh.
 #
 #   paths          issue 11: both decode paths, 1B b1/4/8/12/16 and 8B b1/8/16 at ctx 512 and 4096; the op-by-op and

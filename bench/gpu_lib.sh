@@ -28,7 +28,9 @@ json.dump(d, open(sys.argv[1], "w"), indent=1)' "$table"
   return $rc
 }
 copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
-vllm_env() {
+vllm_env() {   # on an H100 the vLLM runs read the H100's own packaged tables, as a user's would (session 40), not
+  # the H200 table gpu_calls.sh sets for the kernel calls
+  unset MK_TUNING
   copy_parts
   [ -f /root/vsite/vllm/__init__.py ] || bash .gpuhost/unpack.sh /root/parts > /dev/null || exit 1
   export PYTHONPATH=/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
