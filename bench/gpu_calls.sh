@@ -40,6 +40,8 @@
 #                  H200 table's programs and Triton, 1B b1/4/8/12/16 and 8B b1/8/16: the H100's packaged tables (~350 s)
 #   h100_rows      an H100 only: the 8B b10 / b12 entries against the untuned program (2 alternated rounds), then the
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
+#   h100_b3_5      an H100 only: 1B b3 / 4 / 5 on the H100 table's untuned base against the H200 b4 entry and batch 1's
+#                  program there (the H200 table without its b4 key), 2 alternated rounds (~100 s)
 #   tbt_auto_8b    issue 12: 8B TBT inside vLLM, stock alternated with the default mode (auto), b1 / 4 / 8 / 16, 2 rounds
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
@@ -82,6 +84,19 @@ case $n in
     # no MK_TUNING: the packaged table of this GPU (mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json)
     MK_TUNING= timeout 90 python3 bench/mk_step.py --reps 100 --model bench/models/llama-3.2-1b --batch 1 4 --no-triton \
       --csv "$out/mk_step_h100_table.csv" 2>&1 | tail -12 ;;
+  h100_b3_5)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
+    python3 -c 'import json, sys
+t = json.load(open(sys.argv[1]))
+t["entries"] = [e for e in t["entries"] if not (e["key"]["spec_hash"] == 1985708063 and e["key"]["batch"] == 4)]
+json.dump(t, open(sys.argv[2], "w"))' "$MK_TUNING" "$out/table_without_1b_b4.json"
+    for r in 1 2; do
+      MK_TUNING= T=60 step --model bench/models/llama-3.2-1b --batch 3 4 5 --no-triton --csv "$out/mk_step_h100_base.csv"
+      T=60 step --model bench/models/llama-3.2-1b --batch 3 4 5 --no-triton --csv "$out/mk_step_h200_b4.csv"
+      MK_TUNING=$out/table_without_1b_b4.json T=60 step --model bench/models/llama-3.2-1b --batch 3 4 5 --no-triton \
+        --csv "$out/mk_step_b1_program.csv"
+    done
+    rm -f "$out/table_without_1b_b4.json" ;;
   wga_x)   # the 8B b14..16 entry takes wga_x 2 since session 34 (H100 only), b12 keeps 1; the 1B b16 entry 2
     ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=1
     ab 200 llama-3.1-8b --batch 12 --rounds 2 --build default --build $W,MK_WGA_X=2
