@@ -64,6 +64,29 @@ for key, e in sorted(h200.entries.items()):
                          "under the 2% rule in a round")
         out.put(TuningEntry(key, UNTUNED_TUNING, du, du, meta))
     print(shape, key.batch, bu, du, gains, "winner" if out.winner(key) else "the base runs")
+# 1B b3 (h100_b3_5, 720702d, 2 alternated rounds): the H100 table's untuned base there (its b4 entry's), the H200 b4
+# entry, and batch 1's program (the H200 table without its b4 key). Batch 1's program takes a b3 key: -4.8 / -4.3%
+# (the H200 b4 entry's -4.3 / -4.3% is as good, but batch 1's keeps batch 2 on the program it ran: b2's nearest keys
+# are 1 and 3, the tie goes to 3)
+c11 = '/tmp/s40/c11/'
+u3 = vals(rows(c11 + 'mk_step_h100_base.csv'), 'llama-3.2-1b', 3)
+t3 = vals(rows(c11 + 'mk_step_b1_program.csv'), 'llama-3.2-1b', 3)
+a3 = vals(rows(c11 + 'mk_step_h200_b4.csv'), 'llama-3.2-1b', 3)
+k1 = next(k for k in h200.entries if k.spec_hash == 1985708063 and k.batch == 1)
+assert all(a < b / 1.02 for a, b in zip(t3, u3))
+out.put(TuningEntry(replace(k1, batch=3), h200.entries[k1].tuning, statistics.mean(t3), statistics.mean(u3), {
+    "spec": "llama-3.2-1b", "ctx": 512, "date": "2026-12-06", "commit": "720702d", "reps": 100, "gpu": GPU,
+    "base": UNTUNED_TUNING.to_json(),
+    "measured": "cuda-graph median, bench/mk_step.py (bench/gpu_calls.sh h100_b3_5, 2 alternated rounds): this "
+                "table's untuned base at batch 3 (its b4 entry's) against batch 1's tuning there; best_us / default_us "
+                "the means of the two rounds",
+    "rule": "> 2% in both rounds",
+    "rounds": {"untuned_us": u3, "tuned_us": t3, "h200_b4_entry_us": a3},
+    "tried": "the H200 table's b4 entry at b3: " + " / ".join(f"{x:.1f}" for x in a3) + " us (as good); at b4 batch "
+             "1's program was +1.9 / +1.3%, the H200 b4 entry -0.9 / -1.3% (b4 keeps the base); b5 all within 0.4%",
+    "tuning_from": {"table": "megakernel_nvidia_h200.json", "batch": 1},
+    "source": SRC}))
+print("1B b3", statistics.mean(t3), statistics.mean(u3))
 out.save(tuned_file(GPU))
 # paths: the one job with both paths (the first round)
 ents = []
