@@ -54,6 +54,28 @@ def test_packaged_h200_table_is_read_for_its_model():
     assert auto.load_paths(auto.paths_file("nvidia_h200"), spec_hash(spec), 114) == {}   # another SM count
 
 
+def test_an_h100_reads_its_own_packaged_tables():
+    """Session 40: an H100 SXM found no table of its own and ran the untuned megakernel program at every batch size.
+    Its device name reaches both of its tables (paths and megakernel), and the megakernel table serves measured
+    programs at 1B batch 1 and 16 and 8B batch 16, and the untuned base where the H200 entry did not win (1B batch 4)."""
+    from mk_plugin.persistent import tuning_table as tt
+    from mk_plugin.persistent.tuning import UNTUNED_TUNING
+    from mk_plugin.spec import LlamaSpec
+    from mk_plugin.triton_ops._device import gpu_slug
+
+    name = "NVIDIA H100 80GB HBM3"
+    models = Path(__file__).resolve().parents[1] / "bench" / "models"
+    assert auto.paths_file(gpu_slug(name)).is_file() and tt.tuned_file(name).is_file()
+    one, eight = (LlamaSpec.from_json_file(models / m) for m in ("llama-3.2-1b", "llama-3.1-8b"))
+    t = auto.load_paths(auto.paths_file(gpu_slug(name)), spec_hash(one), 132)
+    assert set(t) >= {1, 4, 8, 16} and all(v[0] > 0 and v[1] > 0 for v in t.values())
+    keys = [tt.spec_tuning_key(one, 1, 132, False), tt.spec_tuning_key(one, 16, 132, False),
+            tt.spec_tuning_key(eight, 16, 132, False), tt.spec_tuning_key(one, 4, 132, False)]
+    got = tt.resolve("auto", name, keys)
+    assert all("megakernel_nvidia_h100_80gb_hbm3.json" in why for _, why in got[:3]), got
+    assert got[3][0] == UNTUNED_TUNING and "measured base" in got[3][1]
+
+
 @pytest.mark.parametrize("winner", ["triton", "megakernel"])
 def test_adapter_auto_mode_runs_the_chosen_path(monkeypatch, tmp_path, winner):
     pytest.importorskip("mk_plugin.triton_ops")
