@@ -34,6 +34,8 @@
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
 #                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
+#   l2_window      MK_DIAG_L2_FROM / _N (timing only): 1B b1 with gate_up's chunks 2.. of each task from L2 (N = 3 / 6 /
+#                  14) against the table's program, its w_tma + cap build, and every weight from L2 (2 rounds; ~150 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -193,6 +195,14 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
   release_prefetch)   # stream 2 = the others copy; 4 = that plus the two ping-pong SMs' own prefetches in flight
     timeout 150 python3 bench/release_probe.py --modes 0,7 --stream 0,2,4,3 --pace-ns 1000,250 --iters 1000 --reps 5 \
       --out "$out/release_prefetch.md" --csv "$out/release_probe_v3.csv" | tail -16 ;;
+  l2_window)   # session 40: is gate_up's weight stream past its first chunks worth prefetching into L2 during the
+    # chain (by SMs with no release to make)? The bound: those chunks folded onto an L2-resident region (wrong results).
+    # Predicted on the H100 at 1B b1: N = 6 -7..-9% against the w_tma + cap build, N = 14 -15..-20%; the rule: a
+    # dedicated-SM prefetch is built only if N = 6 beats the table's program (default) by >= 4% in both rounds
+    F="MK_W_TMA=1,MK_INFLIGHT=2"
+    ab 240 llama-3.2-1b --batch 1 --rounds 2 --build default --build $F --build $F,MK_DIAG=32 \
+      --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=3 --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=6 \
+      --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=14 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D

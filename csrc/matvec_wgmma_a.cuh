@@ -105,7 +105,8 @@ __device__ __forceinline__ bool wga_produce(const Smem& S, const Params& P, cons
         if (!(MK_DIAG & 2) && lane < mb * WGA_GROUPS) {   // lane = (M-tile, column group)
           const int m = lane / WGA_GROUPS, g = lane % WGA_GROUPS;
           tma_w(S.ring(slot) + g * WGA_GROUP_BYTES + m * W_KG_BYTES, wmap_one, t.opcode == OP_QKV_ROPE,
-                diag_row(weight_row(t.opcode, p0, (m0 + m) * 16)), k0 / W_KG_COLS + g, S.full_bar(slot));
+                diag_row(weight_row(t.opcode, p0, (m0 + m) * 16), diag_fold(t.opcode, 0)), k0 / W_KG_COLS + g,
+                S.full_bar(slot));
         }
         ++it;
       }

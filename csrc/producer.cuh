@@ -65,8 +65,16 @@ __device__ __forceinline__ int producer_slot_wait(const Smem& S, const Params& P
 // could gain at most (session 35's question). 512 rows: a multiple of every head_dim (qkv's row pairs stay pairs) and
 // of the intermediate sizes (gate_up's up rows fold onto its gate rows). Many SMs then read the same tiles at once:
 // an L2 hot spot the parked weights would not have, so read it as a bound with that caveat.
+// MK_DIAG_L2_N > 0 (session 40): the fold only for gate_up's chunks MK_DIAG_L2_FROM .. + N - 1 of each task (c: the
+// task's chunks issued so far), the rest from the task's own rows: what a prefetch of those chunks into L2 during the
+// chain could gain at most.
 constexpr int DIAG_L2_ROWS = 512;
-__device__ __forceinline__ int diag_row(int row) { return (MK_DIAG & 32) ? row % DIAG_L2_ROWS : row; }
+__device__ __forceinline__ bool diag_fold(int opcode, int c) {
+  if (!(MK_DIAG & 32)) return false;
+  if (MK_DIAG_L2_N == 0) return true;
+  return opcode == OP_GATE_UP && c >= MK_DIAG_L2_FROM && c < MK_DIAG_L2_FROM + MK_DIAG_L2_N;
+}
+__device__ __forceinline__ int diag_row(int row, bool fold) { return fold ? row % DIAG_L2_ROWS : row; }
 #if (MK_DIAG & 32) && !MK_W_TMA
 #error "MK_DIAG & 32 folds the tensor-map copies' rows: build it with MK_W_TMA=1"
 #endif
@@ -132,12 +140,20 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     int klo = 0, khi = wp.K;   // a K-split task streams its part's columns of the rows
     if (is_ksplit(t)) ksplit_range(wp.K, t.arg2, klo, khi);
 #if MK_W_TMA
-    // MK_DIAG & 32 (timing only, wrong results): layer 0's maps for every layer, rows folded (diag_row)
-    const int wlayer = (MK_DIAG & 32) ? 0 : t.layer;
+    // MK_DIAG & 32 (timing only, wrong results): layer 0's maps for every layer, rows folded (diag_row); with
+    // MK_DIAG_L2_N, layer 0's maps for the window's chunks only (diag_fold)
+    const int wlayer = (MK_DIAG & 32) && MK_DIAG_L2_N == 0 ? 0 : t.layer;
     const void* wmap_full = w_map(P, t.opcode, wlayer, 0);
     const void* wmap_one = w_map(P, t.opcode, wlayer, 1);
     if (lane == 0) tensormap_acquire(wmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
+#if (MK_DIAG & 32) && MK_DIAG_L2_N
+    const void* fmap_full = w_map(P, t.opcode, 0, 0);
+    const void* fmap_one = w_map(P, t.opcode, 0, 1);
+    if (lane == 0) tensormap_acquire(fmap_full);
+    if (lane < W_CHUNK_KG) tensormap_acquire(fmap_one);
+    const unsigned it0 = it;   // the task's first chunk (diag_fold counts from it)
+#endif
 #endif
 #if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 x MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
     if (wga_takes(khi - klo, P.batch)) {
@@ -159,8 +175,16 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
           } else {
+#if (MK_DIAG & 32) && MK_DIAG_L2_N
+            const bool fold = diag_fold(t.opcode, (int)(it - it0));
+            w_chunk_copy(S.ring(slot), fold ? fmap_full : wmap_full, fold ? fmap_one : wmap_one,
+                         t.opcode == OP_QKV_ROPE, diag_row(weight_row(t.opcode, p0, m * 16), fold), k0, kc,
+                         S.full_bar(slot), lane);
+#else
             w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE,
-                         diag_row(weight_row(t.opcode, p0, m * 16)), k0, kc, S.full_bar(slot), lane);
+                         diag_row(weight_row(t.opcode, p0, m * 16), diag_fold(t.opcode, 0)), k0, kc,
+                         S.full_bar(slot), lane);
+#endif
           }
 #else
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));

@@ -133,6 +133,16 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
         with pytest.raises(ValueError, match=msg):
             KernelVariant(**bad)
     assert KernelVariant(diag=32, w_tma=True).defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1")
+    # session 40's fold window (timing only): gate_up's chunks A .. A + N - 1 from L2, on the default chunk loop only
+    win = KernelVariant.parse(["MK_W_TMA=1", "MK_DIAG=32", "MK_DIAG_L2_FROM=2", "MK_DIAG_L2_N=8"])
+    assert win.defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1", "-DMK_DIAG_L2_FROM=2", "-DMK_DIAG_L2_N=8")
+    assert "#define MK_DIAG_L2_N 0" in (ROOT / "csrc" / "tasks.h").read_text()
+    for bad, msg in (({"diag_l2_n": 4}, "set diag's bit 32"), ({"diag_l2_from": 2, "diag": 32, "w_tma": True},
+                                                                "set diag's bit 32 and N >= 1"),
+                     ({"diag_l2_n": 65, "diag": 32, "w_tma": True}, "diag_l2_n=65: gate_up chunks"),
+                     ({"diag_l2_n": 4, "diag": 32, "w_tma": True, "wgmma_a": 4}, "not the wgmma path")):
+        with pytest.raises(ValueError, match=msg):
+            KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)

@@ -37,7 +37,10 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_W_TMA", "w_tma", "w_tma"), ("MK_INFLIGHT", "inflight", "inflight"),
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
-                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"))
+                   ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
+# MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
+DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
 # it costs +18..+21 us at 1B batch 1..8 ctx 512 even where every task takes the default loop (bench/NOTES.md)
 ATT_TMA_TUNED = 128
@@ -112,6 +115,12 @@ class KernelVariant:
     # chunks before the previous task's release and holds the rest (csrc/producer.cuh: producer_slot_wait).
     # 1 .. num_stages - 1; needs a release gate.
     gate_ahead: int = 0
+    # MK_DIAG_L2_FROM = A, MK_DIAG_L2_N = N (timing only, wrong results; session 40; N = 0: diag bit 32 folds every
+    # chunk): bit 32's L2 fold only for gate_up's chunks A .. A + N - 1 of each task, in the producer's issue order;
+    # every other chunk streams its own weights. The step where those chunks come from L2 bounds what a prefetch of
+    # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
+    diag_l2_from: int = 0
+    diag_l2_n: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -161,6 +170,15 @@ class KernelVariant:
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1, 32 weights from L2: "
                              "layer 0's first 512 rows, with w_tma)")
+        for name in ("diag_l2_from", "diag_l2_n"):
+            if not int_in(getattr(self, name), 0, DIAG_L2_MAX_CHUNKS):
+                raise ValueError(f"{name}={getattr(self, name)!r}: gate_up chunks of a task, 0 .. {DIAG_L2_MAX_CHUNKS}")
+        if (self.diag_l2_from or self.diag_l2_n) and not (self.diag & 32 and self.diag_l2_n):
+            raise ValueError(f"diag_l2_from={self.diag_l2_from}, diag_l2_n={self.diag_l2_n}: the window of diag bit "
+                             "32's L2 fold (gate_up's chunks A .. A + N - 1): set diag's bit 32 and N >= 1")
+        if self.diag_l2_n and self.wgmma_a:
+            raise ValueError(f"diag_l2_n={self.diag_l2_n}: the fold window is the default chunk loop's (batch <= 8), "
+                             f"not the wgmma path's (wgmma_a={self.wgmma_a})")
         if self.diag & 32 and not self.w_tma:
             raise ValueError(f"diag={self.diag} (32: weights folded into L2) folds the tensor-map copies' rows: set "
                              "w_tma=True too (MK_W_TMA=1)")
