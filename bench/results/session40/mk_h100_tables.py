@@ -58,11 +58,10 @@ for key, e in sorted(h200.entries.items()):
     c = "01798cc" if b10 else "68c977f"
     meta = {"spec": shape, "ctx": 512, "date": "2026-12-06", "commit": c, "reps": 100, "gpu": GPU,
             "base": (h200.entries[replace(key, batch=8)].tuning if b10 else UNTUNED_TUNING).to_json(),
-            "measured": "cuda-graph median, bench/mk_step.py (bench/gpu_calls.sh h100_tables and its second round; 8B b10 / b12: "
-                        "h100_rows, rounds alternated): "
+            "measured": "cuda-graph median, bench/mk_step.py (bench/gpu_calls.sh h100_tables and its second round): "
                         "the untuned program (MK_TUNING unset: no H100 table, UNTUNED_TUNING) against this tuning "
-                        "(the packaged H200 table's entry, MK_TUNING set to it), 2 rounds each, not interleaved "
-                        "within a round; best_us / default_us the means of the two rounds",
+                        "(the packaged H200 table's entry, MK_TUNING set to it), 2 rounds, each the untuned program "
+                        "then this one; best_us / default_us the means of the two rounds",
             "rule": "the H200 entry's tuning where it beat the untuned program by > 2% (TUNED_MIN_GAIN) in both "
                     "rounds on the H100; no search on the H100 itself",
             "rounds": {"untuned_us": u, "tuned_us": t, "change": gains},
