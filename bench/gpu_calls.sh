@@ -47,6 +47,8 @@
 #   h100_b3_5      an H100 only: 1B b3 / 4 / 5 on the H100 table's untuned base against the H200 b4 entry and batch 1's
 #                  program there (the H200 table without its b4 key), 2 alternated rounds (~100 s)
 #   tbt_auto_8b    issue 12: 8B TBT inside vLLM, stock alternated with the default mode (auto), b1 / 4 / 8 / 16, 2 rounds
+#   tbt_auto_8b_long  issue 12 on an H100: 8B TBT at prompt 2048 / 8192, stock alternated with auto, b8 / b16, 2 rounds
+#                  (the H100 paths table has kernel-only rows at ctx 512; the H200 chose stock at 8B b16 from such rows)
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
@@ -236,6 +238,10 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 1,4,8,16 --prompts 512 --modes auto --rounds 2 \
       --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
     tar czf "$out/logs_tbt_auto_8b.tgz" -C "$out" logs 2>/dev/null; rm -rf "$out/logs" ;;
+  tbt_auto_8b_long) vllm_env
+    timeout 590 python3 bench/tbt.py --models llama-3.1-8b --batches 8,16 --prompts 2048,8192 --modes auto --rounds 2 \
+      --runs 1 --outdir "$out" 2>&1 | grep -v "^(EngineCore" | grep -v "^\[tbt\]   worker" | tail -30
+    tar czf "$out/logs_tbt_auto_8b_long.tgz" -C "$out" logs 2>/dev/null; rm -rf "$out/logs" ;;
   correctness) vllm_env
     timeout 580 python3 bench/vllm_correctness.py --parts b,c --models llama-3.2-1b --mode megakernel \
       --mk-env MK_LM_HEAD=megakernel --outdir "$out" 2>&1 | grep -v "^(EngineCore" | tail -16
