@@ -76,26 +76,23 @@ case $n in
     T=100 step --model bench/models/llama-3.2-1b --batch 1 8 16 --ctx 4096 ;;
   h100_tables)   # the untuned rows go to their own CSV (not the tuned program's step); the tuned rows are `paths`' first two
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_tables: not an H100"; exit 2; fi
-    # untuned: an empty table file (MK_TUNING unset would read the H100's packaged table, since session 40)
-    echo '{"format": 1, "gpu": "none", "entries": []}' > "$out/empty_table.json"
-    U="--no-triton --csv $out/mk_step_untuned.csv"
-    MK_TUNING=$out/empty_table.json T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16 $U
-    MK_TUNING=$out/empty_table.json T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 $U
-    rm -f "$out/empty_table.json"
+    E=$(untuned_table); U="--no-triton --csv $out/mk_step_untuned.csv"
+    MK_TUNING=$E T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16 $U
+    MK_TUNING=$E T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 $U
+    rm -f "$E"
     T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 ;;
   h100_rows)   # (as run in session 40 its "untuned" rows read the new H100 table: MK_TUNING unset; now an empty table)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_rows: not an H100"; exit 2; fi
-    echo '{"format": 1, "gpu": "none", "entries": []}' > "$out/empty_table.json"
+    E=$(untuned_table)
     for r in 1 2; do
-      MK_TUNING=$out/empty_table.json T=120 step --model bench/models/llama-3.1-8b --batch 10 12 --no-triton \
-        --csv "$out/mk_step_untuned.csv"
+      MK_TUNING=$E T=120 step --model bench/models/llama-3.1-8b --batch 10 12 --no-triton --csv "$out/mk_step_untuned.csv"
       T=120 step --model bench/models/llama-3.1-8b --batch 10 12 --no-triton --csv "$out/mk_step_tuned.csv"
     done
     # no MK_TUNING: the packaged table of this GPU (mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json)
     MK_TUNING= timeout 90 python3 bench/mk_step.py --reps 100 --model bench/models/llama-3.2-1b --batch 1 4 --no-triton \
       --csv "$out/mk_step_h100_table.csv" 2>&1 | tail -12
-    rm -f "$out/empty_table.json" ;;
+    rm -f "$E" ;;
   h100_b3_5)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
     python3 -c 'import json, sys

@@ -1,7 +1,8 @@
 # Shared by bench/gpu_calls.sh, sourced once `n` (the call name) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), ab() (an mk_ab.py A/B, rows to $out/mk_ab.csv) and ab_without_gate (the same on the
-# table without release gates), copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
+# table without release gates), untuned_table (an empty table file: MK_TUNING set to it runs the untuned program),
+# copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
 # machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
 # (serve_auto, tbt_1layer_profiled, soak).
 export PYTHONUNBUFFERED=1
@@ -13,6 +14,10 @@ ab() {   # ab SECONDS MODEL ARGS...: bench/mk_ab.py on bench/models/MODEL (its c
   local t=$1 m=$2
   shift 2
   timeout "$t" python3 bench/mk_ab.py --csv "$out/mk_ab.csv" --model "bench/models/$m" --group "$m" "$@"
+}
+untuned_table() {   # an empty tuning table file in $out, its path printed: MK_TUNING set to it times the untuned program
+  # (MK_TUNING unset reads the packaged table of this GPU, which an H100 has since session 40)
+  echo '{"format": 1, "gpu": "none", "entries": []}' > "$out/empty_table.json" && echo "$out/empty_table.json"
 }
 ab_without_gate() {   # ab's arguments, run on the packaged H200 table with every entry's release_gate / gate_ahead
   # dropped (the gate A/B calls' base), written to $out for the run and removed after it

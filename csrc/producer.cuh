@@ -149,13 +149,16 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
     const void* wmap_one = w_map(P, t.opcode, wlayer, 1);
     if (lane == 0) tensormap_acquire(wmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(wmap_one);
-#if (MK_DIAG & 32) && MK_DIAG_L2_N
+#if (MK_DIAG & 32) && MK_DIAG_L2_N   // the window's chunks: layer 0's maps
     const void* fmap_full = w_map(P, t.opcode, 0, 0);
     const void* fmap_one = w_map(P, t.opcode, 0, 1);
     if (lane == 0) tensormap_acquire(fmap_full);
     if (lane < W_CHUNK_KG) tensormap_acquire(fmap_one);
-    const unsigned it0 = it;   // the task's first chunk (diag_fold counts from it)
+#else   // one set of maps (diag_fold is a constant: every chunk folded with bit 32 alone, none without)
+    const void* fmap_full = wmap_full;
+    const void* fmap_one = wmap_one;
 #endif
+    const unsigned it0 = it;   // the task's first chunk (diag_fold counts from it)
 #endif
 #if MK_WGMMA_A   // batch 9..16: the task's passes of up to 4 x MK_WGMMA_A M-tiles, a row block x 256 columns a chunk
     if (wga_takes(khi - klo, P.batch)) {
@@ -177,16 +180,10 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
           } else {
-#if (MK_DIAG & 32) && MK_DIAG_L2_N
             const bool fold = diag_fold(t.opcode, (int)(it - it0));
             w_chunk_copy(S.ring(slot), fold ? fmap_full : wmap_full, fold ? fmap_one : wmap_one,
                          t.opcode == OP_QKV_ROPE, diag_row(weight_row(t.opcode, p0, m * 16), fold), k0, kc,
                          S.full_bar(slot), lane);
-#else
-            w_chunk_copy(S.ring(slot), wmap_full, wmap_one, t.opcode == OP_QKV_ROPE,
-                         diag_row(weight_row(t.opcode, p0, m * 16), diag_fold(t.opcode, 0)), k0, kc,
-                         S.full_bar(slot), lane);
-#endif
           }
 #else
           if (lane == 0 && !(MK_DIAG & 2)) mbar_arrive_expect_tx(S.full_bar(slot), (unsigned)(valid * kc * 2));

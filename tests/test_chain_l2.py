@@ -56,11 +56,10 @@ def test_prefetch_tasks_sit_on_the_idle_sms_and_move_no_other_task():
         parts = pts[0][1].args[2]
         covered = sorted(j for _, t in pts for j in range(t.args[0], t.args[0] + t.args[1]))
         assert covered == list(range(parts))
-        waits = {tuple(t.waits) for _, t in pts}
-        down = f"L{layer - 1}.down"
-        assert waits == ({()} if layer == 0 else {((chain.taskset.counters.index(next(
-            c for c in chain.taskset.counters if c.name == down)), chain.taskset.counters[next(
-                i for i, c in enumerate(chain.taskset.counters) if c.name == down)].total),)})
+        # each waits for down(l-1) (the chain's start), none at layer 0
+        down = next((i, c.total) for i, c in enumerate(chain.taskset.counters) if c.name == f"L{layer - 1}.down") \
+            if layer else None
+        assert {tuple(t.waits) for _, t in pts} == {(down,) if down else ()}
     # 8B: o_proj and down have 132 tasks, no SM is idle: the program is the plain one
     big = LlamaSpec.from_json_file(MODELS / "llama-3.1-8b")
     a, b = build_program(big, 1, 132), build_program(big, 1, 132, chain_l2=True)

@@ -157,9 +157,7 @@ class KernelVariant:
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
-        if self.wgmma_a and not self.w_tma:
-            raise ValueError(f"wgmma_a={self.wgmma_a} copies its chunks with MK_W_TMA's tensor maps: set "
-                             "w_tma=True too (MK_W_TMA=1)")
+        self._needs_w_tma(self.wgmma_a, f"wgmma_a={self.wgmma_a} copies its chunks with MK_W_TMA's tensor maps")
         if self.wgmma_a and self.rstd_epi:
             raise ValueError(f"wgmma_a={self.wgmma_a} normalises x' with the rows' rstd before its MMAs: it is not "
                              "built with rstd_epi=True (MK_RSTD_EPI=1)")
@@ -188,15 +186,17 @@ class KernelVariant:
         if not int_in(self.chain_l2, 0, CHAIN_L2_MAX_TILES):
             raise ValueError(f"chain_l2={self.chain_l2!r}: 0 (off) or the gate_up M-tiles a task's L2 prefetch covers, "
                              f"1 .. {CHAIN_L2_MAX_TILES}")
-        if self.chain_l2 and not self.w_tma:
-            raise ValueError(f"chain_l2={self.chain_l2}: its prefetched rows pay only through the tiled copy (L2 feeds "
-                             "it at 2.4x, the per-row copy at 1.3x): set w_tma=True too (MK_W_TMA=1)")
+        self._needs_w_tma(self.chain_l2, f"chain_l2={self.chain_l2}: its prefetched rows pay only through the tiled copy "
+                                         "(L2 feeds it at 2.4x, the per-row copy at 1.3x)")
         if self.diag_l2_n and self.wgmma_a:
             raise ValueError(f"diag_l2_n={self.diag_l2_n}: the fold window is the default chunk loop's (batch <= 8), "
                              f"not the wgmma path's (wgmma_a={self.wgmma_a})")
-        if self.diag & 32 and not self.w_tma:
-            raise ValueError(f"diag={self.diag} (32: weights folded into L2) folds the tensor-map copies' rows: set "
-                             "w_tma=True too (MK_W_TMA=1)")
+        self._needs_w_tma(self.diag & 32, f"diag={self.diag} (32: weights folded into L2) folds the tensor-map copies' rows")
+
+    def _needs_w_tma(self, on: object, why: str) -> None:
+        """A switch that is on (`on` truthy) and works only through MK_W_TMA's tensor-map copies: the error says why."""
+        if on and not self.w_tma:
+            raise ValueError(f"{why}: set w_tma=True too (MK_W_TMA=1)")
 
     def _changed(self) -> list[tuple[str, str, object]]:
         """(-D name, label key, value) of each field that differs from its default (VARIANT_DEFINES order)."""
