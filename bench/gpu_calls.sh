@@ -36,8 +36,6 @@
 #                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
 #   l2_window      MK_DIAG_L2_FROM / _N (timing only): 1B b1 with gate_up's chunks 2.. of each task from L2 (N = 3 / 6 /
 #                  14) against the table's program, its w_tma + cap build, and every weight from L2 (2 rounds; ~150 s)
-#   chain_l2       MK_CHAIN_L2 = 1 / 3 / 6 (the idle SMs' L2 prefetch of gate_up rows during the chain): its GPU tests, then
-#                  1B b1 / b2 against the table's program and its w_tma + cap build, 2 rounds (~200 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -204,14 +202,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     ab 240 llama-3.2-1b --batch 1 --rounds 2 --build default --build $F --build $F,MK_DIAG=32 \
       --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=3 --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=6 \
       --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=14 ;;
-  chain_l2)   # session 40 (built, unmeasured): only 1B b1 / b2 have idle SMs past layer 0 under the tables' programs
-    # (down's K-split gives every SM a down task at b3..16; 8B's o_proj / down take all 132). Predicted against the
-    # w_tma + cap build at 1B b1: T = 3 (25 MB a layer) -3..-6%, T = 1 -1..-2%, T = 6 (50 MB, L2's size) no better than 3
-    # or worse; the rule: T that beats the table's program (default) by >= 2% in both rounds at b1 -> a per-batch knob
-    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_chain_l2_gpu.py 2>&1 | tail -4
-    F="MK_W_TMA=1,MK_INFLIGHT=2"
-    ab 220 llama-3.2-1b --batch 1 2 --rounds 2 --build default --build $F --build $F,MK_CHAIN_L2=1 \
-      --build $F,MK_CHAIN_L2=3 --build $F,MK_CHAIN_L2=6 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D

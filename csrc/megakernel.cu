@@ -47,7 +47,6 @@
 #include "down.cuh"
 #include "final_norm.cuh"
 #include "lm_head.cuh"
-#include "l2_prefetch.cuh"
 
 namespace mk {
 
@@ -153,9 +152,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
 #endif
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;
-#if MK_CHAIN_L2
-      case OP_L2_PREFETCH: l2_prefetch_task(P, t); break;   // l2_prefetch.cuh (without MK_CHAIN_L2: none in the program)
-#endif
       default: break;
     }
     consumer_sync();  // all of this task's stores precede the release below

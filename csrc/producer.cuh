@@ -111,9 +111,7 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
   for (; ti < qend; ++ti) {
     const Task t = load_task(P, ti);
     const int gate_op = prev_op;
-    // MK_CHAIN_L2: an L2_PREFETCH task (no weights) leaves the gate to the task before it, so gate_up keeps its wait
-    // for the release (which, released() being per queue position, now also follows the prefetch task's end)
-    if (!MK_CHAIN_L2 || t.opcode != OP_L2_PREFETCH) prev_op = t.opcode;
+    prev_op = t.opcode;
 #if MK_ATT_TMA   // an attention task's KV tiles stream through the ring like a matvec's weights
     if (t.opcode == OP_ATTN_PARTIAL) {
       const int L = __shfl_sync(0xffffffffu, lane_len, t.arg0);

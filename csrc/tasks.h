@@ -13,8 +13,7 @@ enum Opcode : int {
   OP_GATE_UP = 5,
   OP_DOWN = 6,
   OP_FINAL_NORM = 7,
-  OP_LM_HEAD = 8,
-  OP_L2_PREFETCH = 9
+  OP_LM_HEAD = 8
 };
 
 enum BufId : int {
@@ -209,9 +208,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #endif
 #ifndef MK_DIAG_L2_N
 #define MK_DIAG_L2_N 0
-#endif
-#ifndef MK_CHAIN_L2
-#define MK_CHAIN_L2 0
 #endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;

@@ -241,7 +241,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
             raise RuntimeError(f"megakernel program for batch {batch} is not built; call "
                                "MegakernelDecoder.prepare() before CUDA-graph capture")
         prog = build_program(self.spec, batch, self.num_sms, lm_head=self.lm_head, fallback=self.fallback,
-                             tuning=self.tunings[batch], chain_l2=self.variant_for(batch).chain_l2 > 0)
+                             tuning=self.tunings[batch])
         e = self._upload(prog, program_meta(prog, self._source_hash()))
         self._entries[batch] = e
         return e

@@ -44,7 +44,6 @@ class Opcode(enum.IntEnum):
     DOWN = 6           # ACT @ Wdown^T + residual
     FINAL_NORM = 7     # final rms_norm of the residual stream
     LM_HEAD = 8        # OUT @ Wlm^T
-    L2_PREFETCH = 9    # gate_up weights into L2 during the chain (only in MK_CHAIN_L2 programs: prefetch.py)
 
 
 class Buf(enum.IntEnum):
@@ -197,8 +196,6 @@ TRACE_WORDS = 13
 #   ATTN_PARTIAL: arg0 = request b, arg1 = kv head g, arg2 = chunk c; ticket_ctr >= 0: merge in
 #     the partial (the task that brings counters[ticket_ctr] to attn_chunks merges; out_buf ATTN_O)
 #   ATTN_COMBINE: arg0 = request b, arg1 = kv head g
-#   L2_PREFETCH: arg0 = first gate_up task j of the layer (split_units order), arg1 = task count, arg2 = the layer's
-#     gate_up task count (prefetch.py; no buffers, no signal)
 #   O_PROJ, DOWN cut over K (tuning.ksplit): arg2 = ksplit_arg(part p, parts n) (0 = not cut): the task sums
 #     K columns ksplit_range(K, p, n) into PART_K[p]; ticket_ctr = its unit range's ticket: the task that
 #     brings it to n adds PART_K[0..n-1] in that order to the residual and stores the output

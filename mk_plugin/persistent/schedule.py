@@ -23,7 +23,6 @@ import numpy as np
 from ..spec import LlamaSpec
 from .encoding import encode, megakernel_supports, spec_hash
 from .graph import FusedOp, split_segments
-from .prefetch import add_chain_prefetch
 from .tasks import SIGNAL_NS, Counter, Task, TaskSet, build_tasks
 from .tuning import DEFAULT_TUNING, ScheduleTuning
 
@@ -51,9 +50,7 @@ def list_schedule(tasks: list[Task], num_sms: int,
             ready = max(ready, get(c, 0.0) + SIGNAL_NS)
         maximum(free, ready, out=finish)
         finish += t.cost
-        # the first SM of the earliest finish: ties (also rounding ties) go low; a pinned task (prefetch.py's, of cost
-        # 0: it moves no other task) goes to its SM
-        sm = int(finish.argmin()) if t.pin is None else t.pin
+        sm = int(finish.argmin())   # the first SM of the earliest finish: ties (also rounding ties) go low
         end = float(finish[sm])
         free[sm] = end
         queues[sm].append(idx)
@@ -95,7 +92,6 @@ class Program:
     prefix_len: int | None = None      # set on truncated programs
     taskset: TaskSet | None = field(default=None, repr=False)
     tuning: ScheduleTuning = DEFAULT_TUNING
-    chain_l2: bool = False             # has prefetch.py's L2_PREFETCH tasks (MK_CHAIN_L2 builds)
 
     @property
     def predicted_ns(self) -> float:
@@ -157,48 +153,34 @@ def _gc_paused() -> Iterator[None]:
 
 
 def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = False,
-                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING,
-                  chain_l2: bool = False) -> Program:
+                  fallback: frozenset[str] = frozenset(), tuning: ScheduleTuning = DEFAULT_TUNING) -> Program:
     """Compile one decode step of `batch` tokens for `num_sms` SMs into encoded per-launch programs.
-    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning, chain_l2) and reused every step.
-    chain_l2: add prefetch.py's L2_PREFETCH tasks (for a kernel built with MK_CHAIN_L2 > 0; any other build runs them
-    as empty tasks)."""
+    Built once per (spec, padded batch, SM count, lm_head, fallback, tuning) and reused every step."""
     why = megakernel_supports(spec)
     if why is not None:
         raise ValueError(f"the megakernel cannot run this model: {why}")
     with _gc_paused():
-        return _build_program(spec, batch, num_sms, lm_head, frozenset(fallback), tuning, chain_l2)
-
-
-def _plan(ts: TaskSet, part: list[FusedOp], num_sms: int
-          ) -> tuple[list[Task], list[list[tuple[int, int]]], list[list[int]], float]:
-    """One segment's tasks (tid order), the waits kept inside it, its queues and predicted span."""
-    keys = {op.key for op in part}
-    tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
-    # A wait on an op in another segment is dropped: the launch boundary orders it.
-    inside = {i for i, c in enumerate(ts.counters) if c.producer in keys}
-    waits = [[w for w in t.waits if w[0] in inside] for t in tasks]
-    queues, span = list_schedule(tasks, num_sms, waits)
-    return tasks, waits, queues, span
+        return _build_program(spec, batch, num_sms, lm_head, frozenset(fallback), tuning)
 
 
 def _build_program(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool, fallback: frozenset[str],
-                   tuning: ScheduleTuning, chain_l2: bool = False) -> Program:
+                   tuning: ScheduleTuning) -> Program:
     ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
-    parts = split_segments(ts.ops, fallback)
-    if chain_l2:   # the idle SMs come from the schedule without the prefetch tasks, which move no other task
-        plans = [_plan(ts, p, num_sms) for p in parts if not isinstance(p, FusedOp)]
-        ts = add_chain_prefetch(ts, [(tasks, queues) for tasks, _, queues, _ in plans])
     steps: list[Segment | FallbackStep] = []
-    for part in parts:
+    for part in split_segments(ts.ops, fallback):
         if isinstance(part, FusedOp):
             steps.append(FallbackStep(part, ts.op_ranges[part.key]))
             continue
-        tasks, waits, queues, span = _plan(ts, part, num_sms)
+        keys = {op.key for op in part}
+        tasks = [t for op in part for t in ts.tasks[slice(*ts.op_ranges[op.key])]]
+        # A wait on an op in another segment is dropped: the launch boundary orders it.
+        inside = {i for i, c in enumerate(ts.counters) if c.producer in keys}
+        waits = [[w for w in t.waits if w[0] in inside] for t in tasks]
+        queues, span = list_schedule(tasks, num_sms, waits)
         steps.append(Segment(part, tasks, waits, queues,
                              _encode_segment(spec, batch, ts.attn_chunks, tasks, waits, queues), span))
     return Program(spec, batch, num_sms, lm_head, fallback, ts.attn_chunks, steps, ts.counters,
-                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning, chain_l2=chain_l2)
+                   ts.op_ranges, len(ts.tasks), taskset=ts, tuning=tuning)
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:

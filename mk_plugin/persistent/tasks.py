@@ -99,7 +99,6 @@ class Task:
     merge_writes: list[Region] = field(default_factory=list)
     phase: int = 0          # sub-phase within the op (attention: 0 partial, 1 combine)
     ticket: int | None = None  # merge-in-partial attention: the (b, g) ticket counter (encoding ticket_ctr)
-    pin: int | None = None     # the SM list_schedule must give it (prefetch.py's L2_PREFETCH tasks), else None
 
     def record(self, waits: list[tuple[int, int]] | None = None) -> list[int]:
         """The TASK_WORDS int32 words of this task (encoding.TASK_FIELDS order)."""

@@ -99,8 +99,6 @@ def task_bytes(spec: LlamaSpec, task: Task, batch: int, seq_lens: Sequence[int],
         return TaskBytes(kv=2 * (hi - lo) * d * el, act=G * d * el + out)
     if op == Opcode.ATTN_COMBINE:
         return TaskBytes(act=attn_chunks * G * (d + 2) * 4 + G * d * el)
-    if op == Opcode.L2_PREFETCH:     # MK_CHAIN_L2: L2 hints, no bytes into the SM (gate_up's copies count them)
-        return TaskBytes()
     name = task.op.name
     limit = spec.vocab_size if op == Opcode.LM_HEAD else 1 << 62
     r = _rows({"arg0": task.args[0], "arg1": task.args[1]}, limit)
@@ -178,7 +176,7 @@ def program_meta(program: Program, seq_lens: Sequence[int], **extra: Any) -> dic
     return {"model": program.spec.name, "spec": spec_to_dict(program.spec), "layers": program.spec.num_layers,
             "batch": program.batch,
             "num_sms": program.num_sms, "lm_head": program.lm_head, "fallback": sorted(program.fallback),
-            "attn_chunks": program.attn_chunks, "tuning": program.tuning.to_json(), "chain_l2": program.chain_l2,
+            "attn_chunks": program.attn_chunks, "tuning": program.tuning.to_json(),
             "seq_lens": _padded_seq_lens(program, seq_lens), **extra}
 
 
@@ -187,7 +185,7 @@ def program_from_meta(meta: dict[str, Any]) -> Program:
     tuning = ScheduleTuning.from_json(meta["tuning"]) if "tuning" in meta else DEFAULT_TUNING
     return build_program(spec_from_dict(meta["spec"]), int(meta["batch"]), int(meta["num_sms"]),
                          lm_head=bool(meta.get("lm_head", False)), fallback=frozenset(meta.get("fallback", ())),
-                         tuning=tuning, chain_l2=bool(meta.get("chain_l2", False)))
+                         tuning=tuning)
 
 
 def save_records(path: str | Path, records: Sequence[dict], meta: dict[str, Any] | None = None) -> Path:

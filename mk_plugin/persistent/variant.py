@@ -29,9 +29,7 @@ from .encoding import LAYOUT, STAGE_CHOICES, KernelLayout, Opcode, Rounding
 # gate_up's release, whose fence otherwise waits for those copies (-29..-41 us at 1B batch 1/4/8, -41/-58
 # at 8B batch 1/8, even at 1B batch 16; masks 96, 48, 50 and 126 measured slower at 1B: bench/NOTES.md).
 RELEASE_GATE_DEFAULT = 1 << Opcode.GATE_UP
-# MK_RELEASE_GATE's masks: a bit per opcode up to LM_HEAD (an L2_PREFETCH task leaves the gate to the task before it:
-# csrc/producer.cuh)
-RELEASE_GATE_MASKS = 1 << Opcode.L2_PREFETCH
+RELEASE_GATE_MASKS = 1 << len(Opcode)   # MK_RELEASE_GATE's masks: a bit per opcode
 # KernelVariant's fields as builds name them: (-D name, field, label key), in defines() / label() order
 VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "num_stages", "stages"),
                    ("MK_DIAG", "diag", "diag"), ("MK_TRACE_PHASES", "phases", "phases"),
@@ -40,9 +38,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_CHAIN_L2", "chain_l2", "chain_l2"))
-# MK_CHAIN_L2's largest value: the M-tiles of a gate_up task's first pass (ACC_TILES) past prefetch.CHAIN_L2_FROM
-CHAIN_L2_MAX_TILES = 6
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -125,11 +121,6 @@ class KernelVariant:
     # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
     diag_l2_from: int = 0
     diag_l2_n: int = 0
-    # MK_CHAIN_L2 = T (A/B switch, session 40, unmeasured; 0 = off: no L2_PREFETCH tasks in the program, none compiled
-    # in): the SMs idle during a layer's qkv_rope -> attention -> o_proj chain ask L2 for the whole rows of M-tiles
-    # 2 .. 2 + T - 1 of every gate_up task's first pass (prefetch.py, csrc/l2_prefetch.cuh); for the tiled copy
-    # (w_tma), which reads L2 at 2.4x HBM. Batch 1..8 (the default chunk loop).
-    chain_l2: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -183,11 +174,6 @@ class KernelVariant:
         if (self.diag_l2_from or self.diag_l2_n) and not (self.diag & 32 and self.diag_l2_n):
             raise ValueError(f"diag_l2_from={self.diag_l2_from}, diag_l2_n={self.diag_l2_n}: the window of diag bit "
                              "32's L2 fold (gate_up's chunks A .. A + N - 1): set diag's bit 32 and N >= 1")
-        if not int_in(self.chain_l2, 0, CHAIN_L2_MAX_TILES):
-            raise ValueError(f"chain_l2={self.chain_l2!r}: 0 (off) or the gate_up M-tiles a task's L2 prefetch covers, "
-                             f"1 .. {CHAIN_L2_MAX_TILES}")
-        self._needs_w_tma(self.chain_l2, f"chain_l2={self.chain_l2}: its prefetched rows pay only through the tiled copy "
-                                         "(L2 feeds it at 2.4x, the per-row copy at 1.3x)")
         if self.diag_l2_n and self.wgmma_a:
             raise ValueError(f"diag_l2_n={self.diag_l2_n}: the fold window is the default chunk loop's (batch <= 8), "
                              f"not the wgmma path's (wgmma_a={self.wgmma_a})")

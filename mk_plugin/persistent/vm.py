@@ -425,11 +425,6 @@ def op_lm_head(st: VMState, t: dict[str, int]) -> None:
     st.bufs[Buf.LOGITS][:, r] = y   # fp32 logits
 
 
-def op_l2_prefetch(st: VMState, t: dict[str, int]) -> None:
-    """MK_CHAIN_L2's L2 prefetch (prefetch.py): a cache hint, no value changes."""
-    del st, t
-
-
 OPS: dict[Opcode, Callable[[VMState, dict[str, int]], None]] = {
     Opcode.QKV_ROPE: op_qkv_rope,
     Opcode.ATTN_PARTIAL: op_attn_partial,
@@ -439,7 +434,6 @@ OPS: dict[Opcode, Callable[[VMState, dict[str, int]], None]] = {
     Opcode.DOWN: op_down,
     Opcode.FINAL_NORM: op_final_norm,
     Opcode.LM_HEAD: op_lm_head,
-    Opcode.L2_PREFETCH: op_l2_prefetch,
 }
 
 
