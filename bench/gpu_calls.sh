@@ -36,6 +36,9 @@
 #                  of another CTA on its SM (a producer CTA beside a consumer CTA) or only for its own CTA's? (~40 s)
 #   l2_window      MK_DIAG_L2_FROM / _N (timing only): 1B b1 with gate_up's chunks 2.. of each task from L2 (N = 3 / 6 /
 #                  14) against the table's program, its w_tma + cap build, and every weight from L2 (2 rounds; ~150 s)
+#   cluster_probe  bench/cluster_probe.py: a hand-off between a cluster's two CTAs (L2 + gpu / cluster-scope release,
+#                  DSMEM + remote mbarrier arrive, st.async, DSMEM bulk copy), idle / others streaming / all streaming,
+#                  256 B and 4 KB payloads (~60 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -202,6 +205,12 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     ab 240 llama-3.2-1b --batch 1 --rounds 2 --build default --build $F --build $F,MK_DIAG=32 \
       --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=3 --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=6 \
       --build $F,MK_DIAG=32,MK_DIAG_L2_FROM=2,MK_DIAG_L2_N=14 ;;
+  cluster_probe)   # session 41: does a hand-off inside a cluster escape the release fence's drain? Predicted (H100):
+    # modes 0 / 1 identical (same SASS), idle 1.2-1.9 us, all streaming 15-25 us; mode 2 (MEMBAR kept) 60-80% of mode 0;
+    # mode 3 (st.async) idle 0.4-0.8 us and <= 1.5 us streaming; mode 4 (TMA) near idle with the two not streaming, 2-6
+    # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
+    timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
+      --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D
