@@ -222,3 +222,31 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(CP_THREAD
   __syncwarp();
   cp_cluster_sync();
 }
+
+// Residency (--residency N): can a persistent grid of clusters of N CTAs (one CTA per SM: the megakernel's ~200 KB
+// of shared memory each) be wholly co-resident? Every CTA records its SM, arrives on a counter and spins (5 ms at
+// most) until the whole grid has arrived; seen[i] = the count CTA i saw when it left (the grid size only if all were
+// resident together). N = 16 is a non-portable cluster size (the host sets the function's attribute first).
+__device__ __forceinline__ void cp_residency(unsigned* arrived, unsigned* smids, unsigned* seen) {
+  if (threadIdx.x == 0) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    smids[blockIdx.x] = smid;
+    atomicAdd(arrived, 1u);
+    const unsigned long long t0 = probe_ns();
+    unsigned s = 0;
+    while ((s = cp_ld_relaxed(arrived)) < gridDim.x && probe_ns() - t0 < 5000000ull) {
+    }
+    seen[blockIdx.x] = s;
+  }
+}
+
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(CP_THREADS, 1)
+    cluster_residency_8(unsigned* arrived, unsigned* smids, unsigned* seen) {
+  cp_residency(arrived, smids, seen);
+}
+
+extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(CP_THREADS, 1)
+    cluster_residency_16(unsigned* arrived, unsigned* smids, unsigned* seen) {
+  cp_residency(arrived, smids, seen);
+}

@@ -18,6 +18,11 @@ fence. Reading it: if mode 3 (or 4) under streaming stays near its idle figure w
 inside a cluster does not pay the fence's drain: the chain ops whose consumers can sit in the producer's cluster
 (attention after its KV group's qkv rows, the merge of its chunks) can be rebuilt on it (bench/NOTES.md, session 41).
 Every row is also appended to bench/results/cluster_probe.csv.
+
+    python bench/cluster_probe.py --residency 8,16
+
+instead asks whether a persistent grid of clusters of N CTAs (one per SM, ~200 KB of shared memory each: the
+megakernel's) is wholly co-resident, and which SMs each cluster got (a chain built on clusters needs all of them).
 """
 from __future__ import annotations
 
@@ -150,6 +155,65 @@ def run(iters: int, reps: int, streams: list[int], modes: list[int], words: list
     return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
 
 
+RESIDENCY_KERNELS = {8: "cluster_residency_8", 16: "cluster_residency_16"}
+NON_PORTABLE_ATTR = 14               # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h)
+RESIDENCY_HEADER = ("cluster size", "clusters", "CTAs", "co-resident", "min CTAs seen", "SMs of each cluster")
+
+
+def sm_ranges(smids: list[int]) -> str:
+    """SM ids, sorted, as compact ranges: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out, ids = [], sorted(smids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(f"{ids[i]}" if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def allow_non_portable(cp, fn) -> None:
+    """Let `fn` launch with a cluster size above the portable 8 (CuPy's driver wrapper, else libcuda directly)."""
+    try:
+        cp.cuda.driver.funcSetAttribute(fn.ptr, NON_PORTABLE_ATTR, 1)
+    except AttributeError:   # a CuPy without the wrapper
+        import ctypes
+        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn.ptr), NON_PORTABLE_ATTR, 1)
+        if rc:
+            raise SystemExit(f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) failed: CUresult {rc}") from None
+
+
+def residency(sizes: list[int]) -> str:
+    bad = [n for n in sizes if n not in RESIDENCY_KERNELS]
+    if bad:
+        raise SystemExit(f"--residency {bad}: cluster sizes {', '.join(map(str, RESIDENCY_KERNELS))}")
+    cp, props = common.probe_device("cluster_probe")
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    sms = int(props["multiProcessorCount"])
+    mod = cp.RawModule(code=build_source(), options=compile_options(f"sm_{props['major']}{props['minor']}a"))
+    rows = []
+    for n in sizes:
+        fn = mod.get_function(RESIDENCY_KERNELS[n])
+        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+        if n > 8:
+            allow_non_portable(cp, fn)
+        grid = sms // n * n
+        arrived = cp.zeros(1, dtype=cp.uint32)
+        smids, seen = cp.zeros(grid, dtype=cp.uint32), cp.zeros(grid, dtype=cp.uint32)
+        try:
+            fn((grid,), (THREADS,), (arrived, smids, seen), shared_mem=SMEM_BYTES)
+            cp.cuda.Device().synchronize()
+        except (cp.cuda.driver.CUDADriverError, cp.cuda.runtime.CUDARuntimeError) as e:   # a size it cannot launch
+            rows.append([str(n), str(sms // n), str(grid), f"launch failed: {type(e).__name__}: {e}", "-", "-"])
+            continue
+        ids, s = [int(x) for x in smids.get()], [int(x) for x in seen.get()]
+        per = " / ".join(sm_ranges(ids[c * n:(c + 1) * n]) for c in range(grid // n))
+        rows.append([str(n), str(grid // n), str(grid), "yes" if min(s) == grid else "no", str(min(s)), per])
+    title = f"### cluster residency: {name}, {sms} SMs, {SMEM_BYTES} B of shared memory a CTA, {common.today()}"
+    return "\n".join([title, "", common.markdown_table(RESIDENCY_HEADER, rows), ""])
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -168,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
                    "default 64,1024: 256 B and a 1B batch-1 activation's 4 KB)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
+    p.add_argument("--residency", default="", help="instead: are grids of clusters of these sizes (8, 16; comma-"
+                   "separated) wholly co-resident at one CTA per SM, and on which SMs (a table, nothing appended)")
     a = p.parse_args(argv)
+    if a.residency:
+        md = residency(_ints(a.residency))
+        if a.out is not None:
+            common.write_record(a.out.parent, a.out.name, md)
+        print(md)
+        return 0
     md, rows = run(a.iters, a.reps, _ints(a.stream), _ints(a.modes), _ints(a.words))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)

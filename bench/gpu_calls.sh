@@ -39,6 +39,7 @@
 #   cluster_probe  bench/cluster_probe.py: a hand-off between a cluster's two CTAs (L2 + gpu / cluster-scope release,
 #                  DSMEM + remote mbarrier arrive, st.async, DSMEM bulk copy), idle / others streaming / all streaming,
 #                  256 B and 4 KB payloads (~60 s)
+#   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -211,6 +212,8 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
     timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
+  cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
+    timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D

@@ -27,7 +27,8 @@ def test_probe_kernel_compiles_without_spills(tmp_path):
     assert r.returncode == 0, f"nvcc failed:\n{log[-4000:]}"
     assert re.search(r"Compiling entry function 'cluster_probe' for 'sm_90a'", log), log[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills == [("0", "0")], f"register spills or no ptxas report:\n{log[-2000:]}"
+    # the ping-pong kernel and the two residency kernels, none spilling
+    assert spills == [("0", "0")] * 3, f"register spills or no ptxas report:\n{log[-2000:]}"
     assert "warning" not in log.lower(), log[-2000:]
 
 
@@ -79,3 +80,16 @@ def test_table_row():
     assert row == ["3", cp.MODES[3], "4096 B", "all SMs", "1000", "900", "1100", "3901", "0"]
     assert cp.table_row(0, 64, 0, [1200.0], float("nan"), 0)[2:4] == ["256 B", "off"]
     assert cp.table_row(0, 64, 0, [1200.0], float("nan"), 0)[7] == "-"
+
+
+def test_residency_kernels_exist_with_their_cluster_sizes():
+    src = cp.build_source()
+    for n, kernel in cp.RESIDENCY_KERNELS.items():
+        assert f"__cluster_dims__({n}, 1, 1) __launch_bounds__(CP_THREADS, 1)\n    {kernel}(" in src
+
+
+def test_sm_ranges():
+    assert cp.sm_ranges([5, 0, 1, 2, 8, 7]) == "0-2,5,7-8"
+    assert cp.sm_ranges([3]) == "3" and cp.sm_ranges([]) == ""
+    with pytest.raises(SystemExit, match=r"--residency \[4\]"):
+        cp.residency([4])
