@@ -176,10 +176,10 @@ def sm_ranges(smids: list[int]) -> str:
 def allow_non_portable(cp, fn) -> None:
     """Let `fn` launch with a cluster size above the portable 8 (CuPy's driver wrapper, else libcuda directly)."""
     try:
-        cp.cuda.driver.funcSetAttribute(fn.ptr, NON_PORTABLE_ATTR, 1)
+        cp.cuda.driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_ATTR, 1)   # RawKernel -> Function
     except AttributeError:   # a CuPy without the wrapper
         import ctypes
-        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn.ptr), NON_PORTABLE_ATTR, 1)
+        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn.kernel.ptr), NON_PORTABLE_ATTR, 1)
         if rc:
             raise SystemExit(f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) failed: CUresult {rc}") from None
 
