@@ -40,8 +40,6 @@
 #                  DSMEM + remote mbarrier arrive, st.async, DSMEM bulk copy), idle / others streaming / all streaming,
 #                  256 B and 4 KB payloads (~60 s)
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
-#   fma_b1         MK_FMA_B1: its GPU tests, then 1B b1 against the table's program, 2 rounds, and the phase trace's
-#                  chunk times of both (~200 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -216,18 +214,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
-  fma_b1)   # session 41: the batch-1 one-M-tile passes (qkv_rope, o_proj, down at 1B b1) on the CUDA cores. Predicted
-    # (H100, 1B b1, the table's program): qkv_rope's chunks 2.85 -> ~1.0 us a task, o_proj's 2.30 -> ~0.8, down's
-    # consumers no longer slower than its copies: -3..-6% a step; rule: >= 2% in both rounds -> a per-batch knob
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fma_b1_gpu.py 2>&1 | tail -4
-    ab 150 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_FMA_B1=1
-    for d in "" ",MK_FMA_B1=1"; do   # the phase traces (per-op medians: chunks, reduce, release) of both builds
-      mkdir -p /tmp/fma_trace$d
-      timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 ${d:+--define ${d#,}} \
-        --records-dir /tmp/fma_trace$d --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -1
-      for f in /tmp/fma_trace$d/*.records.json.gz; do timeout 60 python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 \
-        | grep -E "^\| (op|qkv_rope|attn_partial|o_proj|gate_up|down) " ; done
-    done ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D

@@ -25,7 +25,6 @@
 #include "matvec_plan.cuh"
 #include "producer.cuh"
 #include "x_frags.cuh"
-#include "matvec_fma.cuh"
 
 namespace mk {
 
@@ -220,11 +219,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // for all its chunks (no smem_x_frags / group_frags after it; the column groups' copies and barriers kept):
     // the price of building the fragments per chunk, which one-M-tile tasks pay once per 32 KB chunk
     unsigned xb_kept[JMAX][NT][2] = {};
-#endif
-#if MK_FMA_B1   // a batch-1 pass of <= FMA_B1_MT M-tiles on the CUDA cores (matvec_fma.cuh)
-    if (B == 1 && staged && mt <= FMA_B1_MT)
-      it = fma_b1_chunks<MT>(S, P, xs, wp.K, nw != nullptr, mt, it, warp, lane, acc, wait_cycles);
-    else
 #endif
     for (int k0 = 0; k0 < wp.K; k0 += KC) {
       const int nsteps = min(KC, wp.K - k0) >> 4;

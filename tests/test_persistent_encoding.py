@@ -145,13 +145,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
             KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
-    # MK_FMA_B1 (session 41): a bool switch of the per-row copies' loop with the norm in the fragments
-    assert KernelVariant.parse(["MK_FMA_B1=1"]).defines() == ("-DMK_FMA_B1=1",)
-    assert "#define MK_FMA_B1 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    for bad, msg in (({"fma_b1": True, "w_tma": True}, "not with w_tma=True"),
-                     ({"fma_b1": True, "rstd_epi": True}, "rstd_epi=True"), ({"fma_b1": 1}, "fma_b1=1 must be")):
-        with pytest.raises(ValueError, match=msg):
-            KernelVariant(**bad)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
     assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
     assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"
