@@ -142,6 +142,42 @@ __device__ __forceinline__ unsigned cp_take(int mode, int words, const unsigned*
   return bad;
 }
 
+// Warps 0 and 1 of a streaming CTA (n chunks): the producer streams 32 KB chunks of its region into the ring, warp 1
+// frees each slot once full. Returns whether this warp was one of them (the caller's other warps do the hand-offs).
+__device__ __forceinline__ bool cp_stream_warps(int warp, int lane, int n, unsigned ring, unsigned full0,
+                                                unsigned empty0, const unsigned char* region, long long region_bytes,
+                                                unsigned long long* out) {
+  if (warp == 0) {  // producer
+    long long off = 0;
+    if (lane == 0 && n > 0) atomicMin(out + 5, probe_ns());
+    for (int it = 0; it < n; ++it) {
+      const int slot = it % CP_NS;
+      probe_wait(empty0 + 8 * slot, ((unsigned)(it / CP_NS) & 1u) ^ 1u, out);
+      if (lane == 0) probe_arrive_expect_tx(full0 + 8 * slot, CP_SLOT);
+      __syncwarp();
+      if (lane < (int)(CP_SLOT / CP_COPY))
+        probe_bulk_g2s(ring + slot * CP_SLOT + lane * CP_COPY, region + off + lane * CP_COPY, CP_COPY, full0 + 8 * slot);
+      off += CP_SLOT;
+      if (off + CP_SLOT > region_bytes) off = 0;
+    }
+    for (int it = n > CP_NS ? n - CP_NS : 0; it < n; ++it) probe_wait(full0 + 8 * (it % CP_NS), (unsigned)(it / CP_NS) & 1u, out);
+    if (lane == 0 && n > 0) {
+      const unsigned long long t_end = probe_ns();
+      atomicMin(out + 3, t_end);
+      atomicMax(out + 6, t_end);
+    }
+    return true;
+  }
+  if (warp == 1) {  // frees each slot once full
+    for (int it = 0; it < n; ++it) {
+      probe_wait(full0 + 8 * (it % CP_NS), (unsigned)(it / CP_NS) & 1u, out);
+      probe_arrive(empty0 + 8 * (it % CP_NS));
+    }
+    return true;
+  }
+  return false;
+}
+
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(CP_THREADS, 1)
     cluster_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int words,
                   int iters, int chunks, unsigned* flags, unsigned* payloads, unsigned long long* out) {
@@ -163,30 +199,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(CP_THREAD
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
   const bool pp = blockIdx.x < 2;
   const int n = (stream == 1 || (stream == 2 && !pp)) ? chunks : 0;
-  if (warp == 0) {  // producer
-    long long off = 0;
-    if (lane == 0 && n > 0) atomicMin(out + 5, probe_ns());
-    for (int it = 0; it < n; ++it) {
-      const int slot = it % CP_NS;
-      probe_wait(empty0 + 8 * slot, ((unsigned)(it / CP_NS) & 1u) ^ 1u, out);
-      if (lane == 0) probe_arrive_expect_tx(full0 + 8 * slot, CP_SLOT);
-      __syncwarp();
-      if (lane < (int)(CP_SLOT / CP_COPY))
-        probe_bulk_g2s(ring + slot * CP_SLOT + lane * CP_COPY, region + off + lane * CP_COPY, CP_COPY, full0 + 8 * slot);
-      off += CP_SLOT;
-      if (off + CP_SLOT > region_bytes) off = 0;
-    }
-    for (int it = n > CP_NS ? n - CP_NS : 0; it < n; ++it) probe_wait(full0 + 8 * (it % CP_NS), (unsigned)(it / CP_NS) & 1u, out);
-    if (lane == 0 && n > 0) {
-      const unsigned long long t_end = probe_ns();
-      atomicMin(out + 3, t_end);
-      atomicMax(out + 6, t_end);
-    }
-  } else if (warp == 1) {  // frees each slot once full
-    for (int it = 0; it < n; ++it) {
-      probe_wait(full0 + 8 * (it % CP_NS), (unsigned)(it / CP_NS) & 1u, out);
-      probe_arrive(empty0 + 8 * (it % CP_NS));
-    }
+  if (cp_stream_warps(warp, lane, n, ring, full0, empty0, region, region_bytes, out)) {
   } else if (pp) {  // ping-pong between cluster ranks 0 and 1
     const int me = blockIdx.x, other = 1 - me;
     unsigned* mine = payloads + me * CP_WORDS_MAX;
@@ -249,4 +262,97 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(CP_THREAD
 extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(CP_THREADS, 1)
     cluster_residency_16(unsigned* arrived, unsigned* smids, unsigned* seen) {
   cp_residency(arrived, smids, seen);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(CP_THREADS, 1)
+    cluster_residency_2(unsigned* arrived, unsigned* smids, unsigned* seen) {
+  cp_residency(arrived, smids, seen);
+}
+
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(CP_THREADS, 1)
+    cluster_residency_4(unsigned* arrived, unsigned* smids, unsigned* seen) {
+  cp_residency(arrived, smids, seen);
+}
+
+// All-gather (--allgather): the 8 CTAs of cluster 0 each deliver a `words`-word slice to all 8 (itself included) by
+// st.async, every store completing its bytes on the receiver's mbarrier, and wait for the 8 slices: the pattern of a
+// KV group's chain inside a cluster of 8 (q / k / v rows to every attention chunk, the chunks' (m, l, o) to every CTA
+// that merges). Two buffers and two mbarriers alternate by round, so a CTA a round ahead never writes into a buffer
+// still being read: a sender starts round i + 2 only after all 8 CTAs have sent round i + 1, i.e. finished checking
+// round i. The other clusters stream (stream 2), or every CTA does (1), or none (0). out[0] = rank 0's ns for all
+// rounds, out[1] = mismatches; out[2..6] as the ping-pong's.
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(CP_THREADS, 1)
+    cluster_allgather_8(const unsigned short* __restrict__ src, long long region_bytes, int stream, int words, int iters,
+                        int chunks, unsigned long long* out) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  // the ring, its mbarriers, two receive mbarriers (16 bytes), two buffers of 8 slices (4 KB each: CP_WORDS_MAX words)
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
+  const unsigned full0 = ring + CP_NS * CP_SLOT, empty0 = full0 + 8 * CP_NS, rbar0 = empty0 + 8 * CP_NS;
+  const unsigned buf0 = rbar0 + 16;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < CP_NS; ++s) {
+      probe_mbar_init(full0 + 8 * s, 1);
+      probe_mbar_init(empty0 + 8 * s, 32);
+    }
+    probe_mbar_init(rbar0, 1);
+    probe_mbar_init(rbar0 + 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cp_cluster_sync();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
+  const bool ag = blockIdx.x < 8;   // cluster 0
+  const int n = (stream == 1 || (stream == 2 && !ag)) ? chunks : 0;
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (cp_stream_warps(warp, lane, n, ring, full0, empty0, region, region_bytes, out)) {
+  } else if (ag) {
+    const unsigned slice = 4u * (unsigned)words, vps = (unsigned)words / 4u;   // bytes, 16-byte stores a slice
+    unsigned bad = 0;
+    const unsigned long long w0 = probe_ns();
+    while (stream && probe_ns() - w0 < 20000ull) {
+    }
+    const unsigned long long t0 = probe_ns();
+    for (int i = 0; i < iters; ++i) {
+      const unsigned p = (unsigned)i & 1u, v = (unsigned)i + 1u, pb = p * 8u * (unsigned)(4 * CP_WORDS_MAX / 8);
+      if (lane == 0) probe_arrive_expect_tx(rbar0 + 8u * p, 8u * slice);
+      __syncwarp();
+      for (unsigned idx = lane; idx < 8u * vps; idx += 32u) {
+        const unsigned r = idx / vps, q = idx - r * vps;
+        // mapa per store (one instruction): an array of the 8 ranks' addresses went to the stack (dynamic index)
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %1, %1, %1}, [%2];"
+                     ::"r"(cp_mapa(buf0 + pb + rank * slice + 16u * q, r)), "r"(v), "r"(cp_mapa(rbar0 + 8u * p, r))
+                     : "memory");
+      }
+      if (lane == 0) {
+        const unsigned long long ts = probe_ns();
+        while (!cp_try_wait_cluster(rbar0 + 8u * p, ((unsigned)i >> 1) & 1u)) {
+          if (probe_ns() - ts > PROBE_WAIT_BUDGET_NS) {
+            out[4] = 1;
+            break;
+          }
+        }
+      }
+      __syncwarp();
+      unsigned b = 0;
+      for (unsigned idx = lane; idx < 8u * (unsigned)words; idx += 32u) {
+        const unsigned r = idx / (unsigned)words, w = idx - r * (unsigned)words;
+        b += cp_ld_shared(buf0 + pb + r * slice + 4u * w) != v;
+      }
+      for (int o = 16; o; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+      bad += b;
+      const int stop = __shfl_sync(0xffffffffu, lane == 0 ? (int)*(volatile unsigned long long*)(out + 4) : 0, 0);
+      if (stop) break;
+    }
+    if (lane == 0) {
+      if (rank == 0) {
+        const unsigned long long t1 = probe_ns();
+        out[0] = t1 - t0;
+        out[2] = t1;
+      }
+      atomicAdd(out + 1, (unsigned long long)bad);
+    }
+  }
+  __syncwarp();
+  cp_cluster_sync();
 }

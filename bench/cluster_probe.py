@@ -22,7 +22,12 @@ Every row is also appended to bench/results/cluster_probe.csv.
     python bench/cluster_probe.py --residency 8,16
 
 instead asks whether a persistent grid of clusters of N CTAs (one per SM, ~200 KB of shared memory each: the
-megakernel's) is wholly co-resident, and which SMs each cluster got (a chain built on clusters needs all of them).
+megakernel's) is wholly co-resident, and which SMs each cluster got (a chain built on clusters needs all of them), and
+
+    python bench/cluster_probe.py --allgather --words 16,64,128
+
+times an all-gather among a cluster of 8 CTAs by st.async (each CTA's slice to all 8): the pattern of a KV group's
+chain inside one cluster (rows 5 of the CSV: ns per round).
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ SMEM_BYTES = CP_NS * CP_SLOT + 16 * CP_NS + 16 + 2 * 4 * WORDS_MAX
 REGION_BYTES = 8 << 20                      # streamed per CTA, cycled (132 x 8 MB >> the 50 MB L2)
 MODES = {0: "st + red.release.gpu (kernel)", 1: "st + red.release.cluster", 2: "DSMEM st + mbarrier arrive.release",
          3: "DSMEM st.async + complete_tx", 4: "DSMEM bulk copy (TMA) + complete_tx"}
-STREAMS = {0: "off", 1: "all SMs", 2: "all but the two"}
+STREAMS = {0: "off", 1: "all SMs", 2: "all but the two"}   # --allgather: "the two" = cluster 0's 8 CTAs
 CSV = common.RESULTS / "cluster_probe.csv"
 CSV_HEADER = ("date", "gpu", "commit", "mode", "stream", "words", "iters", "ns_per_handoff", "stream_gbps",
               "mismatches")
@@ -155,7 +160,11 @@ def run(iters: int, reps: int, streams: list[int], modes: list[int], words: list
     return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
 
 
-RESIDENCY_KERNELS = {8: "cluster_residency_8", 16: "cluster_residency_16"}
+RESIDENCY_KERNELS = {n: f"cluster_residency_{n}" for n in (2, 4, 8, 16)}
+ALLGATHER_KERNEL = "cluster_allgather_8"
+AG_SIZE = 8                          # CTAs of the all-gather's cluster
+AG_MAX_CLUSTERS = 15                 # clusters of 8 an H100 SXM holds at one CTA per SM (cluster_residency, session 41)
+AG_MAX_WORDS = WORDS_MAX // AG_SIZE  # a slice: one of 8 in a 4 KB buffer
 NON_PORTABLE_ATTR = 14               # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (cuda.h)
 RESIDENCY_HEADER = ("cluster size", "clusters", "CTAs", "co-resident", "min CTAs seen", "SMs of each cluster")
 
@@ -214,6 +223,63 @@ def residency(sizes: list[int]) -> str:
     return "\n".join([title, "", common.markdown_table(RESIDENCY_HEADER, rows), ""])
 
 
+def check_allgather(words: list[int]) -> None:
+    bad = [w for w in words if not (4 <= w <= AG_MAX_WORDS and w % 4 == 0)]
+    if bad:
+        raise SystemExit(f"--words {bad} with --allgather: a slice of 32-bit words, a multiple of 4 from 4 to "
+                         f"{AG_MAX_WORDS}")
+
+
+def allgather(iters: int, reps: int, streams: list[int], words: list[int]) -> tuple[str, list[list]]:
+    """The all-gather of cluster 0's 8 CTAs (cluster_allgather_8), rows as mode 5 of the CSV (ns per round)."""
+    check_args(streams, [0], [4], iters, reps)
+    check_allgather(words)
+    cp, props = common.probe_device("cluster_probe")
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    grid = min(AG_MAX_CLUSTERS, int(props["multiProcessorCount"]) // AG_SIZE) * AG_SIZE
+    fn = cp.RawModule(code=build_source(), options=compile_options(f"sm_{props['major']}{props['minor']}a")
+                      ).get_function(ALLGATHER_KERNEL)
+    fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
+    out = cp.zeros(8, dtype=cp.uint64)
+    rows_md, rows_csv = [], []
+    commit, date = common.git_commit(), common.today()
+    for stream in streams:
+        for w in words:
+            chunks, ns, rates, bad = 4 * iters, [], [], 0
+            while len(ns) < reps:
+                out.fill(0)
+                out[3] = cp.uint64(2**64 - 1)
+                out[5] = cp.uint64(2**64 - 1)
+                fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(w), cp.int32(iters),
+                                          cp.int32(chunks), out), shared_mem=SMEM_BYTES)
+                o = [int(v) for v in out.get()]
+                if o[4]:
+                    raise SystemExit(f"all-gather stream {stream} words {w}: a wait timed out in the probe kernel")
+                if stream and o[3] < o[2]:
+                    chunks *= 2
+                    if chunks > 1 << 22:
+                        raise SystemExit("streaming cannot outlast the all-gather (probe bug)")
+                    continue
+                ns.append(o[0] / iters)
+                rates.append(stream_gbps(grid if stream == 1 else grid - AG_SIZE, chunks, o[6] - o[5]) if stream
+                             else float("nan"))
+                bad += o[1]
+            gbps = common.median(rates)
+            srt = sorted(ns)
+            rows_md.append([f"all-gather of {AG_SIZE} (st.async)", f"{4 * w} B a CTA", STREAMS[stream],
+                            f"{common.median(ns):.0f}", f"{srt[0]:.0f}", f"{srt[-1]:.0f}",
+                            f"{gbps:.0f}" if stream else "-", str(bad)])
+            rows_csv.append([date, name, commit, 5, stream, w, iters, f"{common.median(ns):.1f}",
+                             f"{gbps:.0f}" if stream else "", bad])
+    title = (f"### cluster all-gather: {name}, grid {grid} in clusters of {AG_SIZE}, {iters} rounds, median of {reps} "
+             f"launches, commit {commit}, {date}")
+    note = ("ns per round: cluster 0's rank 0, all rounds / rounds; a round = every CTA's slice delivered to all 8 and "
+            "waited for (\"all but the two\" = every cluster but cluster 0 streams).")
+    header = ("form", "slice", "stream", "ns per round (median)", "min", "max", "stream GB/s", "mismatches")
+    return "\n".join([title, "", note, "", common.markdown_table(header, rows_md), ""]), rows_csv
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -232,9 +298,19 @@ def main(argv: list[str] | None = None) -> int:
                    "default 64,1024: 256 B and a 1B batch-1 activation's 4 KB)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
-    p.add_argument("--residency", default="", help="instead: are grids of clusters of these sizes (8, 16; comma-"
-                   "separated) wholly co-resident at one CTA per SM, and on which SMs (a table, nothing appended)")
+    p.add_argument("--residency", default="", help="instead: are grids of clusters of these sizes (2, 4, 8, 16; "
+                   "comma-separated) wholly co-resident at one CTA per SM, and on which SMs (a table, nothing appended)")
+    p.add_argument("--allgather", action="store_true", help="instead: the all-gather of a cluster of 8 by st.async "
+                   "(--words: each CTA's slice, up to 128 words; --stream as above; rows as mode 5)")
     a = p.parse_args(argv)
+    if a.allgather:
+        md, rows = allgather(a.iters, a.reps, _ints(a.stream), _ints(a.words))
+        if a.out is not None:
+            common.write_record(a.out.parent, a.out.name, md)
+        print(md)
+        common.append_csv(a.csv, CSV_HEADER, rows)
+        print(f"appended {len(rows)} rows to {a.csv}")
+        return 0
     if a.residency:
         md = residency(_ints(a.residency))
         if a.out is not None:

@@ -40,6 +40,8 @@
 #                  DSMEM + remote mbarrier arrive, st.async, DSMEM bulk copy), idle / others streaming / all streaming,
 #                  256 B and 4 KB payloads (~60 s)
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
+#   cluster_allgather  clusters of 2 / 4 resident?; the all-gather of a cluster of 8 by st.async (16 / 64 / 128-word
+#                  slices, idle / other clusters streaming / all streaming) beside the 1:1 hand-off at those sizes (~30 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -214,6 +216,14 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
+  cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV
+    # group's q / k / v rows to its attention chunks, the chunks' (m, l, o) to every CTA). Predicted (H100): 256-B
+    # slices idle 1.0-1.3 us a round (1:1 at 256 B: 0.63), the other clusters streaming 1.3-2, all streaming ~3
+    timeout 60 python3 bench/cluster_probe.py --residency 2,4 --out "$out/cluster_residency_2_4.md" | grep -E "^\| [0-9]" | cut -c1-120
+    timeout 90 python3 bench/cluster_probe.py --allgather --stream 0,2,1 --words 16,64,128 --iters 1000 --reps 5 \
+      --csv "$out/cluster_probe.csv" --out "$out/cluster_allgather.md" | tail -14
+    timeout 90 python3 bench/cluster_probe.py --modes 0,3 --stream 0,2,1 --words 16,64,128 --iters 1000 --reps 5 \
+      --csv "$out/cluster_probe.csv" --out "$out/cluster_pingpong_small.md" | tail -22 ;;
   l2_diag)   # the step with its weights in L2 (bound on parking them there), between w_tma and no weight copies
     D="--build MK_W_TMA=1 --build MK_W_TMA=1,MK_DIAG=32 --build MK_W_TMA=1,MK_DIAG=2"
     ab 200 llama-3.2-1b --batch 1 8 16 --rounds 2 $D

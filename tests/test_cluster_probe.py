@@ -27,8 +27,8 @@ def test_probe_kernel_compiles_without_spills(tmp_path):
     assert r.returncode == 0, f"nvcc failed:\n{log[-4000:]}"
     assert re.search(r"Compiling entry function 'cluster_probe' for 'sm_90a'", log), log[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    # the ping-pong kernel and the two residency kernels, none spilling
-    assert spills == [("0", "0")] * 3, f"register spills or no ptxas report:\n{log[-2000:]}"
+    # the ping-pong kernel, the four residency kernels and the all-gather, none spilling
+    assert spills == [("0", "0")] * 6, f"register spills or no ptxas report:\n{log[-2000:]}"
     assert "warning" not in log.lower(), log[-2000:]
 
 
@@ -91,5 +91,15 @@ def test_residency_kernels_exist_with_their_cluster_sizes():
 def test_sm_ranges():
     assert cp.sm_ranges([5, 0, 1, 2, 8, 7]) == "0-2,5,7-8"
     assert cp.sm_ranges([3]) == "3" and cp.sm_ranges([]) == ""
-    with pytest.raises(SystemExit, match=r"--residency \[4\]"):
-        cp.residency([4])
+    with pytest.raises(SystemExit, match=r"--residency \[3\]"):
+        cp.residency([3])
+
+
+def test_allgather_kernel_and_its_slices():
+    src = cp.build_source()
+    assert f"__cluster_dims__({cp.AG_SIZE}, 1, 1) __launch_bounds__(CP_THREADS, 1)\n    {cp.ALLGATHER_KERNEL}(" in src
+    # two buffers of 8 slices fit the ping-pong's payload + stage bytes: the same dynamic shared memory
+    assert 2 * cp.AG_SIZE * 4 * cp.AG_MAX_WORDS == 2 * 4 * cp.WORDS_MAX
+    cp.check_allgather([4, 64, 128])
+    with pytest.raises(SystemExit, match=r"--words \[256, 6\] with --allgather"):
+        cp.check_allgather([256, 6])
