@@ -178,23 +178,41 @@ __device__ __forceinline__ bool cp_stream_warps(int warp, int lane, int n, unsig
   return false;
 }
 
+// The shared-memory layout of both hand-off kernels (SMEM_BYTES in cluster_probe.py): the ring, its full / empty
+// mbarriers, two receive mbarriers (16 bytes; the ping-pong uses the first), then 8 KB of hand-off buffers (the
+// ping-pong's payload and mode 4's stage; the all-gather's two 8-slice buffers). Thread 0 initialises the mbarriers
+// (a receive mbarrier takes one arrival a phase), then the cluster syncs: every peer's mbarriers exist before any
+// remote arrival.
+struct CpLayout {
+  unsigned ring, full0, empty0, rbar0, buf0;
+};
+__device__ __forceinline__ CpLayout cp_setup(const unsigned char* smem) {
+  CpLayout L;
+  L.ring = (unsigned)__cvta_generic_to_shared(smem);
+  L.full0 = L.ring + CP_NS * CP_SLOT;
+  L.empty0 = L.full0 + 8 * CP_NS;
+  L.rbar0 = L.empty0 + 8 * CP_NS;
+  L.buf0 = L.rbar0 + 16;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < CP_NS; ++s) {
+      probe_mbar_init(L.full0 + 8 * s, 1);
+      probe_mbar_init(L.empty0 + 8 * s, 32);
+    }
+    probe_mbar_init(L.rbar0, 1);
+    probe_mbar_init(L.rbar0 + 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cp_cluster_sync();
+  return L;
+}
+
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(CP_THREADS, 1)
     cluster_probe(const unsigned short* __restrict__ src, long long region_bytes, int stream, int mode, int words,
                   int iters, int chunks, unsigned* flags, unsigned* payloads, unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
-  // the ring, its full / empty mbarriers, the receive mbarrier (8 bytes, padded to 16), the payload buffer, the stage
-  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
-  const unsigned full0 = ring + CP_NS * CP_SLOT, empty0 = full0 + 8 * CP_NS, rbar_l = empty0 + 8 * CP_NS;
-  const unsigned payload_l = rbar_l + 16, stage_l = payload_l + 4 * CP_WORDS_MAX;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < CP_NS; ++s) {
-      probe_mbar_init(full0 + 8 * s, 1);
-      probe_mbar_init(empty0 + 8 * s, 32);
-    }
-    probe_mbar_init(rbar_l, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  cp_cluster_sync();   // the partner's mbarriers exist before any remote arrival
+  const CpLayout L = cp_setup(smem);
+  const unsigned ring = L.ring, full0 = L.full0, empty0 = L.empty0, rbar_l = L.rbar0;
+  const unsigned payload_l = L.buf0, stage_l = payload_l + 4 * CP_WORDS_MAX;   // the payload buffer, mode 4's stage
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
   const bool pp = blockIdx.x < 2;
@@ -285,20 +303,8 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(CP_THREAD
     cluster_allgather_8(const unsigned short* __restrict__ src, long long region_bytes, int stream, int words, int iters,
                         int chunks, unsigned long long* out) {
   extern __shared__ __align__(128) unsigned char smem[];
-  // the ring, its mbarriers, two receive mbarriers (16 bytes), two buffers of 8 slices (4 KB each: CP_WORDS_MAX words)
-  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem);
-  const unsigned full0 = ring + CP_NS * CP_SLOT, empty0 = full0 + 8 * CP_NS, rbar0 = empty0 + 8 * CP_NS;
-  const unsigned buf0 = rbar0 + 16;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < CP_NS; ++s) {
-      probe_mbar_init(full0 + 8 * s, 1);
-      probe_mbar_init(empty0 + 8 * s, 32);
-    }
-    probe_mbar_init(rbar0, 1);
-    probe_mbar_init(rbar0 + 8, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  cp_cluster_sync();
+  const CpLayout L = cp_setup(smem);   // two buffers of 8 slices at buf0 (4 KB each: CP_WORDS_MAX words)
+  const unsigned ring = L.ring, full0 = L.full0, empty0 = L.empty0, rbar0 = L.rbar0, buf0 = L.buf0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const unsigned char* region = reinterpret_cast<const unsigned char*>(src) + (size_t)blockIdx.x * region_bytes;
   const bool ag = blockIdx.x < 8;   // cluster 0

@@ -14,9 +14,10 @@ st.shared::cluster into the reader's shared memory + mbarrier.arrive.release.clu
 payload by st.async, each store completing its bytes on the reader's mbarrier (no fence, no flag); 4 one bulk copy
 (the TMA unit, which the weight copies also use) from the writer's shared memory into the reader's, completing on the
 reader's mbarrier. SASS: modes 1 and 2 keep MEMBAR.ALL.GPU (cluster-scope releases compile to it), 3 and 4 have no
-fence. Reading it: if mode 3 (or 4) under streaming stays near its idle figure while mode 0 climbs to its release_probe figure, a hand-off
-inside a cluster does not pay the fence's drain: the chain ops whose consumers can sit in the producer's cluster
-(attention after its KV group's qkv rows, the merge of its chunks) can be rebuilt on it (bench/NOTES.md, session 41).
+fence. Reading it: if mode 3 (or 4) under streaming stays near its idle figure while mode 0 climbs to its
+release_probe figure, a hand-off inside a cluster does not pay the fence's drain: the chain ops whose consumers can sit
+in the producer's cluster (attention after its KV group's qkv rows, the merge of its chunks) can be rebuilt on it
+(bench/NOTES.md, session 41).
 Every row is also appended to bench/results/cluster_probe.csv.
 
     python bench/cluster_probe.py --residency 8,16
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,13 +112,44 @@ def table_row(mode: int, words: int, stream: int, ns: list[float], gbps: float, 
             f"{ns[-1]:.0f}", f"{gbps:.0f}" if stream else "-", str(mismatches)]
 
 
-def run(iters: int, reps: int, streams: list[int], modes: list[int], words: list[int]) -> tuple[str, list[list]]:
-    check_args(streams, modes, words, iters, reps)
+def _device() -> tuple[Any, str, int, Any]:
+    """(cupy, the GPU's name, its SM count, the probe's module) on the current device (common.probe_device's checks)."""
     cp, props = common.probe_device("cluster_probe")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    grid = grid_for(int(props["multiProcessorCount"]))
-    arch = f"sm_{props['major']}{props['minor']}a"
-    fn = cp.RawModule(code=build_source(), options=compile_options(arch)).get_function(KERNEL)
+    mod = cp.RawModule(code=build_source(), options=compile_options(f"sm_{props['major']}{props['minor']}a"))
+    return cp, name, int(props["multiProcessorCount"]), mod
+
+
+def _measure(cp, launch: Callable[[int], None], out, iters: int, reps: int, stream: int, streaming_ctas: int,
+             ns_of: Callable[[int], float], what: str) -> tuple[list[float], float, int]:
+    """`reps` launches of launch(chunks) (the kernel's out[] words as cluster_probe.cu documents them): the ns figure
+    ns_of(out[0]) of each, the streaming rate's median and the mismatches; the chunks double until the streaming
+    outlasts the timed rounds."""
+    chunks, ns, rates, bad = 4 * iters, [], [], 0
+    while len(ns) < reps:
+        out.fill(0)
+        out[3] = cp.uint64(2**64 - 1)
+        out[5] = cp.uint64(2**64 - 1)
+        launch(chunks)
+        o = [int(v) for v in out.get()]
+        if o[4]:
+            raise SystemExit(f"{what}: a wait timed out in the probe kernel")
+        if stream and o[3] < o[2]:   # the streaming ended before the timed rounds: stream longer
+            chunks *= 2
+            if chunks > 1 << 22:
+                raise SystemExit(f"streaming cannot outlast the timed rounds ({what}; probe bug)")
+            continue
+        ns.append(ns_of(o[0]))
+        rates.append(stream_gbps(streaming_ctas, chunks, o[6] - o[5]) if stream else float("nan"))
+        bad += o[1]
+    return ns, common.median(rates), bad
+
+
+def run(iters: int, reps: int, streams: list[int], modes: list[int], words: list[int]) -> tuple[str, list[list]]:
+    check_args(streams, modes, words, iters, reps)
+    cp, name, sms, mod = _device()
+    grid = grid_for(sms)
+    fn = mod.get_function(KERNEL)
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
     flags = cp.zeros(64, dtype=cp.uint32)
@@ -126,29 +160,14 @@ def run(iters: int, reps: int, streams: list[int], modes: list[int], words: list
     for stream in streams:
         for w in words:
             for mode in modes:
-                chunks, ns, rates, bad = 4 * iters, [], [], 0
-                while len(ns) < reps:
+                def launch(chunks: int, stream=stream, w=w, mode=mode) -> None:
                     flags.fill(0)
                     payloads.fill(0)
-                    out.fill(0)
-                    out[3] = cp.uint64(2**64 - 1)
-                    out[5] = cp.uint64(2**64 - 1)
                     fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(mode), cp.int32(w),
                                               cp.int32(iters), cp.int32(chunks), flags, payloads, out),
                        shared_mem=SMEM_BYTES)
-                    o = [int(v) for v in out.get()]
-                    if o[4]:
-                        raise SystemExit(f"mode {mode} stream {stream} words {w}: a wait timed out in the probe kernel")
-                    if stream and o[3] < o[2]:   # the streaming ended before the ping-pong: stream longer
-                        chunks *= 2
-                        if chunks > 1 << 22:
-                            raise SystemExit("streaming cannot outlast the ping-pong (probe bug)")
-                        continue
-                    ns.append(handoff_ns(o[0], iters))
-                    rates.append(stream_gbps(grid if stream == 1 else grid - 2, chunks, o[6] - o[5]) if stream
-                                 else float("nan"))
-                    bad += o[1]
-                gbps = common.median(rates)
+                ns, gbps, bad = _measure(cp, launch, out, iters, reps, stream, grid if stream == 1 else grid - 2,
+                                         lambda t: handoff_ns(t, iters), f"mode {mode} stream {stream} words {w}")
                 rows_md.append(table_row(mode, w, stream, ns, gbps, bad))
                 rows_csv.append([date, name, commit, mode, stream, w, iters, f"{common.median(ns):.1f}",
                                  f"{gbps:.0f}" if stream else "", bad])
@@ -197,10 +216,7 @@ def residency(sizes: list[int]) -> str:
     bad = [n for n in sizes if n not in RESIDENCY_KERNELS]
     if bad:
         raise SystemExit(f"--residency {bad}: cluster sizes {', '.join(map(str, RESIDENCY_KERNELS))}")
-    cp, props = common.probe_device("cluster_probe")
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    sms = int(props["multiProcessorCount"])
-    mod = cp.RawModule(code=build_source(), options=compile_options(f"sm_{props['major']}{props['minor']}a"))
+    cp, name, sms, mod = _device()
     rows = []
     for n in sizes:
         fn = mod.get_function(RESIDENCY_KERNELS[n])
@@ -234,11 +250,9 @@ def allgather(iters: int, reps: int, streams: list[int], words: list[int]) -> tu
     """The all-gather of cluster 0's 8 CTAs (cluster_allgather_8), rows as mode 5 of the CSV (ns per round)."""
     check_args(streams, [0], [4], iters, reps)
     check_allgather(words)
-    cp, props = common.probe_device("cluster_probe")
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    grid = min(AG_MAX_CLUSTERS, int(props["multiProcessorCount"]) // AG_SIZE) * AG_SIZE
-    fn = cp.RawModule(code=build_source(), options=compile_options(f"sm_{props['major']}{props['minor']}a")
-                      ).get_function(ALLGATHER_KERNEL)
+    cp, name, sms, mod = _device()
+    grid = min(AG_MAX_CLUSTERS, sms // AG_SIZE) * AG_SIZE
+    fn = mod.get_function(ALLGATHER_KERNEL)
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     src = cp.zeros(grid * REGION_BYTES // 2, dtype=cp.uint16)
     out = cp.zeros(8, dtype=cp.uint64)
@@ -246,26 +260,11 @@ def allgather(iters: int, reps: int, streams: list[int], words: list[int]) -> tu
     commit, date = common.git_commit(), common.today()
     for stream in streams:
         for w in words:
-            chunks, ns, rates, bad = 4 * iters, [], [], 0
-            while len(ns) < reps:
-                out.fill(0)
-                out[3] = cp.uint64(2**64 - 1)
-                out[5] = cp.uint64(2**64 - 1)
+            def launch(chunks: int, stream=stream, w=w) -> None:
                 fn((grid,), (THREADS,), (src, cp.int64(REGION_BYTES), cp.int32(stream), cp.int32(w), cp.int32(iters),
                                           cp.int32(chunks), out), shared_mem=SMEM_BYTES)
-                o = [int(v) for v in out.get()]
-                if o[4]:
-                    raise SystemExit(f"all-gather stream {stream} words {w}: a wait timed out in the probe kernel")
-                if stream and o[3] < o[2]:
-                    chunks *= 2
-                    if chunks > 1 << 22:
-                        raise SystemExit("streaming cannot outlast the all-gather (probe bug)")
-                    continue
-                ns.append(o[0] / iters)
-                rates.append(stream_gbps(grid if stream == 1 else grid - AG_SIZE, chunks, o[6] - o[5]) if stream
-                             else float("nan"))
-                bad += o[1]
-            gbps = common.median(rates)
+            ns, gbps, bad = _measure(cp, launch, out, iters, reps, stream, grid if stream == 1 else grid - AG_SIZE,
+                                     lambda t: t / iters, f"all-gather stream {stream} words {w}")
             srt = sorted(ns)
             rows_md.append([f"all-gather of {AG_SIZE} (st.async)", f"{4 * w} B a CTA", STREAMS[stream],
                             f"{common.median(ns):.0f}", f"{srt[0]:.0f}", f"{srt[-1]:.0f}",
@@ -280,13 +279,6 @@ def allgather(iters: int, reps: int, streams: list[int], words: list[int]) -> tu
     return "\n".join([title, "", note, "", common.markdown_table(header, rows_md), ""]), rows_csv
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"{text!r}: want comma-separated integers") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=1000, help="ping-pong rounds per launch (default 1000)")
@@ -299,30 +291,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
     p.add_argument("--residency", default="", help="instead: are grids of clusters of these sizes (2, 4, 8, 16; "
-                   "comma-separated) wholly co-resident at one CTA per SM, and on which SMs (a table, nothing appended)")
+                   "comma-separated) wholly co-resident at one CTA per SM, and on which SMs (a table, nothing "
+                   "appended)")
     p.add_argument("--allgather", action="store_true", help="instead: the all-gather of a cluster of 8 by st.async "
                    "(--words: each CTA's slice, up to 128 words; --stream as above; rows as mode 5)")
     a = p.parse_args(argv)
-    if a.allgather:
-        md, rows = allgather(a.iters, a.reps, _ints(a.stream), _ints(a.words))
-        if a.out is not None:
-            common.write_record(a.out.parent, a.out.name, md)
-        print(md)
-        common.append_csv(a.csv, CSV_HEADER, rows)
-        print(f"appended {len(rows)} rows to {a.csv}")
-        return 0
+    rows = None   # --residency: a table only
     if a.residency:
-        md = residency(_ints(a.residency))
-        if a.out is not None:
-            common.write_record(a.out.parent, a.out.name, md)
-        print(md)
-        return 0
-    md, rows = run(a.iters, a.reps, _ints(a.stream), _ints(a.modes), _ints(a.words))
+        md = residency(common.int_list(a.residency))
+    elif a.allgather:
+        md, rows = allgather(a.iters, a.reps, common.int_list(a.stream), common.int_list(a.words))
+    else:
+        md, rows = run(a.iters, a.reps, common.int_list(a.stream), common.int_list(a.modes),
+                       common.int_list(a.words))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)
-    common.append_csv(a.csv, CSV_HEADER, rows)
-    print(f"appended {len(rows)} rows to {a.csv}")
+    if rows is not None:
+        common.append_csv(a.csv, CSV_HEADER, rows)
+        print(f"appended {len(rows)} rows to {a.csv}")
     return 0
 
 

@@ -202,6 +202,14 @@ def inline_includes(source: Path) -> str:
     return expand(source) + "\n"
 
 
+def int_list(text: str) -> list[int]:
+    """A probe's comma-separated integer option ("0,1,2" -> [0, 1, 2]), or SystemExit naming the text."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"{text!r}: want comma-separated integers") from None
+
+
 def probe_device(tool: str) -> tuple[Any, dict]:
     """(cupy, the current device's properties) for a cp.async.bulk probe, or SystemExit naming what is missing
     (CuPy, a GPU, sm_90)."""

@@ -203,13 +203,6 @@ def run(iters: int, reps: int, inflight: list[int], streams: list[int], modes: l
     return "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""]), rows_csv
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"{text!r}: want comma-separated integers") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=1000, help="ping-pong rounds per launch (default 1000)")
@@ -226,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV})")
     a = p.parse_args(argv)
-    md, rows = run(a.iters, a.reps, _ints(a.inflight), _ints(a.stream), _ints(a.modes), tuple(_ints(a.pace_ns)))
+    ints = common.int_list
+    md, rows = run(a.iters, a.reps, ints(a.inflight), ints(a.stream), ints(a.modes), tuple(ints(a.pace_ns)))
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)
     print(md)

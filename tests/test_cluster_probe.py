@@ -3,6 +3,7 @@ build_source() + compile_options() (nvcc as in tests/test_release_probe.py: a mi
 NVRTC build skips visibly without libnvrtc), and the table arithmetic is as documented."""
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -103,3 +104,47 @@ def test_allgather_kernel_and_its_slices():
     cp.check_allgather([4, 64, 128])
     with pytest.raises(SystemExit, match=r"--words \[256, 6\] with --allgather"):
         cp.check_allgather([256, 6])
+
+
+class _Out:
+    """The kernel's out[] words on the host: what _measure reads and resets (CuPy's fill / get / item set)."""
+
+    def __init__(self):
+        self.w = [0] * 8
+
+    def fill(self, v):
+        self.w = [v] * 8
+
+    def __setitem__(self, i, v):
+        self.w[i] = int(v)
+
+    def get(self):
+        return list(self.w)
+
+
+def test_measure_doubles_the_streaming_until_it_outlasts_the_rounds():
+    import types
+    fake_cp = types.SimpleNamespace(uint64=int)
+    out, chunks_seen = _Out(), []
+
+    def launch(chunks):   # streaming ends at 10 x chunks ns; the rounds end at 100 ns after 2000 ns of rounds
+        chunks_seen.append(chunks)
+        out.w = [2000, 1, 100, 10 * chunks, 0, 0, 10 * chunks, 0]
+
+    ns, gbps, bad = cp._measure(fake_cp, launch, out, 1, 2, 1, 4, lambda t: t / 2, "x")
+    assert chunks_seen == [4, 8, 16, 16]   # 40 and 80 ns end before the rounds' 100: doubled until 160
+    assert ns == [1000.0, 1000.0] and bad == 2
+    assert gbps == cp.stream_gbps(4, 16, 160)
+    ns, gbps, bad = cp._measure(fake_cp, launch, out, 1, 1, 0, 4, lambda t: t, "x")   # idle: no rate, no doubling
+    assert ns == [2000] and math.isnan(gbps) and chunks_seen[-1] == 4
+
+
+def test_measure_names_a_timed_out_wait():
+    import types
+    out = _Out()
+
+    def launch(chunks):
+        out.w = [0, 0, 0, 0, 1, 0, 0, 0]
+
+    with pytest.raises(SystemExit, match="mode 3 stream 1: a wait timed out"):
+        cp._measure(types.SimpleNamespace(uint64=int), launch, out, 1, 1, 1, 4, float, "mode 3 stream 1")
