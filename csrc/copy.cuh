@@ -16,6 +16,23 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
       ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
 }
 
+// MK_EVICT_FIRST (A/B switch, session 42): the weight copies (and only they: not the ring-fed attention's K/V) carry
+// an L2 evict-first policy, so the ~2 GB a 1B step streams through L2 once evict each other before the lines the step
+// reads again (the KV cache of the cached tokens, norm weights, RoPE table, block table): without a hint every
+// weight line is evict-normal and those are re-read from HBM every step, on the chain's critical path (attention's
+// K/V round trip, the norm-fused ops' stage). HazyResearch's kernel marks weights EVICT_FIRST the same way.
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+  unsigned long long p;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+__device__ __forceinline__ void bulk_g2s_ef(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar), "l"(l2_evict_first_policy()) : "memory");
+}
+
 // Tensor-map copies (cp.async.bulk.tensor, 3-D / 4-D box at coordinates {0, c1, c2[, c3]}) completing on the
 // mbarrier at `mbar`, and the acquire that orders a thread's use of a map the host wrote before the launch
 // (generic proxy). Used by MK_ATT_TMA (attention_tma.cuh) and MK_W_TMA (weight_tma.cuh).
@@ -33,6 +50,21 @@ __device__ __forceinline__ void tma_4d_g2s(unsigned dst, const void* map, int c1
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
       "[%6];" ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(mbar) : "memory");
+}
+
+// The same with MK_EVICT_FIRST's policy (weights only)
+__device__ __forceinline__ void tma_3d_g2s_ef(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6;"
+      ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar), "l"(l2_evict_first_policy()) : "memory");
+}
+
+__device__ __forceinline__ void tma_4d_g2s_ef(unsigned dst, const void* map, int c1, int c2, int c3, unsigned mbar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+      ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(mbar), "l"(l2_evict_first_policy()) : "memory");
 }
 
 // 16-byte asynchronous copy global -> shared through L2 (cp.async.cg: generic proxy, so ordinary
