@@ -42,8 +42,6 @@
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
 #   cluster_allgather  clusters of 2 / 4 resident?; the all-gather of a cluster of 8 by st.async (16 / 64 / 128-word
 #                  slices, idle / other clusters streaming / all streaming) beside the 1:1 hand-off at those sizes (~30 s)
-#   evict_first    MK_EVICT_FIRST (weight copies evict-first in L2) and MK_ATT_TMA=1 at 1B b1 / b8, each and both, 2
-#                  rounds; 1B b1 ctx 4096 and 8B b1 / b16 with MK_EVICT_FIRST; the phase trace of its 1B b1 step (~350 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -216,18 +214,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
     timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
-  evict_first)   # session 42: without a cache hint the ~2 GB of weights a 1B step streams through L2 evict every line
-    # the step reads again (the cached tokens' K/V, norm weights, RoPE table), re-read from HBM on the chain every step.
-    # Predicted: 1B b1 ctx 512 -2..-4% (attention's chunk phase 1.65 -> <= 1.0 us, qkv's stage 1.95 -> <= 1.6 us a
-    # task in the trace); 1B b8, 1B ctx 4096, 8B (their K/V do not fit in L2) 0..-1.5%. MK_ATT_TMA=1 at 1B b1 (K/V
-    # in the ring before the wait, tensor cores): -1..+2% alone, -2..-5% with it.
-    ab 260 llama-3.2-1b --batch 1 8 --rounds 2 --build default --build MK_EVICT_FIRST=1 --build MK_ATT_TMA=1 \
-      --build MK_EVICT_FIRST=1,MK_ATT_TMA=1
-    ab 120 llama-3.2-1b --batch 1 --ctx 4096 --rounds 2 --build default --build MK_EVICT_FIRST=1
-    ab 200 llama-3.1-8b --batch 1 16 --rounds 2 --build default --build MK_EVICT_FIRST=1
-    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_EVICT_FIRST=1 \
-      --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
-    for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 3,12p; done ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV

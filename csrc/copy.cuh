@@ -8,26 +8,22 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// One bulk copy of `bytes` (multiple of 16; both addresses 16-byte aligned) completing on the
-// mbarrier at `mbar` (its tx-count must have been raised by the same number of bytes).
-__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
-}
-
-// MK_EVICT_FIRST (A/B switch, session 42): the weight copies (and only they: not the ring-fed attention's K/V) carry
-// an L2 evict-first policy, so the ~2 GB a 1B step streams through L2 once evict each other before the lines the step
-// reads again (the KV cache of the cached tokens, norm weights, RoPE table, block table): without a hint every
-// weight line is evict-normal and those are re-read from HBM every step, on the chain's critical path (attention's
-// K/V round trip, the norm-fused ops' stage). HazyResearch's kernel marks weights EVICT_FIRST the same way.
+// The weight copies (and only they: not the ring-fed attention's K/V) carry an L2 evict-first policy, so the ~2 GB a
+// 1B step streams through L2 once evict each other before the lines the step reads again (the cached tokens' K/V,
+// norm weights, RoPE table, block table). Without a hint every weight line entered L2 evict-normal and those were
+// re-read from HBM every step, on the chain's critical path (attention's K/V round trip, the norm-fused ops' stage).
+// Session 42's A/B (MK_EVICT_FIRST, H100, bitwise the same step): -1.2..-2.3% at 1B batch 1, -3..-4.5% at 1B batch 4 /
+// 8 / 16, -1.6% at 1B ctx 4096, -1.8..-2.2% at 8B batch 1 / 8 / 16 (bench/NOTES.md). HazyResearch's kernel marks
+// weights EVICT_FIRST the same way.
 __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
   unsigned long long p;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
 
-__device__ __forceinline__ void bulk_g2s_ef(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
+// One bulk copy of weight bytes (`bytes` a multiple of 16; both addresses 16-byte aligned), evict-first in L2,
+// completing on the mbarrier at `mbar` (its tx-count must have been raised by the same number of bytes).
+__device__ __forceinline__ void bulk_g2s_w(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar), "l"(l2_evict_first_policy()) : "memory");
@@ -52,15 +48,15 @@ __device__ __forceinline__ void tma_4d_g2s(unsigned dst, const void* map, int c1
       "[%6];" ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(mbar) : "memory");
 }
 
-// The same with MK_EVICT_FIRST's policy (weights only)
-__device__ __forceinline__ void tma_3d_g2s_ef(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
+// Weight tensor-map copies: the same, evict-first in L2
+__device__ __forceinline__ void tma_3d_g2s_w(unsigned dst, const void* map, int c1, int c2, unsigned mbar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
       "[%0], [%1, {%2, %3, %4}], [%5], %6;"
       ::"r"(dst), "l"(map), "r"(0), "r"(c1), "r"(c2), "r"(mbar), "l"(l2_evict_first_policy()) : "memory");
 }
 
-__device__ __forceinline__ void tma_4d_g2s_ef(unsigned dst, const void* map, int c1, int c2, int c3, unsigned mbar) {
+__device__ __forceinline__ void tma_4d_g2s_w(unsigned dst, const void* map, int c1, int c2, int c3, unsigned mbar) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
       "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;"

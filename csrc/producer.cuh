@@ -188,15 +188,9 @@ __device__ __forceinline__ void producer_loop(const Smem& S, const Params& P, in
           __syncwarp();
           if (MK_DIAG & 2) {
             if (lane == 0) mbar_arrive(S.full_bar(slot));
-          } else if (lane < valid) {
-#if MK_EVICT_FIRST
-            bulk_g2s_ef(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
-                        S.full_bar(slot));
-#else
-            bulk_g2s(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
-                     S.full_bar(slot));
-#endif
-          }
+          } else if (lane < valid)
+            bulk_g2s_w(S.ring(slot) + lane * RB, chunk_row(wp.w, wp.K, t.opcode, p0, m, lane, k0), (unsigned)(kc * 2),
+                       S.full_bar(slot));
 #endif
           ++it;
         }

@@ -145,14 +145,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
             KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
-    # session 42's MK_EVICT_FIRST (the weight copies' L2 policy): a 0/1 switch, not with diag bit 32's L2 fold
-    ef = KernelVariant.parse(["MK_EVICT_FIRST=1", "MK_W_TMA=1"])
-    assert ef.defines() == ("-DMK_W_TMA=1", "-DMK_EVICT_FIRST=1") and ef.label() == "w_tma,evict_first"
-    assert "#define MK_EVICT_FIRST 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    for bad, msg in (({"evict_first": 1}, "evict_first=1 must be true or false"),
-                     ({"evict_first": True, "diag": 32, "w_tma": True}, "reads them from L2 on purpose")):
-        with pytest.raises(ValueError, match=msg):
-            KernelVariant(**bad)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
     assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
     assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"

@@ -16,7 +16,8 @@ MK_PASS_PREFETCH, lost at every shape; session 24: the branch-free one-n-tile fr
 and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA, the ring-fed attention on the
 tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with the weights as B at batch <= 8,
 and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_SIGNAL, one release per ticket, the
-completer's, lost at 1B b4 / b8).
+completer's, lost at 1B b4 / b8; session 42: MK_EVICT_FIRST, the weight copies evict-first in L2, won at every shape
+and is the code).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_EVICT_FIRST", "evict_first", "evict_first"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -121,10 +122,6 @@ class KernelVariant:
     # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
     diag_l2_from: int = 0
     diag_l2_n: int = 0
-    # MK_EVICT_FIRST (A/B switch, session 42; off): every weight copy carries an L2 evict-first cache policy
-    # (csrc/copy.cuh), so the weights streamed once per step no longer evict what the step reads again from L2 (the
-    # cached tokens' K/V, norm weights, RoPE table). Not with diag bit 32 (its folded weights are meant to stay in L2).
-    evict_first: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -140,7 +137,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "evict_first"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -182,9 +179,6 @@ class KernelVariant:
             raise ValueError(f"diag_l2_n={self.diag_l2_n}: the fold window is the default chunk loop's (batch <= 8), "
                              f"not the wgmma path's (wgmma_a={self.wgmma_a})")
         self._needs_w_tma(self.diag & 32, f"diag={self.diag} (32: weights folded into L2) folds the tensor-map copies' rows")
-        if self.evict_first and self.diag & 32:
-            raise ValueError(f"evict_first=True marks the weights evict-first in L2; diag={self.diag} (32) reads them "
-                             "from L2 on purpose: choose one")
 
     def _needs_w_tma(self, on: object, why: str) -> None:
         """A switch that is on (`on` truthy) and works only through MK_W_TMA's tensor-map copies: the error says why."""
