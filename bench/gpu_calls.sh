@@ -10,7 +10,8 @@
 # .gpuhost/part.0 / part.1, the first vLLM call carries .gpuhost/part.2 and .gpuhost/unpack.sh.
 #
 #   paths          issue 11: both decode paths, 1B b1/4/8/12/16 and 8B b1/8/16 at ctx 512 and 4096; the op-by-op and
-#                  tuned-program GPU tests (~170 s on an H200)
+#                  tuned-program GPU tests (~170 s on an H200). Then, on the CPU, `python bench/paths_table.py
+#                  OUT/mk_step.csv --gpu "NVIDIA H200" --commit C --write` refreshes auto's kernel-only rows
 #   wga_x          issue 11: the table's wga_x against the other value at 8B b12 / b16 and 1B b16, 2 alternated rounds
 #   lm_head        MK_LM_HEAD kernel-only: the LM head as megakernel tasks against vLLM's GEMM after the step
 #   kernel_tests   the kernel GPU tests other than op-by-op (~390 s)
