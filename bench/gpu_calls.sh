@@ -43,8 +43,6 @@
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
 #   cluster_allgather  clusters of 2 / 4 resident?; the all-gather of a cluster of 8 by st.async (16 / 64 / 128-word
 #                  slices, idle / other clusters streaming / all streaming) beside the 1:1 hand-off at those sizes (~30 s)
-#   evict_last     MK_EVICT_LAST (K/V, norm weights, RoPE loads evict-last in L2) at 1B b1 / b8 / b16 (3 rounds), 1B ctx
-#                  4096 and 8B b1 (2 rounds), and its 1B b1 phase trace (~200 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -217,16 +215,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
     timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
-  evict_last)   # session 42: with the weights evict-first, attention's K/V round trip still took 1.47 us a task at 1B b1
-    # (q's from L2: 0.22) and qkv's stage 1.38 (o_proj's 0.74). Predicted: 1B b1 -1..-2% (attention chunks <= 0.8 us,
-    # qkv stage <= 1.1), 1B b8 / b16 -0.5..+1% (their K/V does not fit: evict-last lines may crowd out activations),
-    # ctx 4096 0..+1%, 8B b1 0..-0.5%
-    ab 240 llama-3.2-1b --batch 1 8 16 --rounds 3 --build default --build MK_EVICT_LAST=1
-    ab 120 llama-3.2-1b --batch 1 --ctx 4096 --rounds 2 --build default --build MK_EVICT_LAST=1
-    ab 150 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_EVICT_LAST=1
-    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_EVICT_LAST=1 \
-      --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
-    for f in "$out"/*EVICT_LAST*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 3,12p; done ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV

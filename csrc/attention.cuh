@@ -186,13 +186,8 @@ __device__ __forceinline__ void attn_state_init(float (&m)[ATT_HG], float (&l)[A
 __device__ __forceinline__ void attn_kv_row(const elem_t* cache, long long blk, int off, int bs, int g, int e, uint4& kr,
                                             uint4& vr) {
   const elem_t* kp = cache + ((blk * 2) * bs + off) * KVS + g * D + e * 8;
-#if MK_EVICT_LAST
-  kr = ld_cg_v4_keep(kp);
-  vr = ld_cg_v4_keep(kp + (size_t)bs * KVS);
-#else
   kr = ld_cg_v4(kp);
   vr = ld_cg_v4(kp + (size_t)bs * KVS);
-#endif
 }
 
 // One token of a lane group: its K row's 8 dims in kr and V's in vr (this lane's e-th 16 bytes), the scores of

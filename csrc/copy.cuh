@@ -76,49 +76,6 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <int N>
 __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// MK_EVICT_LAST (A/B switch, session 42; off): the loads of what every step reads again -- the cached tokens' K/V in
-// attention's CUDA-core loop, the norm weights, the RoPE table -- ask L2 to keep their lines (evict-last policy), so
-// that with the weights evict-first they are L2 hits in the next step.
-__device__ __forceinline__ unsigned long long l2_evict_last_policy() {
-  unsigned long long p;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// ld.global.cg with the evict-last policy; volatile like the acquire it must follow (data written during the launch)
-__device__ __forceinline__ uint4 ld_cg_v4_keep(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(l2_evict_last_policy()));
-  return v;
-}
-
-// Read-only loads of immutable inputs with the evict-last policy
-__device__ __forceinline__ uint4 ld_nc_v4_keep(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(l2_evict_last_policy()));
-  return v;
-}
-
-__device__ __forceinline__ unsigned ld_nc_u32_keep(const void* p) {
-  unsigned v;
-  asm("ld.global.nc.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(l2_evict_last_policy()));
-  return v;
-}
-
-__device__ __forceinline__ unsigned short ld_nc_u16_keep(const void* p) {
-  unsigned short v;
-  asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(l2_evict_last_policy()));
-  return v;
-}
-
-__device__ __forceinline__ float ld_nc_f32_keep(const float* p) {
-  float v;
-  asm("ld.global.nc.L2::cache_hint.f32 %0, [%1], %2;" : "=f"(v) : "l"(p), "l"(l2_evict_last_policy()));
-  return v;
-}
-
 // L2-coherent loads (ld.global.cg) as compiler intrinsics, not volatile asm: the compiler may
 // batch independent loads (several in flight), yet never moves them across consumer_sync() or the
 // counter acquire (asm volatile with a "memory" clobber).

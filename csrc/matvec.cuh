@@ -28,12 +28,6 @@
 
 namespace mk {
 
-#if MK_EVICT_LAST   // the norm weights' loads (copy.cuh)
-#define MK_NW_LD ld_nc_u32_keep
-#else
-#define MK_NW_LD ld_nc_u32
-#endif
-
 // ---- consumer --------------------------------------------------------------------------------
 // Epilogue of one accumulator tile: rows (p0's pass) M-tile m, batch n-tile nt. v[e] holds the
 // sum for (row r_lo + 8*(e>>1), batch nt*8 + 2*(lane&3) + (e&1)) with r_lo = lane>>2; for gate_up,
@@ -86,8 +80,8 @@ __device__ __forceinline__ unsigned nt2_full_chunks(const Smem& S, const Params&
           for (int jj = 0; jj < JMAX; ++jj) {
             const int k = kg + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
             const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
-            wv[jj][0] = ld ? MK_NW_LD(nw + k) : 0u;
-            wv[jj][1] = ld ? MK_NW_LD(nw + k + 8) : 0u;
+            wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
+            wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
           }
           const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
           cp_async_wait_all();  // this thread's copies of the group have landed ...
@@ -243,8 +237,8 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         for (int jj = 0; jj < JMAX; ++jj) {
           const int k = k0 + (warp + jj * CONSUMER_WARPS) * 16 + (lane & 3) * 2;
           const bool ld = nw != nullptr && warp + jj * CONSUMER_WARPS < nsteps;
-          wv[jj][0] = ld ? MK_NW_LD(nw + k) : 0u;
-          wv[jj][1] = ld ? MK_NW_LD(nw + k + 8) : 0u;
+          wv[jj][0] = ld ? ld_nc_u32(nw + k) : 0u;
+          wv[jj][1] = ld ? ld_nc_u32(nw + k + 8) : 0u;
         }
         const unsigned long long gw0 = ph_on ? global_ns() : 0ull;
         cp_async_wait_all();  // this thread's copies of the group have landed ...

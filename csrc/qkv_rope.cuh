@@ -13,22 +13,12 @@ __device__ __forceinline__ void rope_cos_sin(const Params& P, long long pos, int
   const size_t base = (size_t)pos * P.cs_stride;
   if (P.cs_f32) {
     const float* cs = reinterpret_cast<const float*>(P.cos_sin) + base;
-#if MK_EVICT_LAST
-    c = ld_nc_f32_keep(cs + j);
-    s = ld_nc_f32_keep(cs + D / 2 + j);
-#else
     c = __ldg(cs + j);
     s = __ldg(cs + D / 2 + j);
-#endif
   } else {
     const elem_t* cs = reinterpret_cast<const elem_t*>(P.cos_sin) + base;
-#if MK_EVICT_LAST
-    c = bits_to_f(ld_nc_u16_keep(cs + j));
-    s = bits_to_f(ld_nc_u16_keep(cs + D / 2 + j));
-#else
     c = bits_to_f(ld_nc_u16(cs + j));
     s = bits_to_f(ld_nc_u16(cs + D / 2 + j));
-#endif
   }
 }
 

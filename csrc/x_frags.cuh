@@ -202,11 +202,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
       const int b = idx / vpr, kv = idx - b * vpr;
       v[u] = make_uint4(0u, 0u, 0u, 0u);
       if (idx < total)
-#if MK_EVICT_LAST
-        v[u] = b < B ? ld_cg_v4(x + (size_t)b * ldx + kv * 8) : ld_nc_v4_keep(nw + kv * 8);
-#else
         v[u] = b < B ? ld_cg_v4(x + (size_t)b * ldx + kv * 8) : __ldg(reinterpret_cast<const uint4*>(nw + kv * 8));
-#endif
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

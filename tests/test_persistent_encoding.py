@@ -145,11 +145,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
             KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
-    # session 42's MK_EVICT_LAST (the re-read loads' L2 policy): a 0/1 switch
-    el = KernelVariant.parse(["MK_EVICT_LAST=1"])
-    assert el.defines() == ("-DMK_EVICT_LAST=1",) and el.label() == "evict_last"
-    with pytest.raises(ValueError, match="evict_last=1 must be true or false"):
-        KernelVariant(evict_last=1)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
     assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
     assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"

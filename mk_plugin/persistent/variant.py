@@ -17,7 +17,7 @@ and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA
 tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with the weights as B at batch <= 8,
 and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_SIGNAL, one release per ticket, the
 completer's, lost at 1B b4 / b8; session 42: MK_EVICT_FIRST, the weight copies evict-first in L2, won at every shape
-and is the code).
+and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gained nothing and left).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_EVICT_LAST", "evict_last", "evict_last"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -122,9 +122,6 @@ class KernelVariant:
     # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
     diag_l2_from: int = 0
     diag_l2_n: int = 0
-    # MK_EVICT_LAST (A/B switch, session 42; off): the loads of what every step reads again (the cached tokens' K/V in
-    # attention's CUDA-core loop, the norm weights, the RoPE table) carry an L2 evict-last policy (csrc/copy.cuh)
-    evict_last: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -140,7 +137,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "evict_last"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
