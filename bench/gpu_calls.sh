@@ -43,6 +43,9 @@
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
 #   cluster_allgather  clusters of 2 / 4 resident?; the all-gather of a cluster of 8 by st.async (16 / 64 / 128-word
 #                  slices, idle / other clusters streaming / all streaming) beside the 1:1 hand-off at those sizes (~30 s)
+#   triton_evict   the Triton path's weight loads with eviction_policy="evict_first" (the megakernel's session-42 win),
+#                  applied by sed to the device's copy of linear.py only: both paths, 1B b1/4/8/16 and 8B b1/8/16, the
+#                  file as committed alternated with the edited one over 2 rounds (~250 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -215,6 +218,18 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
     timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
+  triton_evict)   # session 42 (not run: no machine came): predicted Triton 1B b1 -1..-3%, b4..16 -2..-4%, 8B -1..-2%
+    # (its K/V, norm weights and activations re-read from HBM each step as the megakernel's were). Each variant's rows
+    # go to their own CSV (mk_step_orig.csv / mk_step_ef.csv): only the orig rows are the committed code's
+    F=mk_plugin/triton_ops/linear.py; cp $F /tmp/lin.orig
+    sed 's/tl\.load(\(w[gu]_rows[^)]*\))/tl.load(\1, eviction_policy="evict_first")/g' $F > /tmp/lin.ef
+    echo "weight loads edited: $(grep -c evict_first /tmp/lin.ef)"
+    for r in 1 2; do for v in orig ef; do
+      cp /tmp/lin.$v $F; echo "== round $r $v"
+      T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16 --csv "$out/mk_step_$v.csv"
+      T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --csv "$out/mk_step_$v.csv"
+    done; done
+    cp /tmp/lin.orig $F ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV
