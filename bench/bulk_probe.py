@@ -127,9 +127,7 @@ def build_source() -> str:
     return common.inline_includes(SOURCE)
 
 
-def compile_options(arch: str) -> tuple[str, ...]:
-    """NVRTC options as the project's runtime.py (nvcc takes -arch=X for --gpu-architecture=X)."""
-    return ("-std=c++17", f"--gpu-architecture={arch}")
+compile_options = common.probe_compile_options   # shared with the other probes (bench/common.py)
 
 
 TABLE_HEADER = ("copy mode", "KC", "B/copy", "copies/chunk", "NS", "slot B", "in flight/SM", "compute",

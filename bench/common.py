@@ -202,6 +202,18 @@ def inline_includes(source: Path) -> str:
     return expand(source) + "\n"
 
 
+def probe_compile_options(arch: str) -> tuple[str, ...]:
+    """A probe's NVRTC options, as the project's runtime.py (nvcc takes -arch=X for --gpu-architecture=X)."""
+    return ("-std=c++17", f"--gpu-architecture={arch}")
+
+
+def handoff_ns(total_ns: int, iters: int) -> float:
+    """A ping-pong probe's ns per hand-off: one round is two hand-offs (CTA 0 -> 1 -> 0)."""
+    if iters < 1:
+        raise ValueError(f"iters {iters}: want >= 1")
+    return total_ns / (2 * iters)
+
+
 def int_list(text: str) -> list[int]:
     """A probe's comma-separated integer option ("0,1,2" -> [0, 1, 2]), or SystemExit naming the text."""
     try:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # bench/common.py
 
-from mk_plugin.adapter.auto import PathTimes, paths_file, pick
+from mk_plugin.adapter.auto import KERNEL_ONLY, entry_times, paths_file, pick
 from mk_plugin.persistent.encoding import spec_hash
 from mk_plugin.spec import LlamaSpec
 from mk_plugin.triton_ops._device import gpu_slug
@@ -32,29 +32,27 @@ CTX = 512   # the table's context (auto's kernel-only rows are all at 512)
 Measured = dict[tuple[str, int], dict[str, list[float]]]
 
 
-def read_rows(path: Path, gpu: str, commit: str, ctx: int = CTX) -> Measured:
-    """(model, batch) -> {"triton": [us...], "megakernel": [us...]} of the rows of this GPU and commit at ctx,
-    without the LM head."""
+def read_rows(path: Path, gpu: str, commit: str, ctx: int = CTX) -> tuple[Measured, str]:
+    """((model, batch) -> {"triton": [us...], "megakernel": [us...]}, the latest date) of the rows of this GPU and
+    commit at ctx, without the LM head."""
     out: Measured = defaultdict(lambda: {"triton": [], "megakernel": []})
+    date = ""
     with path.open(newline="") as f:
         for r in csv.DictReader(f):
             if (r["gpu"], r["commit"], int(r["ctx"]), r["lm_head"]) != (gpu, commit, ctx, "0"):
                 continue
             if r["path"] in ("triton", "megakernel"):
                 out[(r["shape"], int(r["batch"]))][r["path"]].append(float(r["step_us"]))
-    return dict(out)
+                date = max(date, r["date"])
+    return dict(out), date
 
 
 def _choice(e: dict[str, Any] | None) -> str:
     """auto's choice from one entry, as load_paths reads it (vllm_tbt first)."""
     if e is None:
         return "-"
-    v = e.get("vllm_tbt")
-    if v:
-        stock = v.get("stock_ms")
-        return pick(PathTimes(1e3 * v["triton_ms"], 1e3 * v["megakernel_ms"], "TBT in vLLM",
-                              None if stock is None else 1e3 * stock)) + " (vllm_tbt)"
-    return pick((e["triton_us"], e["megakernel_us"]))
+    t = entry_times(e)
+    return pick(t) + ("" if t.what == KERNEL_ONLY else " (vllm_tbt)")
 
 
 def refresh(table: dict[str, Any], measured: Measured, hashes: dict[str, int], num_sms: int, commit: str,
@@ -92,13 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     path = a.table or paths_file(gpu_slug(a.gpu))
     table = json.loads(path.read_text()) if path.is_file() else {"format": 1, "gpu": a.gpu, "entries": []}
-    measured = read_rows(a.rows, a.gpu, a.commit)
+    measured, date = read_rows(a.rows, a.gpu, a.commit)
     if not measured:
         raise SystemExit(f"{a.rows}: no rows of gpu {a.gpu!r} at commit {a.commit!r}, ctx {CTX}, no LM head")
     hashes = {d.name: spec_hash(LlamaSpec.from_json_file(d)) for d in common.MODELS.iterdir()
               if (d / "config.json").is_file()}
-    date = min(common.today(), max(r["date"] for r in csv.DictReader(a.rows.open(newline=""))
-                                   if r["commit"] == a.commit))
     out, lines = refresh(table, measured, hashes, a.num_sms, a.commit, date)
     print("\n".join(lines))
     if a.write:

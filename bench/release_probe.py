@@ -83,16 +83,9 @@ def build_source() -> str:
     return common.inline_includes(SOURCE)
 
 
-def compile_options(arch: str) -> tuple[str, ...]:
-    """NVRTC options as the project's runtime.py (nvcc takes -arch=X for --gpu-architecture=X)."""
-    return ("-std=c++17", f"--gpu-architecture={arch}")
-
-
-def handoff_ns(total_ns: int, iters: int) -> float:
-    """One round is two hand-offs (CTA 0 -> 1 -> 0)."""
-    if iters < 1:
-        raise ValueError(f"iters {iters}: want >= 1")
-    return total_ns / (2 * iters)
+# shared with the other probes (bench/common.py)
+compile_options = common.probe_compile_options
+handoff_ns = common.handoff_ns
 
 
 def regions(sms: int, streams: list[int]) -> int:

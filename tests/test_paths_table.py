@@ -37,7 +37,8 @@ def rows(tmp_path: Path) -> Path:
 
 
 def test_read_rows_keeps_one_gpu_commit_and_context(rows: Path):
-    m = paths_table.read_rows(rows, "NVIDIA H200", "new1234")
+    m, date = paths_table.read_rows(rows, "NVIDIA H200", "new1234")
+    assert date == "2026-12-06"
     assert m[("llama-3.2-1b", 12)] == {"megakernel": [1000.0, 1004.0], "triton": [1070.0, 1072.0]}
     assert set(m) == {("llama-3.2-1b", 12), ("llama-3.1-8b", 16), ("llama-3.2-1b", 3)}
 

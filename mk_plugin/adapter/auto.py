@@ -50,24 +50,23 @@ class PathTimes(NamedTuple):
     stock_us: float | None = None
 
 
+def entry_times(e: Mapping[str, Any]) -> PathTimes:
+    """What decides one paths-table entry: the in-vLLM TBT of both paths where it has one (`vllm_tbt`: triton_ms,
+    megakernel_ms and optionally stock_ms), else the kernel-only steps."""
+    v = e.get("vllm_tbt")
+    if v:
+        stock = v.get("stock_ms")
+        return PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]), "TBT in vLLM",
+                         None if stock is None else 1000.0 * float(stock))
+    return PathTimes(float(e["triton_us"]), float(e["megakernel_us"]))
+
+
 def load_paths(path: Path, spec_hash: int, num_sms: int) -> dict[int, PathTimes]:
-    """batch -> PathTimes of the table's entries for this model and SM count: the in-vLLM TBT of both paths
-    where the entry has one (`vllm_tbt`: triton_ms, megakernel_ms and optionally stock_ms), else the kernel-only
-    steps."""
+    """batch -> PathTimes (entry_times) of the table's entries for this model and SM count."""
     if not path.is_file():
         return {}
-    out = {}
-    for e in json.loads(path.read_text())["entries"]:
-        if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms:
-            v = e.get("vllm_tbt")
-            if v:
-                stock = v.get("stock_ms")
-                t = PathTimes(1000.0 * float(v["triton_ms"]), 1000.0 * float(v["megakernel_ms"]), "TBT in vLLM",
-                              None if stock is None else 1000.0 * float(stock))
-            else:
-                t = PathTimes(float(e["triton_us"]), float(e["megakernel_us"]))
-            out[int(e["batch"])] = t
-    return out
+    return {int(e["batch"]): entry_times(e) for e in json.loads(path.read_text())["entries"]
+            if e["spec_hash"] == spec_hash and e["num_sms"] == num_sms}
 
 
 def _what(t: tuple[float, float]) -> str:
