@@ -46,6 +46,8 @@
 #   triton_evict   the Triton path's weight loads with eviction_policy="evict_first" (the megakernel's session-42 win),
 #                  applied by sed to the device's copy of linear.py only: both paths, 1B b1/4/8/16 and 8B b1/8/16, the
 #                  file as committed alternated with the edited one over 2 rounds (~250 s)
+#   att_early      MK_ATT_EARLY (an attention task's cached K / V rows loaded before its counter wait) at 1B b1 / b8 / b16
+#                  (3 rounds), 1B b1 ctx 4096 and 8B b1 (2 rounds), and its 1B b1 phase trace (~250 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -230,6 +232,16 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --csv "$out/mk_step_$v.csv"
     done; done
     cp /tmp/lin.orig $F ;;
+  att_early)   # session 43: at 1B b1 attention's chunk phase is ~1.47 us a task (an L2 round trip under the step's
+    # traffic plus the loop), after the counter wait (~0.65 us a task on average) and q's stage. Predicted: 1B b1 -0.5..-1.2%
+    # (the chunk phase <= 0.9 us), b8 / b16 0..-1%, ctx 4096 0..-1%, 8B b1 0..-0.5% (its >= 128-token tasks are ring-fed).
+    # Rule: the code's if 1B b1 gains >= 1% in every round and no row is slower by > 0.5% in a round
+    ab 240 llama-3.2-1b --batch 1 8 16 --rounds 3 --build default --build MK_ATT_EARLY=1
+    ab 120 llama-3.2-1b --batch 1 --ctx 4096 --rounds 2 --build default --build MK_ATT_EARLY=1
+    ab 150 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_ATT_EARLY=1
+    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define MK_ATT_EARLY=1 \
+      --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
+    for f in "$out"/*ATT_EARLY*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 3,12p; done ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV
