@@ -47,7 +47,7 @@
 #                  applied by sed to the device's copy of linear.py only: both paths, 1B b1/4/8/16 and 8B b1/8/16, the
 #                  file as committed alternated with the edited one over 2 rounds (~250 s)
 #   att_early      MK_ATT_EARLY (an attention task's cached K / V rows loaded before its counter wait) at 1B b1 (3 rounds,
-#                  also with 8 / 4 chunks), b8 / b16, 1B b1 ctx 4096 and 8B b1 (2 rounds), its 1B b1 phase trace (~300 s)
+#                  also with 4 / 2 / 1 chunks), b8 / b16, 1B b1 ctx 4096 and 8B b1 (2 rounds), its 1B b1 phase trace (~300 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -237,11 +237,13 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # (the chunk phase <= 0.9 us), b8 / b16 0..-1%, ctx 4096 0..-1%, 8B b1 0..-0.5% (its >= 128-token tasks are ring-fed).
     # Rule: the code's if 1B b1 gains >= 1% in every round and no row is slower by > 0.5% in a round
     # With early loads a task of <= 160 tokens (5 steps of 32 at 1B) costs one round trip, so fewer, longer chunks
-    # (1B b1 ctx 512 runs 16 chunks of 32 tokens) might now pay: chunks 8 / 4 beside it (predicted within +-0.5%; a
-    # forced tuning replaces the table's, so E1 spells the 1B b1 entry's gate)
+    # (1B b1 ctx 512 runs 16 chunks of 32 tokens) might now pay: fewer chunks mean fewer merge tickets (an acq_rel
+    # atomic, fenced like a release) and at 1 chunk none (the direct store). Chunks 4 / 2 / 1 beside it (predicted:
+    # 4 within +-0.5%, 2 and 1 +0.5..+2%: 1 / 2 more round trips a task). A forced tuning replaces the table's, so E1
+    # spells the 1B b1 entry's gate
     E1=MK_ATT_EARLY=1,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    ab 200 llama-3.2-1b --batch 1 --rounds 3 --build default --build MK_ATT_EARLY=1 --build $E1,chunks=8 \
-      --build $E1,chunks=4
+    ab 220 llama-3.2-1b --batch 1 --rounds 3 --build default --build MK_ATT_EARLY=1 --build $E1,chunks=4 \
+      --build $E1,chunks=2 --build $E1,chunks=1
     ab 200 llama-3.2-1b --batch 8 16 --rounds 2 --build default --build MK_ATT_EARLY=1
     ab 120 llama-3.2-1b --batch 1 --ctx 4096 --rounds 2 --build default --build MK_ATT_EARLY=1
     ab 150 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_ATT_EARLY=1
