@@ -276,19 +276,21 @@ __device__ __forceinline__ void attn_early_issue(const Smem& S, const Params& P,
   const int bs = P.block_size;
   const int* bt = P.block_table + (size_t)b * P.bt_stride;
   const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
-  // Every step's block-table entry first, unconditionally (entry 0 where the token is not cached: a row's first entry
-  // is always readable), so the ATT_AU round trips overlap: loaded inside the K / V loads' branches they were
-  // serialised (SASS: one BSSY block per step, each waiting for its entry before the next one's load issued).
+#pragma unroll
+  for (int u = 0; u < ATT_AU; ++u) E.kr[u] = E.vr[u] = make_uint4(0u, 0u, 0u, 0u);
+  if (cached <= lo) return;   // no cached token in the range (E stays zero)
+  // Every step's block-table entry first, under one branch (lo's entry where the token is not cached: lo < L - 1 has
+  // one), so the ATT_AU round trips overlap: loaded inside the K / V loads' branches they were serialised (SASS: one
+  // BSSY block per step, each waiting for its entry before the next one's load issued).
   int blk[ATT_AU];
 #pragma unroll
   for (int u = 0; u < ATT_AU; ++u) {
     const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    blk[u] = ld_nc_s32(bt + (tok < cached ? tok / bs : 0));
+    blk[u] = ld_nc_s32(bt + (tok < cached ? tok : lo) / bs);
   }
 #pragma unroll
   for (int u = 0; u < ATT_AU; ++u) {
     const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    E.kr[u] = E.vr[u] = make_uint4(0u, 0u, 0u, 0u);
     if (tok < cached) attn_kv_row(cache, blk[u], tok - (tok / bs) * bs, bs, g, e, E.kr[u], E.vr[u]);
   }
 }
