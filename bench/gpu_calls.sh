@@ -43,11 +43,6 @@
 #   cluster_residency  grids of clusters of 8 / 16 CTAs at one CTA per SM: all co-resident? on which SMs? (~10 s)
 #   cluster_allgather  clusters of 2 / 4 resident?; the all-gather of a cluster of 8 by st.async (16 / 64 / 128-word
 #                  slices, idle / other clusters streaming / all streaming) beside the 1:1 hand-off at those sizes (~30 s)
-#   triton_evict   the Triton path's weight loads with eviction_policy="evict_first" (the megakernel's session-42 win),
-#                  applied by sed to the device's copy of linear.py only: both paths, 1B b1/4/8/16 and 8B b1/8/16, the
-#                  file as committed alternated with the edited one over 2 rounds (~250 s)
-#   att_early      MK_ATT_EARLY (an attention task's cached K / V rows loaded before its counter wait) at 1B b1 (3 rounds,
-#                  also with 4 / 2 / 1 chunks), b8 / b16, 1B b1 ctx 4096 and 8B b1 (2 rounds), its 1B b1 phase trace (~300 s)
 #   l2_diag        MK_DIAG=32 (weights L2-resident, timing only) against the tensor-map build and MK_DIAG=2 (no copies)
 #   l2_probe       bulk_probe: 17 / 35 / 52 MB regions re-read 40 times a launch (L2-resident) against 1 GB once
 #   h100_tables    an H100 only: the untuned program (what an H100 got without a table of its own) against the packaged
@@ -220,38 +215,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # us behind their own copies. Rule: mode 3 at 4 KB, all streaming, <= 2 us -> the chain-in-a-cluster design
     timeout 170 python3 bench/cluster_probe.py --stream 0,2,1 --words 64,1024 --iters 1000 --reps 5 \
       --csv "$out/cluster_probe.csv" --out "$out/cluster_probe.md" | tail -36 ;;
-  triton_evict)   # session 42 (not run: no machine came): predicted Triton 1B b1 -1..-3%, b4..16 -2..-4%, 8B -1..-2%
-    # (its K/V, norm weights and activations re-read from HBM each step as the megakernel's were). Each variant's rows
-    # go to their own CSV (mk_step_orig.csv / mk_step_ef.csv): only the orig rows are the committed code's
-    F=mk_plugin/triton_ops/linear.py; cp $F /tmp/lin.orig
-    sed 's/tl\.load(\(w[gu]_rows[^)]*\))/tl.load(\1, eviction_policy="evict_first")/g' $F > /tmp/lin.ef
-    echo "weight loads edited: $(grep -c evict_first /tmp/lin.ef)"
-    for r in 1 2; do for v in orig ef; do
-      cp /tmp/lin.$v $F; echo "== round $r $v"
-      T=100 step --model bench/models/llama-3.2-1b --batch 1 4 8 16 --csv "$out/mk_step_$v.csv"
-      T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --csv "$out/mk_step_$v.csv"
-    done; done
-    cp /tmp/lin.orig $F ;;
-  att_early)   # session 43: at 1B b1 attention's chunk phase is ~1.47 us a task (an L2 round trip under the step's
-    # traffic plus the loop), after the counter wait (~0.65 us a task on average) and q's stage. Predicted: 1B b1 -0.5..-1.2%
-    # (the chunk phase <= 0.9 us), b8 / b16 0..-1%, ctx 4096 0..-1%, 8B b1 0..-0.5% (its >= 128-token tasks are ring-fed).
-    # Rule: the code's if 1B b1 gains >= 1% in every round and no row is slower by > 0.5% in a round
-    # With early loads a task of <= 160 tokens (5 steps of 32 at 1B) costs one round trip, so fewer, longer chunks
-    # (1B b1 ctx 512 runs 16 chunks of 32 tokens) might now pay: fewer chunks mean fewer merge tickets (an acq_rel
-    # atomic, fenced like a release) and at 1 chunk none (the direct store). Chunks 4 / 2 / 1 beside it (predicted:
-    # 4 within +-0.5%, 2 and 1 +0.5..+2%: 1 / 2 more round trips a task). A forced tuning replaces the table's, so E1
-    # spells the 1B b1 entry's gate
-    E1=MK_ATT_EARLY=1,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
-    ab 220 llama-3.2-1b --batch 1 --rounds 3 --build default --build MK_ATT_EARLY=1 --build $E1,chunks=4 \
-      --build $E1,chunks=2 --build $E1,chunks=1
-    ab 200 llama-3.2-1b --batch 8 16 --rounds 2 --build default --build MK_ATT_EARLY=1
-    ab 120 llama-3.2-1b --batch 1 --ctx 4096 --rounds 2 --build default --build MK_ATT_EARLY=1
-    ab 150 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_ATT_EARLY=1
-    for d in "" "--define MK_ATT_EARLY=1"; do   # the phase traces of both (attention's chunk phase)
-      timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d \
-        --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -1
-    done
-    for f in "$out"/*.records.json.gz; do echo "$f"; python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 3,12p; done ;;
   cluster_residency)   # session 41: can the persistent grid be clusters of 8 / 16 CTAs (one per SM), all co-resident?
     timeout 60 python3 bench/cluster_probe.py --residency 8,16 --out "$out/cluster_residency.md" | tail -8 ;;
   cluster_allgather)   # session 41: the chain-in-a-cluster design's hand-off is an all-gather among 8 CTAs (a KV

@@ -254,50 +254,7 @@ __device__ __forceinline__ void attn_lanes_merge(float (&m)[ATT_HG], float (&l)[
   }
 }
 
-// MK_ATT_EARLY (A/B switch, session 43): the K / V rows of a thread's tokens in the first KV loop step of the first
-// head pass, loaded before the task's counter wait. Only cached tokens (position < L - 1, written before this launch):
-// the newest token's row is qkv_rope's store of this step and is loaded after the wait, with q. Why: at 1B batch 1 the
-// loop's first round trip (~1-1.5 us under the step's traffic, L2 hits since the weights are evict-first) follows
-// the wait and q's load on the layer's chain, while the rows it reads were there before the step began.
-struct AttnEarly {
-  uint4 kr[ATT_AU], vr[ATT_AU];   // zero where the token is not a cached one of the step
-};
-
-// Every consumer thread, before task t's counter wait; the same tokens, lanes and loads as attn_partial_task's first
-// loop step (its block-table entries straight from global memory: the staged copy needs a barrier after the wait).
-__device__ __forceinline__ void attn_early_issue(const Smem& S, const Params& P, const Task& t, int warp, int lane,
-                                                 AttnEarly& E) {
-  const int b = t.arg0, g = t.arg1;
-  const int L = S.seq_len()[b];
-  int lo, hi;
-  attn_range_of(L, P.chunks, t.arg2, lo, hi);
-  const int cached = min(hi, L - 1);
-  const elem_t* cache = reinterpret_cast<const elem_t*>(P.kvptr[t.layer]);
-  const int bs = P.block_size;
-  const int* bt = P.block_table + (size_t)b * P.bt_stride;
-  const int e = lane % ATT_LPT, sub = lane / ATT_LPT;
-#pragma unroll
-  for (int u = 0; u < ATT_AU; ++u) E.kr[u] = E.vr[u] = make_uint4(0u, 0u, 0u, 0u);
-  if (cached <= lo) return;   // no cached token in the range (E stays zero)
-  // Every step's block-table entry first, under one branch (lo's entry where the token is not cached: lo < L - 1 has
-  // one), so the ATT_AU round trips overlap: loaded inside the K / V loads' branches they were serialised (SASS: one
-  // BSSY block per step, each waiting for its entry before the next one's load issued).
-  int blk[ATT_AU];
-#pragma unroll
-  for (int u = 0; u < ATT_AU; ++u) {
-    const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    blk[u] = ld_nc_s32(bt + (tok < cached ? tok : lo) / bs);
-  }
-#pragma unroll
-  for (int u = 0; u < ATT_AU; ++u) {
-    const int tok = lo + warp * ATT_TPW + u * CONSUMER_WARPS * ATT_TPW + sub;
-    if (tok < cached) attn_kv_row(cache, blk[u], tok - (tok / bs) * bs, bs, g, e, E.kr[u], E.vr[u]);
-  }
-}
-
-// E: the rows attn_early_issue loaded before the wait (MK_ATT_EARLY), else nullptr.
-__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane,
-                                                  const AttnEarly* E) {
+__device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P, const Task& t, int warp, int lane) {
   const int b = t.arg0, g = t.arg1, c = t.arg2;
   const int C = P.chunks;
   int lo, hi;
@@ -340,28 +297,7 @@ __device__ __forceinline__ void attn_partial_task(const Smem& S, const Params& P
     if (ph_on) phase_lap(ph_t, ph_stage);
     float m[ATT_HG], l[ATT_HG], o[ATT_HG][8];
     attn_state_init(m, l, o);
-    int base = lo + warp * ATT_TPW;
-    if (E != nullptr && h0 == 0 && base < hi) {   // the first step: cached rows from E, the newest token's loaded now
-      const int cached = min(hi, S.seq_len()[b] - 1);
-      uint4 kr[ATT_AU], vr[ATT_AU];
-      bool valid[ATT_AU];
-#pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) {
-        const int tok = base + u * CONSUMER_WARPS * ATT_TPW + sub;
-        valid[u] = tok < hi;
-        kr[u] = E->kr[u];
-        vr[u] = E->vr[u];
-        if (valid[u] && tok >= cached) {
-          const int bi = tok / bs;
-          const long long blk = bt_staged ? bts[bi - blk0] : ld_nc_s32(bt + bi);
-          attn_kv_row(cache, blk, tok - bi * bs, bs, g, e, kr[u], vr[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < ATT_AU; ++u) attn_token(kr[u], vr[u], valid[u], qs, e, m, l, o);
-      base += CONSUMER_WARPS * ATT_TPW * ATT_AU;
-    }
-    for (; base < hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
+    for (int base = lo + warp * ATT_TPW; base < hi; base += CONSUMER_WARPS * ATT_TPW * ATT_AU) {
       uint4 kr[ATT_AU], vr[ATT_AU];
       bool valid[ATT_AU];
 #pragma unroll

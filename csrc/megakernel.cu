@@ -113,17 +113,6 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
     // the norm weight's pointer (an immutable table in global memory) is loaded before the wait, so its
     // round trip overlaps the wait instead of following it
     const elem_t* early_nw = norm_weight(P, t);
-    // MK_ATT_EARLY: a CUDA-core attention task's cached K / V rows, in flight during the wait (attention.cuh)
-    AttnEarly att_early;
-    const AttnEarly* att_e = nullptr;
-    if (MK_ATT_EARLY && t.opcode == OP_ATTN_PARTIAL
-#if MK_ATT_TMA
-        && !att_tma_task(S.seq_len()[t.arg0], P.chunks, t.arg2)
-#endif
-    ) {
-      attn_early_issue(S, P, t, warp, lane, att_early);
-      att_e = &att_early;
-    }
     int stop = 0;
     if (threadIdx.x == 0) {
       *S.cur_task() = ti;
@@ -156,10 +145,10 @@ __device__ __forceinline__ void consumer_loop(const Smem& S, const Params& P, in
         if (att_tma_task(S.seq_len()[t.arg0], P.chunks, t.arg2))
           it = attn_partial_mma(S, P, t, it, warp, lane);   // attention_ring_mma.cuh: on the tensor cores
         else
-          attn_partial_task(S, P, t, warp, lane, att_e);
+          attn_partial_task(S, P, t, warp, lane);
         break;
 #else
-      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane, att_e); break;
+      case OP_ATTN_PARTIAL: attn_partial_task(S, P, t, warp, lane); break;
 #endif
       case OP_ATTN_COMBINE: attn_combine_task(S, P, t); break;
       case OP_FINAL_NORM: final_norm_task(S, P, t, warp, lane); break;

@@ -145,12 +145,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
             KernelVariant(**bad)
     with pytest.raises(TypeError, match="must be a Rounding"):
         KernelVariant(rounding=1)
-    # session 43's MK_ATT_EARLY (attention's cached K / V loaded before the counter wait): a 0/1 switch, off by default
-    ae = KernelVariant.parse(["MK_ATT_EARLY=1", "MK_RELEASE_GATE=48"])
-    assert ae.defines() == ("-DMK_RELEASE_GATE=48", "-DMK_ATT_EARLY=1") and ae.label() == "release_gate=48,att_early"
-    assert "#define MK_ATT_EARLY 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    with pytest.raises(ValueError, match="att_early=1 must be true or false"):
-        KernelVariant(att_early=1)
     # MK_INFLIGHT caps the chunks in flight below the ring's depth (a cap of the depth would be no cap)
     assert KernelVariant.parse(["MK_INFLIGHT=2"]).defines() == ("-DMK_INFLIGHT=2",)
     assert KernelVariant(inflight=3, num_stages=4).label() == "stages=4,inflight=3"

@@ -17,7 +17,8 @@ and is the code; session 25: MK_XPIPE and MK_FULLK lost; session 26: MK_RING_MMA
 tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with the weights as B at batch <= 8,
 and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_SIGNAL, one release per ticket, the
 completer's, lost at 1B b4 / b8; session 42: MK_EVICT_FIRST, the weight copies evict-first in L2, won at every shape
-and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gained nothing and left).
+and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gained nothing and left; session 43:
+MK_ATT_EARLY, attention's cached K / V loaded before the counter wait, lost at every shape but 1B b8 and left).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_ATT_EARLY", "att_early", "att_early"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -122,11 +123,6 @@ class KernelVariant:
     # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
     diag_l2_from: int = 0
     diag_l2_n: int = 0
-    # MK_ATT_EARLY (A/B switch, session 43; off): an attention task's first KV loop step loads the K / V rows of its
-    # cached tokens (position < L - 1: written before this launch) before the task's counter wait, into the registers
-    # the loop reads; only the newest token's row (qkv_rope writes it in this launch) and q wait for the dependency
-    # (csrc/attention.cuh attn_early_issue). Not the ring-fed tasks (MK_ATT_TMA).
-    att_early: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -142,7 +138,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "att_early"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
