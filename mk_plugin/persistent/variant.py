@@ -18,7 +18,8 @@ tensor cores, won and is the code; measured 2026-12-05: MK_WGMMA_B, wgmma with t
 and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_SIGNAL, one release per ticket, the
 completer's, lost at 1B b4 / b8; session 42: MK_EVICT_FIRST, the weight copies evict-first in L2, won at every shape
 and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gained nothing and left; session 43:
-MK_ATT_EARLY, attention's cached K / V loaded before the counter wait, lost at every shape but 1B b8 and left).
+MK_ATT_EARLY, attention's cached K / V loaded before the counter wait, lost at every shape but 1B b8 and left, as
+session 14's MK_ATT_PRELOAD, the same idea through shared memory, had).
 """
 from __future__ import annotations
 
