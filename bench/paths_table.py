@@ -56,9 +56,10 @@ def _choice(e: dict[str, Any] | None) -> str:
 
 
 def refresh(table: dict[str, Any], measured: Measured, hashes: dict[str, int], num_sms: int, commit: str,
-            date: str) -> tuple[dict[str, Any], list[str]]:
+            date: str, note: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """(the table with its kernel-only times replaced or added from `measured`, one report line per change).
-    A (model, batch) lacking either path is left as it is and reported."""
+    A (model, batch) lacking either path is left as it is and reported. `note` replaces a refreshed entry's note (how
+    its rows were measured: an old entry's note describes the old rows); None keeps it."""
     entries = {(e["spec"], int(e["batch"])): dict(e) for e in table["entries"]}
     lines = []
     for (shape, batch), paths in sorted(measured.items()):
@@ -71,6 +72,8 @@ def refresh(table: dict[str, Any], measured: Measured, hashes: dict[str, int], n
         old = entries.get((shape, batch))
         new = dict(old or {"spec": shape, "spec_hash": hashes[shape], "num_sms": num_sms, "batch": batch})
         new.update(triton_us=tri, megakernel_us=mk, commit=commit, date=date, ctx=CTX)
+        if note is not None:
+            new["note"] = note
         entries[(shape, batch)] = new
         was = "new" if old is None else f"mk {old['megakernel_us']} / triton {old['triton_us']} ({old['commit']})"
         lines.append(f"{shape} b{batch}: {was} -> mk {mk} / triton {tri} ({mk / tri:.3f}x); "
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-sms", type=int, default=132, help="SM count of a new entry's key (default 132)")
     ap.add_argument("--table", type=Path, help="the paths table (default: the packaged one of --gpu)")
     ap.add_argument("--write", action="store_true", help="write the table (default: only report)")
+    ap.add_argument("--note", help="a refreshed entry's note: how its rows were measured (default: keep the old note)")
     a = ap.parse_args(argv)
     path = a.table or paths_file(gpu_slug(a.gpu))
     table = json.loads(path.read_text()) if path.is_file() else {"format": 1, "gpu": a.gpu, "entries": []}
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{a.rows}: no rows of gpu {a.gpu!r} at commit {a.commit!r}, ctx {CTX}, no LM head")
     hashes = {d.name: spec_hash(LlamaSpec.from_json_file(d)) for d in common.MODELS.iterdir()
               if (d / "config.json").is_file()}
-    out, lines = refresh(table, measured, hashes, a.num_sms, a.commit, date)
+    out, lines = refresh(table, measured, hashes, a.num_sms, a.commit, date, a.note)
     print("\n".join(lines))
     if a.write:
         path.write_text(json.dumps(out, indent=1) + "\n")

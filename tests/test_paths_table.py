@@ -79,3 +79,18 @@ def test_report_lines_and_new_entries(rows: Path, tmp_path: Path, capsys):
 def test_no_rows_names_the_filter(rows: Path, tmp_path: Path):
     with pytest.raises(SystemExit, match="no rows of gpu 'NVIDIA H200' at commit 'nope'"):
         paths_table.main([str(rows), "--gpu", "NVIDIA H200", "--commit", "nope", "--table", str(tmp_path / "t.json")])
+
+
+def test_note_replaces_a_refreshed_entrys_note_only(rows: Path, tmp_path: Path):
+    table = tmp_path / "paths.json"
+    table.write_text(json.dumps({"format": 1, "gpu": "NVIDIA H200", "entries": [
+        {"spec": "llama-3.2-1b", "spec_hash": 1, "num_sms": 132, "batch": 12, "triton_us": 1.0, "megakernel_us": 2.0,
+         "commit": "old", "note": "rows of the old job"},
+        {"spec": "llama-3.2-1b", "spec_hash": 1, "num_sms": 132, "batch": 1, "triton_us": 1.0, "megakernel_us": 2.0,
+         "commit": "old", "note": "not measured again"}]}))
+    paths_table.main([str(rows), "--gpu", "NVIDIA H200", "--commit", "new1234", "--table", str(table), "--write",
+                      "--note", "the new job's rows"])
+    by = {(e["spec"], e["batch"]): e for e in json.loads(table.read_text())["entries"]}
+    assert by[("llama-3.2-1b", 12)]["note"] == "the new job's rows"
+    assert by[("llama-3.2-1b", 1)]["note"] == "not measured again"
+    assert by[("llama-3.1-8b", 16)]["note"] == "the new job's rows"   # a new entry takes it too
