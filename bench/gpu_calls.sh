@@ -32,7 +32,7 @@
 #   b16_inflight   MK_INFLIGHT 2 / 3 on the wgmma path (the b12 / b16 entries have no cap): 8B and 1B b12 / b16, 2 rounds
 #                  (~250 s)
 #   b16_ready      MK_DIAG=64 (timing only): the wgmma path's x groups after a pass's first used without their wait,
-#                  normalisation or barrier, 8B and 1B b16, 2 rounds: the ready steps' share of the step (~200 s)
+#                  normalisation or barrier, 8B and 1B b16, 2 rounds, and both builds' 1B b16 phase traces (~270 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -197,11 +197,17 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
   b16_ready)   # session 44: is the batch 9..16 x stage (per 512-column group: 1.5 us at 8B b16 on the H100, 0.5 in o_proj,
     # whose weights are in the ring before it starts; the in-flight caps and deeper x prefetch lost) on the step's
     # critical path? Bound: every group after a pass's first skips its copies' wait, normalisation and barrier (wrong
-    # results). Predicted (H100): 1B b16 -4..-8%, 8B b16 -3..-7%; b12 alike. Rule: >= 5% at either b16 -> the next
+    # results). Predicted (H100): 1B b16 -4..-8%, 8B b16 -3..-7%. Rule: >= 5% at either b16 -> the next
     # design takes x out of the group loop (staged whole per task where the scratch holds it, or multicast); < 2% ->
     # the stage is off the critical path and the b16 bars need the releases or the chunk loops instead
     ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64
-    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64 ;;
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64
+    # which op's stage the bound takes away: the 1B b16 phase trace of both builds (the table's program each)
+    for d in "" "--define MK_W_TMA=1 --define MK_WGMMA_A=4 --define MK_WGA_X=2 --define MK_DIAG=64"; do
+      timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d --records-dir "$out" \
+        --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
+    done
+    for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
