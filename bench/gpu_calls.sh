@@ -200,10 +200,11 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # results). Predicted (H100): 1B b16 -4..-8%, 8B b16 -3..-7%. Rule: >= 5% at either b16 -> the next
     # design takes x out of the group loop (staged whole per task where the scratch holds it, or multicast); < 2% ->
     # the stage is off the critical path and the b16 bars need the releases or the chunk loops instead
-    ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64
-    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64
+    R=$W,MK_WGA_X=2,MK_DIAG=64
+    ab 200 llama-3.1-8b --batch 16 --rounds 2 --build default --build $R
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $R
     # which op's stage the bound takes away: the 1B b16 phase trace of both builds (the table's program each)
-    for d in "" "--define MK_W_TMA=1 --define MK_WGMMA_A=4 --define MK_WGA_X=2 --define MK_DIAG=64"; do
+    for d in "" "--define ${R//,/ --define }"; do
       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d --records-dir "$out" \
         --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
     done
