@@ -35,29 +35,42 @@ def today() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, repo: Path = REPO) -> str | None:
     try:
-        c = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
+        c = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return c.stdout.strip() if c.returncode == 0 else None
 
 
-def git_commit() -> str:
-    """The commit the results belong to. `.commit` (written with `git rev-parse --short HEAD > .commit`
-    and carried to the GPU host, whose copy of the tree has stale git metadata: runs there reported
-    an old HEAD) wins when it is at least as new as the checkout's HEAD commit; otherwise (a .commit
-    left over from an older run) the checkout's short commit, '+dirty' when it has changes."""
-    head = _git("rev-parse", "--short", "HEAD")
-    f = REPO / ".commit"
-    if f.exists() and f.read_text().strip():
-        head_time = _git("log", "-1", "--format=%ct")
-        if head is None or head_time is None or f.stat().st_mtime >= int(head_time):
-            return f.read_text().strip()
+def git_commit(repo: Path = REPO) -> str:
+    """The commit the results belong to. `.commit` (written with `git rev-parse --short HEAD > .commit`, then
+    committed, and carried to the GPU host, whose copy of the tree has stale git metadata: runs there reported an
+    old HEAD) wins unless the checkout's history shows it stale: it wins when git does not know its commit (the
+    host's metadata predates it), when HEAD is that commit or an ancestor of it (stale metadata), or when every
+    commit since it changed only `.commit` itself (the commit that recorded it: the code is the same). Otherwise (a fresh clone, or a
+    .commit left behind by later work) the checkout's short commit, '+dirty' when it has changes."""
+    head = _git("rev-parse", "--short", "HEAD", repo=repo)
+    f = repo / ".commit"
+    rec = f.read_text().strip() if f.exists() else ""
+    if rec and (head is None or _commit_file_current(rec, repo)):
+        return rec
     if head:
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", repo=repo)
         return head + ("+dirty" if dirty else "")
     return "unknown"
+
+
+def _commit_file_current(rec: str, repo: Path) -> bool:
+    """Whether `.commit`'s commit rec still names the checkout's code (git_commit's rule)."""
+    if _git("cat-file", "-e", f"{rec}^{{commit}}", repo=repo) is None:
+        return True   # unknown here: the GPU host's stale metadata
+    if _git("merge-base", "--is-ancestor", "HEAD", rec, repo=repo) is not None:
+        return True   # HEAD is rec or older: stale metadata
+    if _git("merge-base", "--is-ancestor", rec, "HEAD", repo=repo) is None:
+        return False  # another branch
+    changed = _git("diff", "--name-only", rec, "HEAD", repo=repo)
+    return changed is not None and set(changed.split()) <= {".commit"}
 
 
 def run_stamp() -> str:
