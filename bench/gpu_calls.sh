@@ -218,7 +218,11 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # Rule: >= 1% in both rounds at both b12 and b16 of a model -> on by default for the wgmma path
     R=$W,MK_WGA_X=2,MK_WGA_NW_L1=1
     ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $R
-    ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build $R ;;
+    ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build $R
+    # the mechanism: qkv_rope's and gate_up's stage per task in the 1B b16 phase trace (b16_ready's default trace beside)
+    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define ${R//,/ --define } \
+      --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
+    for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
