@@ -217,8 +217,8 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # Predicted (H100): 1B b16 -1..-2%, 8B b16 -1..-2% (qkv 7 group loads of 8 a task); b12 alike; bitwise equal answers.
     # Rule: >= 1% in both rounds at both b12 and b16 of a model -> on by default for the wgmma path
     R=$W,MK_WGA_X=2,MK_WGA_NW_L1=1
-    ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $R
     ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build $R
+    ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $R
     # the mechanism: qkv_rope's and gate_up's stage per task in the 1B b16 phase trace (b16_ready's default trace beside)
     timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define ${R//,/ --define } \
       --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
