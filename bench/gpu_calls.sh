@@ -33,8 +33,6 @@
 #                  (~250 s)
 #   b16_ready      MK_DIAG=64 (timing only): the wgmma path's x groups after a pass's first used without their wait,
 #                  normalisation or barrier, 8B and 1B b16, 2 rounds, and both builds' 1B b16 phase traces (~270 s)
-#   nw_l1          MK_WGA_NW_L1: the wgmma path's norm weights prefetched into L1 at a task's start (each group's load
-#                  of them is waited at wga_group_ready_x's RET), 8B and 1B b12 / b16, 2 rounds (~220 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -210,18 +208,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d --records-dir "$out" \
         --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
     done
-    for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
-  nw_l1)   # session 45: ptxas makes the RET of wga_group_ready_x (out of line) wait for the next group's norm-weight
-    # load it issues (SASS control bits), one L2 round trip a group in qkv_rope / gate_up at batch 9..16 (~0.44 us: the
-    # qkv stage left under b16_ready's bound). MK_WGA_NW_L1 prefetches the task's norm weights into L1 at its start.
-    # Predicted (H100): 1B b16 -1..-2%, 8B b16 -1..-2% (qkv 7 group loads of 8 a task); b12 alike; bitwise equal answers.
-    # Rule: >= 1% in both rounds at both b12 and b16 of a model -> on by default for the wgmma path
-    R=$W,MK_WGA_X=2,MK_WGA_NW_L1=1
-    ab 150 llama-3.2-1b --batch 16 12 --rounds 2 --build default --build $R
-    ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $R
-    # the mechanism: qkv_rope's and gate_up's stage per task in the 1B b16 phase trace (b16_ready's default trace beside)
-    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 --define ${R//,/ --define } \
-      --records-dir "$out" --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
     for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4

@@ -272,6 +272,9 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
   wg_fence_proxy();
   wga_group_sync();   // everyone's units are in; group gi - 1's buffer is no longer read
   wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
+  // Not in flight past the return: ptxas makes this function's RET (and any CALL) wait for the load (SASS control
+  // bits; bench/sass_waits.py). Moving it to the caller, inlining this step and prefetching the norm weights into L1
+  // (MK_NW_L1, sessions 31 / 33 / 45: 8B / 1B b16 -1.0 / -1.3%, under its bar) were tried: bench/NOTES.md.
   c.w = wga_norm_w(nw, K, k0 + WGA_XG);
   return c;
 }
@@ -446,11 +449,6 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
   // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task); MK_WGA_X: groups 0 ..
   // WGA_AHEAD - 1 and no round trip (the first pass sums x^2)
 #if MK_WGA_X
-  // MK_WGA_NW_L1 (session 45): the task's norm weights (static: the non-coherent path may cache them) into L1 first,
-  // one 128-byte line a thread, so that each group's load of them in wga_group_ready_x hits L1: out of line, that
-  // function's RET waits for the load (ptxas clears every scoreboard at a RET or CALL), one L2 round trip a group
-  if (MK_WGA_NW_L1 && nw != nullptr && (int)threadIdx.x < K / 64)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(nw + threadIdx.x * 64));
   for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, wp.ldx, B);
 #else
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
@@ -493,9 +491,6 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
 #endif
 #if MK_WGA_X && !MK_WGMMA_A
 static_assert(false, "MK_WGA_X is MK_WGMMA_A's x staging: build it with MK_WGMMA_A");
-#endif
-#if MK_WGA_NW_L1 && !MK_WGA_X
-static_assert(false, "MK_WGA_NW_L1 prefetches MK_WGA_X's norm weights: build it with MK_WGA_X");
 #endif
 
 }  // namespace mk

@@ -134,14 +134,6 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
         with pytest.raises(ValueError, match=msg):
             KernelVariant(**bad)
     assert KernelVariant(diag=32, w_tma=True).defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1")
-    # session 45's MK_WGA_NW_L1: a 0/1 switch of the wgmma path's x staging (needs wga_x)
-    nwl1 = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=4", "MK_WGA_X=2", "MK_WGA_NW_L1=1"])
-    assert nwl1.defines()[-1] == "-DMK_WGA_NW_L1=1" and nwl1.label().endswith(",wga_nw_l1")
-    assert "#define MK_WGA_NW_L1 0" in (ROOT / "csrc" / "tasks.h").read_text()
-    with pytest.raises(ValueError, match="wga_nw_l1=True prefetches MK_WGA_X's norm weights: set wga_x"):
-        KernelVariant(w_tma=True, wgmma_a=4, wga_nw_l1=True)
-    with pytest.raises(ValueError, match="MK_WGA_NW_L1=2: bad value"):
-        KernelVariant.parse(["MK_WGA_NW_L1=2"])
     # session 40's fold window (timing only): gate_up's chunks A .. A + N - 1 from L2, on the default chunk loop only
     win = KernelVariant.parse(["MK_W_TMA=1", "MK_DIAG=32", "MK_DIAG_L2_FROM=2", "MK_DIAG_L2_N=8"])
     assert win.defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1", "-DMK_DIAG_L2_FROM=2", "-DMK_DIAG_L2_N=8")

@@ -41,7 +41,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NW_L1", "wga_nw_l1", "wga_nw_l1"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -125,10 +125,6 @@ class KernelVariant:
     # them into L2 during the qkv -> attention -> o_proj chain (by SMs with no release to make) could gain.
     diag_l2_from: int = 0
     diag_l2_n: int = 0
-    # MK_WGA_NW_L1 (A/B switch, session 45; off by default; needs wga_x): a norm-fused wgmma task prefetches its norm
-    # weights into L1 at its start, so that each x group's load of them (wga_group_ready_x, out of line: ptxas makes its
-    # RET wait for the load, read from the SASS control bits) hits L1 instead of waiting an L2 round trip a group.
-    wga_nw_l1: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounding, Rounding):
@@ -144,7 +140,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nw_l1"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -180,9 +176,6 @@ class KernelVariant:
         if self.diag & 64 and not self.wga_x:
             raise ValueError(f"diag={self.diag} (64: the wgmma path's x ready steps skipped) changes MK_WGA_X's "
                              "staging: set wga_x too (MK_WGMMA_A=4,MK_W_TMA=1,MK_WGA_X=2)")
-        if self.wga_nw_l1 and not self.wga_x:
-            raise ValueError("wga_nw_l1=True prefetches MK_WGA_X's norm weights: set wga_x too "
-                             "(MK_W_TMA=1,MK_WGMMA_A=4,MK_WGA_X=2)")
         for name in ("diag_l2_from", "diag_l2_n"):
             if not int_in(getattr(self, name), 0, DIAG_L2_MAX_CHUNKS):
                 raise ValueError(f"{name}={getattr(self, name)!r}: gate_up chunks of a task, 0 .. {DIAG_L2_MAX_CHUNKS}")
