@@ -47,9 +47,9 @@ def git_commit(repo: Path = REPO) -> str:
     """The commit the results belong to. `.commit` (written with `git rev-parse --short HEAD > .commit`, then
     committed, and carried to the GPU host, whose copy of the tree has stale git metadata: runs there reported an
     old HEAD) wins unless the checkout's history shows it stale: it wins when git does not know its commit (the
-    host's metadata predates it), when HEAD is that commit or an ancestor of it (stale metadata), or when every
-    commit since it changed only `.commit` itself (the commit that recorded it: the code is the same). Otherwise (a fresh clone, or a
-    .commit left behind by later work) the checkout's short commit, '+dirty' when it has changes."""
+    host's metadata predates it), when HEAD is that commit or an ancestor of it (stale metadata), or when the code
+    since it differs only in `.commit` itself (the commit that recorded it). Otherwise (a fresh clone, or a .commit
+    left behind by later work) the checkout's short commit, '+dirty' when it has changes."""
     head = _git("rev-parse", "--short", "HEAD", repo=repo)
     f = repo / ".commit"
     rec = f.read_text().strip() if f.exists() else ""
