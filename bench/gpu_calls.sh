@@ -33,6 +33,8 @@
 #                  (~250 s)
 #   b16_ready      MK_DIAG=64 (timing only): the wgmma path's x groups after a pass's first used without their wait,
 #                  normalisation or barrier, 8B and 1B b16, 2 rounds, and both builds' 1B b16 phase traces (~270 s)
+#   b16_streams    the 8B and 1B b16 traces of the table's program and of MK_DIAG 64's bound, with the weight-streams
+#                  view: does qkv_rope's stage hold its weight stream at ~half gate_up's rate an SM? (~150 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -209,6 +211,20 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
         --model bench/models/llama-3.2-1b --batch 16 --csv /dev/null 2>&1 | tail -1
     done
     for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
+  b16_streams)   # session 46 (CPU, the committed 8B b16 traces): qkv_rope / o_proj stream their weights at ~15 GB/s an SM
+    # at b16 (qkv ~27 at 8B b1), gate_up / down at ~30 (H200). Is qkv's stream held back by its stage (the consumer
+    # frees ring slots at the stage's pace), when b16_ready's bound (MK_DIAG 64) took only 0.7% off the 8B b16 step?
+    # The 8B and 1B b16 traces of the table's program and of the bound, with the streams view (trace_phases
+    # --streams). Predicted (H100): default qkv 13-17 GB/s an SM; under the bound, if the stage holds the stream,
+    # qkv >= 20 GB/s and its busy <= 20 us (8B); if qkv's rate stays within 15%, the ring's turnover is not the stage
+    R=$W,MK_WGA_X=2,MK_DIAG=64
+    for m in llama-3.1-8b llama-3.2-1b; do
+      for d in "" "--define ${R//,/ --define }"; do
+        timeout 120 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d \
+          --records-dir "$out" --model bench/models/$m --batch 16 --csv /dev/null 2>&1 | tail -1
+      done
+    done
+    for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases --streams "$f" 2>&1 | sed -n 1,26p; done ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;

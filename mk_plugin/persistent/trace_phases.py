@@ -244,15 +244,18 @@ def budget_markdown(rows: Sequence[BudgetRow], per_layer_us: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """python -m mk_plugin.persistent.trace_phases [--budget] RECORDS.json...: the tables per records file;
-    --compare A B: B's per-op medians minus A's (two builds' traces of one shape)."""
+    """python -m mk_plugin.persistent.trace_phases [--budget] [--streams] RECORDS.json...: the tables per records
+    file; --compare A B: B's per-op medians minus A's (two builds' traces of one shape)."""
     import argparse
 
     from .trace import load_records
+    from .trace_streams import streams_markdown
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("records", nargs="+")
     ap.add_argument("--budget", action="store_true", help="also the budget of one layer (bytes, windows, gaps)")
+    ap.add_argument("--streams", action="store_true",
+                    help="also the weight streams per op and the per-SM byte groups (trace_streams; no phases needed)")
     ap.add_argument("--compare", action="store_true", help="two records files A B: B's per-op medians minus A's")
     args = ap.parse_args(argv)
     if args.compare:
@@ -266,8 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         recs, _ = load_records(path)
         if args.budget:
             print(f"## {path}: one layer\n\n{budget_markdown(*layer_budget(recs))}\n")
-            if not has_phases(recs):
-                continue
+        if args.streams:
+            print(f"## {path}: weight streams\n\n{streams_markdown(recs)}\n")
+        if (args.budget or args.streams) and not has_phases(recs):
+            continue
         print(f"## {path}\n\nmedian per task (us):\n\n{phase_table_markdown(phase_table(recs))}\n")
         print("release us by when the SM's next weights (or ring-fed K/V) began (tasks, median):\n")
         for typ, bs in release_by_lag(recs).items():
