@@ -35,6 +35,8 @@
 #                  normalisation or barrier, 8B and 1B b16, 2 rounds, and both builds' 1B b16 phase traces (~270 s)
 #   b16_streams    the 8B and 1B b16 traces of the table's program and of MK_DIAG 64's bound, with the weight-streams
 #                  view: does qkv_rope's stage hold its weight stream at ~half gate_up's rate an SM? (~150 s)
+#   b16_nw         MK_DIAG 64 / 128 / 192 (timing only): the wgmma path's x waits, norm-weight loads and both skipped after a
+#                  pass's first group, 8B and 1B b16, 2 rounds: are the two per-group round trips coupled? (~150 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -225,6 +227,18 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       done
     done
     for f in "$out"/*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases --streams "$f" 2>&1 | sed -n 1,26p; done ;;
+  b16_nw)   # session 46: are the wgmma path's two per-group round trips coupled? A norm-fused op's ready step waits
+    # for its x copies (issued one group ahead) and its RET for the next group's norm-weight load (sass_waits.py);
+    # session 45's bound (64) removed the first and kept the second, session 33's L1 prefetch of the norm weights the
+    # reverse: -0.7 / -1.0% at 8B b16. 128 skips the norm-weight load (timing only), 192 both. Predicted (H100): 64
+    # and 128 alone as before (-0.5..-1.5%); 192 -4..-8% at 8B b16, -2..-5% at 1B b16 if each removal alone moves the
+    # wait to the other. Rule: 192 >= 4% at 8B b16 -> the norm weights loaded once a task (and x three groups ahead)
+    # is the next build; < 2% -> the ready step is off the critical path, and qkv_rope's half-rate stream (NOTES
+    # session 46) comes from elsewhere (b16_streams)
+    ab 240 llama-3.1-8b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64 \
+      --build $W,MK_WGA_X=2,MK_DIAG=128 --build $W,MK_WGA_X=2,MK_DIAG=192
+    ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64 \
+      --build $W,MK_WGA_X=2,MK_DIAG=128 --build $W,MK_WGA_X=2,MK_DIAG=192 ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;

@@ -247,9 +247,12 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
   // MK_DIAG & 64 (timing only, wrong results; session 44): a pass's groups after its first are used as they stand --
   // no wait for their copies, no normalisation, no barrier (the copies still go out): the ready steps' share of the
   // batch 9..16 step. Folds away in every other build.
+  // MK_DIAG & 128 (timing only, wrong results; session 46): the next group's norm-weight load below (and in the
+  // early return) is skipped, so the RET waits for nothing: with 64, the ready step gone whole for groups after a
+  // pass's first; alone, the norm-weight round trip a group without the copies' waits (session 45's bound kept it).
   if ((MK_DIAG & 64) && gi > 0) {
     wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
-    c.w = wga_norm_w(nw, K, k0 + WGA_XG);
+    if (!(MK_DIAG & 128)) c.w = wga_norm_w(nw, K, k0 + WGA_XG);
     return c;
   }
   cp_async_wait_group<WGA_AHEAD - 1>();   // this thread's copies of group gi: the units it normalises below
@@ -275,7 +278,7 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
   // Not in flight past the return: ptxas makes this function's RET (and any CALL) wait for the load (SASS control
   // bits; bench/sass_waits.py). Moving it to the caller, inlining this step and prefetching the norm weights into L1
   // (MK_NW_L1, sessions 31 / 33 / 45: 8B / 1B b16 -1.0 / -1.3%, under its bar) were tried: bench/NOTES.md.
-  c.w = wga_norm_w(nw, K, k0 + WGA_XG);
+  if (!(MK_DIAG & 128)) c.w = wga_norm_w(nw, K, k0 + WGA_XG);
   return c;
 }
 

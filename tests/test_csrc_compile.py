@@ -64,6 +64,9 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_W_TMA=1", "-DMK_DIAG=32"), ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=32"),
             # session 44's MK_DIAG & 64 (the wgmma path's x ready steps skipped after a pass's first group, timing only)
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=64"),
+            # session 46's MK_DIAG & 128 (the next group's norm-weight load skipped), alone and with 64
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=128"),
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=192"),
             # session 39's b16_inflight A/B: the in-flight cap on the wgmma path (the b16 entries' build)
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_INFLIGHT=3"),
             # session 40's L2 fold window (gate_up's chunks 2..9 from L2, timing only) on the 1B b1 entry's gate

@@ -167,15 +167,16 @@ class KernelVariant:
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
-        if not int_in(self.diag, 0, 127):
-            raise ValueError(f"diag={self.diag!r}: a mask in 0..127 (1 no waits, 2 no weight copies, 4 no MMAs, "
+        if not int_in(self.diag, 0, 255):
+            raise ValueError(f"diag={self.diag!r}: a mask in 0..255 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1, 32 weights from L2: "
                              "layer 0's first 512 rows, with w_tma, 64 the wgmma path's x groups after a pass's "
-                             "first used without their wait, normalisation or barrier, with wga_x)")
-        if self.diag & 64 and not self.wga_x:
-            raise ValueError(f"diag={self.diag} (64: the wgmma path's x ready steps skipped) changes MK_WGA_X's "
-                             "staging: set wga_x too (MK_WGMMA_A=4,MK_W_TMA=1,MK_WGA_X=2)")
+                             "first used without their wait, normalisation or barrier, with wga_x, 128 the wgmma "
+                             "path's next-group norm-weight loads skipped, with wga_x)")
+        if self.diag & (64 | 128) and not self.wga_x:
+            raise ValueError(f"diag={self.diag} (64 / 128: the wgmma path's x ready steps / norm-weight loads "
+                             "skipped) changes MK_WGA_X's staging: set wga_x too (MK_WGMMA_A=4,MK_W_TMA=1,MK_WGA_X=2)")
         for name in ("diag_l2_from", "diag_l2_n"):
             if not int_in(getattr(self, name), 0, DIAG_L2_MAX_CHUNKS):
                 raise ValueError(f"{name}={getattr(self, name)!r}: gate_up chunks of a task, 0 .. {DIAG_L2_MAX_CHUNKS}")
