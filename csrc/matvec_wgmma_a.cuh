@@ -69,6 +69,14 @@ static_assert(MAX_BATCH == 16, "x' is one n16 operand");
 constexpr int WGA_NBUF = (MK_WGA_X && UNION_BYTES >= 4 * GROUP_BYTES) ? 4 : 2;
 constexpr int WGA_AHEAD = WGA_NBUF - 1;
 static_assert(WGA_NBUF * GROUP_BYTES <= UNION_BYTES, "MK_WGA_X: the x group buffers fit the scratch");
+#if MK_WGA_NWS
+static_assert(MK_WGA_X == 2 && WGA_AHEAD == 1, "MK_WGA_NWS: MK_WGA_X = 2 at 6 ring slots (one x group ahead)");
+constexpr int WGA_NWS_OFF = MISC_OFF + MISC_BYTES;   // after the misc block: the 32 KB slots' unused padding
+static_assert(WGA_NWS_OFF % 16 == 0 && WGA_NWS_OFF + WGA_XG * 2 <= SMEM_BYTES, "MK_WGA_NWS: a group's norm weights "
+              "fit the free shared memory after the misc block");
+// the norm-weight buffer from the scratch pointer (xs = S.scratch())
+__device__ __forceinline__ unsigned char* wga_nws(unsigned char* xs) { return xs + (WGA_NWS_OFF - UNION_OFF); }
+#endif
 #if MK_WGA_X
 static_assert(MK_WGA_X == 1 || MK_WGA_X == 2, "MK_WGA_X: 0, 1 or 2");
 static_assert(MK_ROUNDING == 0, "MK_WGA_X: the fused rounding only (STOCK rounds x * rstd before the weight)");
@@ -78,6 +86,22 @@ static_assert(MK_DTYPE_BF16, "MK_WGA_X: bf16 models only (x * w is not range-nor
 #else
 #define WGA_EPI_PARAM
 #define WGA_EPI_ARG(v)
+#endif
+// MK_WGA_NWS (A/B switch, session 46; default 0; variant.KernelVariant.wga_nws): a norm-fused op's norm weights
+// travel with its x groups -- each group's 1 KB (512 columns) by cp.async into shared memory (the wgmma build's free
+// tail after the misc block), issued with the group's x copies by the first warp of each warpgroup (its lanes are
+// the warpgroup's 32 column units: wga_unit's u at b0 = 0) -- so the ready step's copies' wait covers them and its
+// RET waits for no load. Without it the next group's weights are a register load that the out-of-line ready step's
+// RET waits for: an L2 round trip on every group (sass_waits.py; session 45's bound, MK_DIAG & 64, kept it, session
+// 33's L1 prefetch removed it but left the copies' wait). One buffer: the next group's weights go out after the
+// barrier that ends this group's normalisation, so only one group ahead (6 ring slots: WGA_AHEAD == 1); the other
+// three warps of a warpgroup read the units their warp 0 copied, behind one more warpgroup barrier a group.
+#if MK_WGA_NWS
+#define WGA_NW_PARAM , const elem_t* nw
+#define WGA_NW_ARG(v) , v
+#else
+#define WGA_NW_PARAM
+#define WGA_NW_ARG(v)
 #endif
 
 // Whether a pass of this task takes this path (the producer and the consumers decide alike): two n-tiles, whole
@@ -200,7 +224,8 @@ __device__ __forceinline__ void wga_group_sync() {
 
 // Group gi of a pass (columns gi * WGA_XG ..) into its buffer, or an empty commit past K (every ready step waits for
 // the same count of groups in flight). MK_WGA_X = 2: this thread's units only.
-__device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_t* x, int K, int ldx, int B) {
+__device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_t* x, int K, int ldx,
+                                          int B WGA_NW_PARAM) {
   const int k0 = gi * WGA_XG;
 #if MK_WGA_X == 2
   const WgaUnit un = wga_unit();
@@ -211,6 +236,9 @@ __device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_
       const int b = un.b0 + 4 * i;
       if (b < B) cp_async16(smem_addr(gb + wga_xunit(b, un.u)), x + (size_t)b * ldx + k0 + un.u * 8);
     }
+#if MK_WGA_NWS
+    if (nw != nullptr && un.b0 == 0) cp_async16(smem_addr(wga_nws(xs) + un.u * 16), nw + k0 + un.u * 8);
+#endif
   }
   cp_async_commit();
 #else
@@ -224,7 +252,9 @@ __device__ __forceinline__ void wga_issue(unsigned char* xs, int gi, const elem_
 // What one group's ready step hands to the next: the next group's norm weights of this thread's column unit, and (a
 // task's first pass) this thread's tokens' sums of x^2 so far.
 struct WgaCarry {
+#if !MK_WGA_NWS   // MK_WGA_NWS: the weights come from shared memory in the ready step, nothing to carry
   uint4 w;
+#endif
   float ss[4];
 };
 __device__ __forceinline__ uint4 wga_norm_w(const elem_t* nw, int K, int k0) {
@@ -251,11 +281,22 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
   // early return) is skipped, so the RET waits for nothing: with 64, the ready step gone whole for groups after a
   // pass's first; alone, the norm-weight round trip a group without the copies' waits (session 45's bound kept it).
   if ((MK_DIAG & 64) && gi > 0) {
-    wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
+    wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B WGA_NW_ARG(nw));
+#if !MK_WGA_NWS
     if (!(MK_DIAG & 128)) c.w = wga_norm_w(nw, K, k0 + WGA_XG);
+#endif
     return c;
   }
   cp_async_wait_group<WGA_AHEAD - 1>();   // this thread's copies of group gi: the units it normalises below
+#if MK_WGA_NWS
+  uint4 w = make_uint4(0u, 0u, 0u, 0u);
+  if (nw != nullptr) {
+    wga_group_sync();   // warp 0's copies of this group's norm weights are in for its whole warpgroup
+    if (u < min(WGA_XG, K - k0) / 8) w = *reinterpret_cast<const uint4*>(wga_nws(xs) + u * 16);
+  }
+#else
+  const uint4 w = c.w;
+#endif
   if (nw != nullptr && u < min(WGA_XG, K - k0) / 8) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -264,21 +305,23 @@ __device__ __noinline__ WgaCarry wga_group_ready_x(const Smem S, unsigned char* 
         uint4* p = reinterpret_cast<uint4*>(gb + wga_xunit(b, u));
         uint4 v = *p;
         if (acc_ss) c.ss[i] = sumsq8(v, c.ss[i]);
-        v.x = norm_pair(v.x, 1.f, c.w.x);   // round(x * w): rstd scales the sums in the epilogue
-        v.y = norm_pair(v.y, 1.f, c.w.y);
-        v.z = norm_pair(v.z, 1.f, c.w.z);
-        v.w = norm_pair(v.w, 1.f, c.w.w);
+        v.x = norm_pair(v.x, 1.f, w.x);   // round(x * w): rstd scales the sums in the epilogue
+        v.y = norm_pair(v.y, 1.f, w.y);
+        v.z = norm_pair(v.z, 1.f, w.z);
+        v.w = norm_pair(v.w, 1.f, w.w);
         *p = v;
       }
     }
   }
   wg_fence_proxy();
   wga_group_sync();   // everyone's units are in; group gi - 1's buffer is no longer read
-  wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B);
+  wga_issue(xs, gi + WGA_AHEAD, x, K, ldx, B WGA_NW_ARG(nw));
   // Not in flight past the return: ptxas makes this function's RET (and any CALL) wait for the load (SASS control
   // bits; bench/sass_waits.py). Moving it to the caller, inlining this step and prefetching the norm weights into L1
   // (MK_NW_L1, sessions 31 / 33 / 45: 8B / 1B b16 -1.0 / -1.3%, under its bar) were tried: bench/NOTES.md.
+#if !MK_WGA_NWS
   if (!(MK_DIAG & 128)) c.w = wga_norm_w(nw, K, k0 + WGA_XG);
+#endif
   return c;
 }
 
@@ -310,7 +353,7 @@ struct WgaStart {
 };
 __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, const Task t, int p0, int mt,
                                                 unsigned char* xs, const elem_t* x, int K, int ldx, bool issue,
-                                                int warp, int lane) {
+                                                int warp, int lane WGA_NW_PARAM) {
   WgaStart st{{0u, 0u, 0u, 0u}};
   if ((t.opcode == OP_O_PROJ || t.opcode == OP_DOWN) && t.arg2 == 0 && warp / 2 < mt)
     residual_prefetch(P, t, p0, warp / 2, warp % 2, lane, st.r);
@@ -318,7 +361,7 @@ __device__ __noinline__ WgaStart wga_pass_start(const Smem S, const Params& P, c
     rope_prefetch(S, P, p0, warp / 2, warp % 2, lane, st.r);
 #if MK_WGA_X
   if (issue)
-    for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, ldx, P.batch);
+    for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, ldx, P.batch WGA_NW_ARG(nw));
 #else
   if (issue) wga_group_issue(xs, x, K, ldx, 0, P.batch);
 #endif
@@ -348,7 +391,9 @@ __device__ __forceinline__ unsigned wga_pass(const Smem& S, const Params& P, uns
   int gi = 0;
 #if MK_WGA_X
   WgaCarry cw;
+#if !MK_WGA_NWS   // MK_WGA_NWS: group 0's weights came with its copies (wga_issue)
   cw.w = wga_norm_w(nw, K, 0);
+#endif
 #pragma unroll
   for (int i = 0; i < 4; ++i) cw.ss[i] = 0.f;
 #endif
@@ -452,7 +497,7 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
   // group 0 before the norm statistics' round trip, so the two overlap (as matvec_task); MK_WGA_X: groups 0 ..
   // WGA_AHEAD - 1 and no round trip (the first pass sums x^2)
 #if MK_WGA_X
-  for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, wp.ldx, B);
+  for (int g = 0; g < WGA_AHEAD; ++g) wga_issue(xs, g, x, K, wp.ldx, B WGA_NW_ARG(nw));
 #else
   wga_group_issue(xs, x, K, wp.ldx, 0, B);
   if (nw != nullptr)
@@ -468,7 +513,7 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
   for (int p0 = t.arg0; p0 < uend; p0 += upp) {
     const int mt = min(upp, uend - p0) * wp.mtpu;
     if (ph_on) ph.mark = global_ns();
-    const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane);
+    const WgaStart st = wga_pass_start(S, P, t, p0, mt, xs, x, K, wp.ldx, p0 != t.arg0, warp, lane WGA_NW_ARG(nw));
     if (ph_on) phase_lap(ph.mark, ph.stage);
     const bool acc_ss = MK_WGA_X && nw != nullptr && p0 == t.arg0;   // the first pass sums x^2 (MK_WGA_X)
     const int nrb = (mt + WGA_BT - 1) / WGA_BT;   // the whole wgmma sequence inside one branch: no predicate in a group

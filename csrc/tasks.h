@@ -209,6 +209,9 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_DIAG_L2_N
 #define MK_DIAG_L2_N 0
 #endif
+#ifndef MK_WGA_NWS
+#define MK_WGA_NWS 0
+#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

@@ -67,6 +67,8 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             # session 46's MK_DIAG & 128 (the next group's norm-weight load skipped), alone and with 64
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=128"),
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_DIAG=192"),
+            # session 46's MK_WGA_NWS (the norm weights by cp.async with the x groups)
+            ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_WGA_NWS=1"),
             # session 39's b16_inflight A/B: the in-flight cap on the wgmma path (the b16 entries' build)
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_INFLIGHT=3"),
             # session 40's L2 fold window (gate_up's chunks 2..9 from L2, timing only) on the 1B b1 entry's gate

@@ -131,10 +131,15 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
     for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 256}, "diag=256"),
                      ({"diag": 128}, "128: the wgmma path.*norm-weight loads.*set wga_x"),
                      ({"diag": 64}, "64 / 128: the wgmma path.s x ready steps.*set wga_x"),
-                     ({"diag": 32}, r"diag=32 \(32: weights folded into L2\).*w_tma")):
+                     ({"diag": 32}, r"diag=32 \(32: weights folded into L2\).*w_tma"),
+                     ({"wga_nws": True, "wgmma_a": 4, "w_tma": True, "wga_x": 1}, "wga_nws=True.*wga_x 2 at 6 ring"),
+                     ({"wga_nws": True, "wgmma_a": 4, "w_tma": True, "wga_x": 2, "num_stages": 5}, "num_stages=5"),
+                     ({"wga_nws": 1}, "wga_nws=1 must be true or false")):
         with pytest.raises(ValueError, match=msg):
             KernelVariant(**bad)
     assert KernelVariant(diag=32, w_tma=True).defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1")
+    nws = KernelVariant.parse(["MK_W_TMA=1", "MK_WGMMA_A=4", "MK_WGA_X=2", "MK_WGA_NWS=1"])
+    assert nws.defines()[-1] == "-DMK_WGA_NWS=1" and nws.label().endswith("wga_nws")
     # session 40's fold window (timing only): gate_up's chunks A .. A + N - 1 from L2, on the default chunk loop only
     win = KernelVariant.parse(["MK_W_TMA=1", "MK_DIAG=32", "MK_DIAG_L2_FROM=2", "MK_DIAG_L2_N=8"])
     assert win.defines() == ("-DMK_DIAG=32", "-DMK_W_TMA=1", "-DMK_DIAG_L2_FROM=2", "-DMK_DIAG_L2_N=8")

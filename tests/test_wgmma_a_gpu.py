@@ -87,3 +87,24 @@ def test_wga_x_tasks_match_the_vm_op_by_op(models, name, bsz, x):
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=variant)
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, [40 + 23 * i for i in range(bsz)], seed=3))
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 16), ("llama-3.2-1b", 9), ("llama-3.1-8b", 12)])
+def test_wga_nws_is_bitwise_the_wga_x_build(models, name, bsz):
+    """MK_WGA_NWS (session 46): the norm weights by cp.async with the x groups instead of a register load a group
+    ahead: the same weights in the same normalisation, so the step is bitwise the wga_x 2 build's (6 ring slots), and
+    against the fp32 reference and Triton; K-split down and the ring-fed attention on (the tables' batch-16 tuning)."""
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [(47 * i + 3) % 600 + 1 for i in range(bsz)], seed=bsz + 46)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    tuning = {bsz: ScheduleTuning(ksplit=(("down", 2),), att_tma=128)}
+    runs = []
+    for nws in (False, True):
+        variant = KernelVariant(w_tma=True, wgmma_a=4, wga_x=2, wga_nws=nws)
+        dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=variant, tuning=tuning)
+        runs.append(run_mk(dec, spec, w, batch, cs))
+    (out0, log0, cache0), (out1, log1, cache1) = runs
+    assert_step_matches_ref_and_triton(spec, w, batch, cs, out1, log1, cache1)
+    assert (out0 == out1).all() and (log0 == log1).all(), "MK_WGA_NWS changed the step's bits"
+    for a, b in zip(cache0, cache1):
+        assert (a == b).all(), "MK_WGA_NWS changed the KV cache's bits"

@@ -41,7 +41,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -112,6 +112,10 @@ class KernelVariant:
     # entries since sessions 33 / 34): each warpgroup copies, waits for and normalises only the x columns its wgmmas read,
     # behind its own barrier.
     wga_x: int = 0
+    # MK_WGA_NWS (A/B switch, session 46; off; needs wga_x 2 at 6 ring slots): a norm-fused op's norm weights travel
+    # with its x groups by cp.async into shared memory, so the ready step's return waits for no load (the register
+    # load of the next group's weights put an L2 round trip on every group: bench/NOTES.md session 46).
+    wga_nws: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -140,7 +144,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -159,6 +163,9 @@ class KernelVariant:
         if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
             raise ValueError(f"wga_x={self.wga_x!r}: 0 (off), 1 (the wgmma path's rstd epilogue) or 2 (and x staged "
                              "per warpgroup)")
+        if self.wga_nws and (self.wga_x != 2 or self.num_stages != 6):
+            raise ValueError(f"wga_nws=True: the norm weights one x group ahead, with wga_x 2 at 6 ring slots (got "
+                             f"wga_x={self.wga_x}, num_stages={self.num_stages})")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is MK_WGMMA_A's x staging: set wgmma_a too (MK_WGMMA_A=1, 2 or 4)")
         if self.wga_x and self.rounding != Rounding.FUSED:
