@@ -20,6 +20,7 @@
 #   sanitize       compute-sanitizer on the default build, each batch size's table program (b1 / 8 / 16; racecheck up to
 #                  300 s a run: session 38's b8 run passed 200 s without a report)
 #   sanitize_wga   compute-sanitizer on the wgmma path's x staging (b16 / 12; ~150 s)
+#   sanitize_nws   compute-sanitizer on MK_WGA_NWS's build (b16 / 9; ~150 s)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
@@ -137,6 +138,9 @@ json.dump(t, open(sys.argv[2], "w"))' "$MK_TUNING" "$out/table_without_1b_b4.jso
   sanitize_wga)
     MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2" MK_SAN_BATCHES="16 12" MK_SAN_TIMEOUT=120 \
       timeout 300 bash bench/sanitize.sh "$out/san_wga_x2" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
+  sanitize_nws)   # MK_WGA_NWS's one-writer norm-weight buffer and its extra warpgroup barrier under racecheck / synccheck
+    MK_SAN_DEFINES="MK_W_TMA=1 MK_WGMMA_A=4 MK_WGA_X=2 MK_WGA_NWS=1" MK_SAN_BATCHES="16 9" MK_SAN_TIMEOUT=120 \
+      timeout 300 bash bench/sanitize.sh "$out/san_nws" 2 2>&1 | grep -E "SUMMARY|exit code" | sort | uniq -c ;;
   ncu_b1)   # session 29's question: 0.9-1.2 us a resident chunk in the b1 loops for 0.26-0.56 us of MMA instructions
     for m in ${NCU_MODELS:-llama-3.2-1b llama-3.1-8b}; do   # NCU_MODELS=llama-3.2-1b: the 1B step only
       timeout 240 ncu --clock-control none -k regex:mk_decode -s 4 -c 1 --section WarpStateStats \
