@@ -235,6 +235,12 @@ def _type(r: dict) -> str:
     return r.get("type") or task_type(r["opcode"])
 
 
+def type_order(types: Iterable[str]) -> list[str]:
+    """Task types in table order (TYPES), any other name after them, sorted."""
+    present = set(types)
+    return [t for t in TYPES if t in present] + sorted(present - set(TYPES))
+
+
 def step_t0(records: Sequence[dict]) -> int:
     """Time origin of the step: the first start (or earlier producer activity)."""
     return min(min(r["start"] for r in records), min((r["prod_first"] for r in records if r["prod_first"]),

@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .trace import TYPES, _type, check_records
+from .trace import _type, check_records, type_order
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,6 @@ def _streamed(records: Sequence[dict]) -> list[dict]:
     return [r for r in records if r["prod_first"] and r["weight_bytes"] and r["prod_last"] >= r["prod_first"]]
 
 
-def _order(types: set[str]) -> list[str]:
-    return [t for t in TYPES if t in types] + sorted(types - set(TYPES))
-
-
 def stream_table(records: Sequence[dict]) -> list[StreamRow]:
     """One StreamRow per task type that streams weights (TYPES order); see the module doc."""
     check_records(records)
@@ -67,7 +63,7 @@ def stream_table(records: Sequence[dict]) -> list[StreamRow]:
         by_type[_type(r)].append(r)
     med = statistics.median
     rows = []
-    for t in _order(set(by_type)):
+    for t in type_order(by_type):
         rs = by_type[t]
         rows.append(StreamRow(
             t, len(rs), med(r["weight_bytes"] for r in rs) / 1e3, med(r["ready"] - r["prod_first"] for r in rs) / 1e3,
@@ -87,7 +83,7 @@ def byte_groups(records: Sequence[dict]) -> dict[str, tuple[list[ByteGroup], flo
     for (t, _, sm), rs in per.items():
         groups[t][sum(r["weight_bytes"] for r in rs)].append((sm, max(r["end"] for r in rs) - min(r["ready"] for r in rs)))
     out = {}
-    for t in _order(set(groups)):
+    for t in type_order(groups):
         g = groups[t]
         pairs = [b for b, v in g.items() for _ in v]
         rows = [ByteGroup(t, b / 1e3, len({sm for sm, _ in g[b]}), len(g[b]), statistics.median(d for _, d in g[b]) / 1e3)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .trace import BYTE_FIELDS, PRODUCER_TRACK, TYPES, _type, check_records, step_span_ns, step_t0
+from .trace import BYTE_FIELDS, PRODUCER_TRACK, _type, check_records, step_span_ns, step_t0, type_order
 
 # --------------------------------------------------------------------------------------------
 # Perfetto / Chrome trace
@@ -94,7 +94,7 @@ def plot_gantt(records: Sequence[dict], path: str | Path, title: str = "", dpi: 
         if r["ready"] > r["start"]:
             wait[_type(r)].append(box(r["start"], r["ready"], r["sm"]))
     handles = []
-    for typ in [t for t in TYPES if t in busy] + sorted(set(busy) - set(TYPES)):
+    for typ in type_order(busy):
         c = COLORS.get(typ, "#bcbd22")
         ax.add_collection(PolyCollection(busy[typ], facecolors=c, edgecolors="none"))
         if wait[typ]:
