@@ -237,9 +237,9 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # session 45's bound (64) removed the first and kept the second, session 33's L1 prefetch of the norm weights the
     # reverse: -0.7 / -1.0% at 8B b16. 128 skips the norm-weight load (timing only), 192 both. Predicted (H100): 64
     # and 128 alone as before (-0.5..-1.5%); 192 -4..-8% at 8B b16, -2..-5% at 1B b16 if each removal alone moves the
-    # wait to the other. Rule: 192 >= 4% at 8B b16 -> the norm weights loaded once a task (and x three groups ahead)
-    # is the next build; < 2% -> the ready step is off the critical path, and qkv_rope's half-rate stream (NOTES
-    # session 46) comes from elsewhere (b16_streams)
+    # wait to the other. Rule: 192 >= 4% at 8B b16 and MK_WGA_NWS well short of it -> the copies' wait is what
+    # remains (x three groups ahead next); < 2% -> the ready step is off the critical path, and qkv_rope's half-rate
+    # stream (NOTES session 46) comes from elsewhere (b16_streams)
     # MK_WGA_NWS (the norm weights by cp.async with the x groups: the real form of 128; bitwise the table's build)
     # beside them, after its GPU test. Predicted: within 1 point of 128 alone (the copies' wait is still there); it
     # becomes the b10..16 entries' knob if >= 2% at 8B b16 in both rounds and no row slower by > 0.5%
