@@ -39,6 +39,8 @@
 #   b16_nw         MK_DIAG 64 / 128 / 192 (timing only): the wgmma path's x waits, norm-weight loads and both skipped after a
 #                  pass's first group, and MK_WGA_NWS (the norm weights by cp.async), 8B b16 / b12 and 1B b16, 2 rounds,
 #                  after MK_WGA_NWS's GPU test: are the two per-group round trips coupled? (~250 s)
+#   nws_tables     the tables' wga_nws entries (session 47) on the GPU tests, and 1B batch 9..13 with batch 10's gate
+#                  mask against batch 16's (batch 12 moved to batch 10's entry; ~150 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -248,6 +250,11 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       --build $W,MK_WGA_X=2,MK_DIAG=128 --build $W,MK_WGA_X=2,MK_DIAG=192 --build $W,MK_WGA_X=2,MK_WGA_NWS=1
     ab 150 llama-3.2-1b --batch 16 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_DIAG=64 \
       --build $W,MK_WGA_X=2,MK_DIAG=128 --build $W,MK_WGA_X=2,MK_DIAG=192 --build $W,MK_WGA_X=2,MK_WGA_NWS=1 ;;
+  nws_tables)   # session 47: the tables' wga_nws entries (1B b16, 8B b10 with wga_x 2, the new 1B b10 = batch 8's program
+    # on the wgmma path) against the fp32 reference and Triton, then batch 9..13 at 1B: batch 12 moved from batch 16's entry
+    # to batch 10's (nearest), which differs in the gate's mask only (112 against 48): predicted within 1% of each other
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py 2>&1 | tail -6
+    ab 150 llama-3.2-1b --batch 9 10 11 12 13 --rounds 2 --build default --build MK_RELEASE_GATE=48 ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;

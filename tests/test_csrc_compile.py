@@ -157,9 +157,11 @@ def test_nvrtc_compiles_the_runtime_source():
 # 32 bytes, as measured (-2.1%). Since session 33's chunk-loop layout (ptxas allocates mk_decode anew when matvec_task's
 # code changes; the builds measured on the H100 in session 33): 4 / 16 and 20 / 32. 8B batch 16 with wga_x 2 (x per
 # warpgroup, session 34's H100 A/B -2.5 / -2.4%): 16 / 16, as session 30 built it; 8B batch 12 with wga_x 2 too since
-# session 35 (H100 A/B -2.3 / -2.1%): 16 / 16, which leaves batch 10 the only entry at 4 / 16.
+# session 35 (H100 A/B -2.3 / -2.1%): 16 / 16, which left batch 10 the only entry at 4 / 16. 8B batch 10 with wga_x 2 +
+# wga_nws (session 47, H100 A/B -2.8 / -2.8%): 32 / 32, one more 64-bit pair stored once at the kernel's start (session
+# 46's SASS: none in the chunk loops).
 KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {
-    ("llama-3.1-8b", 10): (4, 16), ("llama-3.1-8b", 12): (16, 16), ("llama-3.1-8b", 16): (16, 16)}
+    ("llama-3.1-8b", 10): (32, 32), ("llama-3.1-8b", 12): (16, 16), ("llama-3.1-8b", 16): (16, 16)}
 
 
 def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):

@@ -173,6 +173,40 @@ def test_wga_x_is_a_per_batch_knob_of_the_wgmma_path():
     assert not [k for k, _ in neighbours(spec, 16, 132, ScheduleTuning()) if k == "wga_x"]
 
 
+def test_wga_nws_is_a_knob_of_wga_x_2_at_six_slots():
+    """Session 47's wga_nws (the norm weights by cp.async with wga_x 2's x groups): only with wga_x 2 at the 6-slot
+    ring, dropped by every move that leaves it (another wga_x, no wgmma_a, no tensor maps, rstd_epi, another depth),
+    round-trips through JSON, reaches the batch's variant only where the base is at 6 slots with wga_x 2, and the
+    autotuner toggles it from a wgmma_a tuning."""
+    from mk_plugin.persistent.tuning import tuned_variant
+    from mk_plugin.persistent.variant import KernelVariant
+
+    x2 = ScheduleTuning().with_wgmma_a(4).with_wga_x(2)
+    nws = x2.with_wga_nws(True)
+    assert ScheduleTuning.from_json(nws.to_json()) == nws and "wga_nws" in nws.label() and not nws.is_default
+    assert "wga_nws" not in x2.to_json()
+    for moved in (nws.with_wga_x(1), nws.with_wgmma_a(0), nws.with_w_tma(False), nws.with_rstd_epi(True),
+                  nws.with_stages(5)):
+        assert moved.wga_nws is False
+    assert nws.with_stages(6).wga_nws and nws.with_wga_x(2).wga_nws
+    with pytest.raises(ValueError, match=r"wga_nws=True .* \(got wga_x=1, num_stages=0\)"):
+        x2.with_wga_x(1).with_wga_nws(True)
+    with pytest.raises(ValueError, match="num_stages=5"):
+        ScheduleTuning(num_stages=5, w_tma=True, wgmma_a=4, wga_x=2, wga_nws=True)
+    with pytest.raises(ValueError, match="wga_nws=1 must be true or false"):
+        ScheduleTuning(w_tma=True, wgmma_a=4, wga_x=2, wga_nws=1)
+    assert tuned_variant(KernelVariant(), nws) == KernelVariant(w_tma=True, wgmma_a=4, wga_x=2, wga_nws=True)
+    # a base of another depth, or one whose own wga_x is not 2, runs without it (its buffer is the 6-slot tail)
+    assert tuned_variant(KernelVariant(num_stages=5), nws).wga_nws is False
+    assert tuned_variant(KernelVariant(w_tma=True, wgmma_a=4, wga_x=1), nws).wga_nws is False
+    spec = LlamaSpec.from_json_file(Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.2-1b")
+    assert [t for k, t in neighbours(spec, 16, 132, x2) if k == "wga_nws"] == [nws]
+    assert [t for k, t in neighbours(spec, 16, 132, nws) if k == "wga_nws"] == [x2]
+    from_wa = [t for k, t in neighbours(spec, 16, 132, ScheduleTuning().with_wgmma_a(4)) if k == "wga_nws"]
+    assert from_wa == [nws]
+    assert not [k for k, _ in neighbours(spec, 8, 132, ScheduleTuning()) if k == "wga_nws"]
+
+
 def test_a_tunings_weight_maps_are_checked_against_the_model():
     """A tuning with w_tma compiles MK_W_TMA into its batch's variant; the decoder checks at construction that the
     model's K sizes allow it (a clear error, as for the decoder's own variant), and builds no maps on CPU."""

@@ -115,6 +115,8 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             out.append(("wgmma_a", base.with_wgmma_a(0 if base.wgmma_a else WGMMA_A_TUNED)))
             if base.wgmma_a and spec.dtype == "bfloat16":   # its rstd epilogue (session 30: -2..-3% at batch 16)
                 out += [("wga_x", base.with_wga_x(x)) for x in WGA_X_CHOICES if x != base.wga_x]
+                if base.num_stages in (0, 6):   # the norm weights with wga_x 2's x groups (session 47: -1..-4%)
+                    out.append(("wga_nws", base.with_wga_x(2).with_wga_nws(not (base.wga_x == 2 and base.wga_nws))))
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
@@ -222,7 +224,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "wga_x", "rstd_epi", "release_gate", "gate_ahead", "release_gate+gate_ahead"]
+                 "w_tma+inflight", "wgmma_a", "wga_x", "wga_nws", "rstd_epi", "release_gate", "gate_ahead", "release_gate+gate_ahead"]
         for knob in knobs:
             moved |= try_each(t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                                        chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)

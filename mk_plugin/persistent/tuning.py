@@ -128,6 +128,9 @@ class ScheduleTuning:
       variant; only with wgmma_a. Session 30 (H200, ctx 512): -2.1% at 8B batch 16, -3.3% at 1B batch 16 against
       the tables' builds, -0.6..-0.8% at 8B batch 9 / 12. 2: x staged per warpgroup (sessions 33-35, H100: -2..-4% at
       8B batch 12 / 16 and 1B batch 16).
+    wga_nws: with wga_x 2 at 6 ring slots, the norm weights by cp.async with the x groups (variant.KernelVariant.
+      wga_nws; the same answer bit for bit). Session 47 (H100, ctx 512): -2..-4% at 1B batch 12..16, -10% at 1B batch
+      9..11 with the wgmma path on batch 8's program, -3% at 8B batch 9 / 10, -1..-2% at 8B batch 11..16.
     release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
       task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
       (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
@@ -149,6 +152,7 @@ class ScheduleTuning:
     wga_x: int = 0
     release_gate: int = 0
     gate_ahead: int = 0
+    wga_nws: bool = False
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -160,7 +164,7 @@ class ScheduleTuning:
         if not int_in(self.attn_chunks, 0, MAX_ATTN_CHUNKS):
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi"):
+        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi", "wga_nws"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if not int_in(self.att_tma, ATT_TMA_OFF, ATT_TMA_MAX_TOKENS):
@@ -182,6 +186,9 @@ class ScheduleTuning:
                              "(and x staged per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
+        if self.wga_nws and (self.wga_x != 2 or self.num_stages not in (0, 6)):
+            raise ValueError(f"wga_nws=True stages the norm weights with wga_x 2's x groups at 6 ring slots (got wga_x="
+                             f"{self.wga_x}, num_stages={self.num_stages})")
         if not (int_in(self.release_gate, RELEASE_GATE_OFF, RELEASE_GATE_OFF)
                 or int_in(self.release_gate, 0, RELEASE_GATE_MASKS - 1)):
             raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
@@ -212,7 +219,8 @@ class ScheduleTuning:
         return replace(self, attn_chunks=chunks)
 
     def with_stages(self, num_stages: int) -> ScheduleTuning:
-        return replace(self, num_stages=num_stages)
+        """The ring depth; a depth other than 6 turns wga_nws off (its buffer is the 6-slot layout's spare tail)."""
+        return replace(self, num_stages=num_stages, wga_nws=self.wga_nws and num_stages in (0, 6))
 
     def with_merge(self, merge_in_partial: bool) -> ScheduleTuning:
         return replace(self, merge_in_partial=merge_in_partial)
@@ -225,7 +233,8 @@ class ScheduleTuning:
 
     def with_w_tma(self, w_tma: bool) -> ScheduleTuning:
         """Tensor-map copies on or off; off turns wgmma_a off too (its chunks are tensor-map copies)."""
-        return replace(self, w_tma=w_tma, wgmma_a=self.wgmma_a if w_tma else 0, wga_x=self.wga_x if w_tma else 0)
+        return replace(self, w_tma=w_tma, wgmma_a=self.wgmma_a if w_tma else 0, wga_x=self.wga_x if w_tma else 0,
+                       wga_nws=self.wga_nws and w_tma)
 
     def with_piece_deps(self, piece_deps: bool) -> ScheduleTuning:
         return replace(self, piece_deps=piece_deps)
@@ -233,17 +242,21 @@ class ScheduleTuning:
     def with_rstd_epi(self, rstd_epi: bool) -> ScheduleTuning:
         """The rstd epilogue on or off; on turns wgmma_a off (they exclude each other), w_tma as it was."""
         return replace(self, rstd_epi=rstd_epi, wgmma_a=self.wgmma_a if not rstd_epi else 0,
-                       wga_x=self.wga_x if not rstd_epi else 0)
+                       wga_x=self.wga_x if not rstd_epi else 0, wga_nws=self.wga_nws and not rstd_epi)
 
     def with_wgmma_a(self, wgmma_a: int) -> ScheduleTuning:
         """R row blocks per pass on wgmma (and the tensor-map copies it needs); 0 turns it off, w_tma as it was."""
         return replace(self, wgmma_a=wgmma_a, w_tma=self.w_tma or bool(wgmma_a), rstd_epi=self.rstd_epi and not wgmma_a,
-                       wga_x=self.wga_x if wgmma_a else 0)
+                       wga_x=self.wga_x if wgmma_a else 0, wga_nws=self.wga_nws and bool(wgmma_a))
 
     def with_wga_x(self, wga_x: int) -> ScheduleTuning:
         """The wgmma path's rstd epilogue: 0 off, 1 on, 2 on with x staged per warpgroup; needs wgmma_a (a ValueError
-        names it otherwise)."""
-        return replace(self, wga_x=wga_x)
+        names it otherwise); a value other than 2 turns wga_nws off."""
+        return replace(self, wga_x=wga_x, wga_nws=self.wga_nws and wga_x == 2)
+
+    def with_wga_nws(self, wga_nws: bool) -> ScheduleTuning:
+        """The norm weights by cp.async with wga_x 2's x groups; needs wga_x 2 at 6 slots (a ValueError names it)."""
+        return replace(self, wga_nws=wga_nws)
 
     def with_release_gate(self, release_gate: int) -> ScheduleTuning:
         return replace(self, release_gate=release_gate)
@@ -264,7 +277,7 @@ class ScheduleTuning:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
                 and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
-                and not self.wga_x and not self.release_gate and not self.gate_ahead)
+                and not self.wga_x and not self.release_gate and not self.gate_ahead and not self.wga_nws)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -291,6 +304,8 @@ class ScheduleTuning:
             parts.append(f"wgmma_a{self.wgmma_a}")
         if self.wga_x:
             parts.append(f"wga_x{self.wga_x}")
+        if self.wga_nws:
+            parts.append("wga_nws")
         if self.release_gate == RELEASE_GATE_OFF:
             parts.append("gate_off")
         elif self.release_gate:
@@ -320,6 +335,8 @@ class ScheduleTuning:
             d["wgmma_a"] = self.wgmma_a
         if self.wga_x:                  # absent = the decoder's variant
             d["wga_x"] = self.wga_x
+        if self.wga_nws:                # absent = the decoder's variant
+            d["wga_nws"] = True
         if self.release_gate:           # absent = the decoder's variant; RELEASE_GATE_OFF = no gate
             d["release_gate"] = self.release_gate
         if self.gate_ahead:             # absent = the decoder's variant
@@ -329,7 +346,7 @@ class ScheduleTuning:
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead")
+                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead", "wga_nws")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -339,7 +356,7 @@ class ScheduleTuning:
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
                    int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)),
-                   int(d.get("gate_ahead", 0)))
+                   int(d.get("gate_ahead", 0)), d.get("wga_nws", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -388,6 +405,9 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     # the rstd epilogue: fused rounding only; a base that sets its own (an A/B build: bench/mk_ab.py) keeps it
     if t.wga_x and not v.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:
         v = replace(v, wga_x=t.wga_x)
+    # the norm weights with the x groups: only on wga_x 2's 6-slot layout (a base of another depth runs without)
+    if t.wga_nws and v.wga_x == 2 and v.num_stages == 6:
+        v = replace(v, wga_nws=True)
     # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
     if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:
         if t.release_gate > 0:
