@@ -16,12 +16,12 @@ from mk_plugin.spec import LlamaSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "bench" / "models"
-SRC = (ROOT / "csrc" / "matvec_wgmma_a.cuh").read_text()
+SRC = (ROOT / "csrc" / "wga_x.cuh").read_text()   # the wgmma path's geometry and x staging (split out in session 47)
 
 
 def _kernel_chunk_cols() -> int:
     m = re.search(r"constexpr int WGA_KC = (\d+);", SRC)
-    assert m, "csrc/matvec_wgmma_a.cuh: WGA_KC not found"
+    assert m, "csrc/wga_x.cuh: WGA_KC not found"
     return int(m.group(1))
 
 

@@ -108,13 +108,14 @@ class KernelVariant:
     # MK_WGA_X (session 30; 0 = off; needs wgmma_a; a per-batch knob of the tables): the wgmma path's norm-fused ops
     # take rstd in the epilogue (x' = round(x * w), x^2 summed from the first pass's groups: no rows_rstd round trips),
     # with the norm weights loaded a group ahead and, at num_stages <= 5, 3 groups of x copies in flight (csrc/
-    # matvec_wgmma_a.cuh). Fused rounding; bf16 models (a compile-time check). 2 (session 30; the 1B / 8B batch-16 table
+    # wga_x.cuh). Fused rounding; bf16 models (a compile-time check). 2 (session 30; the 1B / 8B batch-16 table
     # entries since sessions 33 / 34): each warpgroup copies, waits for and normalises only the x columns its wgmmas read,
     # behind its own barrier.
     wga_x: int = 0
-    # MK_WGA_NWS (A/B switch, session 46; off; needs wga_x 2 at 6 ring slots): a norm-fused op's norm weights travel
-    # with its x groups by cp.async into shared memory, so the ready step's return waits for no load (the register
-    # load of the next group's weights put an L2 round trip on every group: bench/NOTES.md session 46).
+    # MK_WGA_NWS (session 46; off; needs wga_x 2 at 6 ring slots; a per-batch knob of the tables since session 47:
+    # tuning.ScheduleTuning.wga_nws): a norm-fused op's norm weights travel with its x groups by cp.async into shared
+    # memory, so the ready step's return waits for no load (the register load of the next group's weights put an L2
+    # round trip on every group: bench/NOTES.md session 46). The same answer bit for bit; H100: -1..-4% at batch 11..16.
     wga_nws: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same

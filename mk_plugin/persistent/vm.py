@@ -225,7 +225,7 @@ def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
-# csrc/matvec_wgmma_a.cuh wga_takes: a pass runs on wgmma at two n-tiles (batch > 8) with whole 256-column chunks
+# csrc/wga_x.cuh wga_takes: a pass runs on wgmma at two n-tiles (batch > 8) with whole 256-column chunks
 WGA_KC = 256
 
 
