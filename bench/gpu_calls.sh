@@ -41,6 +41,7 @@
 #                  after MK_WGA_NWS's GPU test: are the two per-group round trips coupled? (~250 s)
 #   nws_tables     the tables' wga_nws entries (session 47) on the GPU tests, and 1B batch 9..13 with batch 10's gate
 #                  mask against batch 16's (batch 12 moved to batch 10's entry; ~150 s)
+#   b16_nws_gate   8B b12 / b16: MK_WGA_NWS, and with the gate pair 48 + ahead 2, against the table (2 rounds; ~120 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -255,6 +256,11 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # to batch 10's (nearest), which differs in the gate's mask only (112 against 48): predicted within 1% of each other
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py 2>&1 | tail -6
     ab 150 llama-3.2-1b --batch 9 10 11 12 13 --rounds 2 --build default --build MK_RELEASE_GATE=48 ;;
+  b16_nws_gate)   # session 47: the 8B b12 / b16 entries with MK_WGA_NWS (-1.1 / -1.8% alone on the H100: under the 2% rule)
+    # and with the gate pair too (48 + ahead 2: -0.7% alone at 8B b16, session 39). Predicted (H100) -1.8 and -2.3..-2.8%
+    # at b16; the pair enters the b16 entry if >= 2% in both rounds and no row is > 0.5% slower (~120 s)
+    ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_WGA_NWS=1 \
+      --build $W,MK_WGA_X=2,MK_WGA_NWS=1,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
