@@ -42,6 +42,8 @@
 #   nws_tables     the tables' wga_nws entries (session 47) on the GPU tests, and 1B batch 9..13 with batch 10's gate
 #                  mask against batch 16's (batch 12 moved to batch 10's entry; ~150 s)
 #   b16_nws_gate   8B b12 / b16: MK_WGA_NWS, and with the gate pair 48 + ahead 2, against the table (2 rounds; ~120 s)
+#   x_groups       MK_X_GROUPS (x by column groups at every batch) at 1B b1..6 and 8B b1..2 after its GPU tests, and the
+#                  1B b4 phase traces of both builds (~250 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -83,9 +85,9 @@ fi
 W=MK_W_TMA=1,MK_WGMMA_A=4   # the wgmma path's builds, as the tables' b10..16 entries compile them
 {
 case $n in
-  paths)
-    T=110 step --model bench/models/llama-3.2-1b --batch 1 4 8 12 16
-    T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16
+  paths)   # batch 10 since session 47 (the 1B b10 entry, the 8B b10 entry's wga_nws)
+    T=120 step --model bench/models/llama-3.2-1b --batch 1 4 8 10 12 16
+    T=170 step --model bench/models/llama-3.1-8b --batch 1 8 10 16
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py tests/test_ring_mma_gpu.py \
       tests/test_wgmma_a_gpu.py -k "op_by_op or tuned_programs" 2>&1 | tail -8
     T=150 step --model bench/models/llama-3.1-8b --batch 1 8 16 --ctx 4096
@@ -261,6 +263,20 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # at b16; the pair enters the b16 entry if >= 2% in both rounds and no row is > 0.5% slower (~120 s)
     ab 200 llama-3.1-8b --batch 16 12 --rounds 2 --build default --build $W,MK_WGA_X=2,MK_WGA_NWS=1 \
       --build $W,MK_WGA_X=2,MK_WGA_NWS=1,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2 ;;
+  x_groups)   # session 47: MK_X_GROUPS (x by column groups at every batch; with the tables' rstd_epi the epilogue's rstd)
+    # at the batch sizes whose x is staged whole (1B b1..6, 8B b1..2). Why: on the H100 1B b4 (the b8 program, x staged
+    # whole, restaged per pass after the wait) took 997 us against b8's 969. Predicted (H100): 1B b3..5 -2..-4% (towards
+    # b8's step), b1 / b2 / b6 -1..+1%, 8B b1 / b2 -0.5..+0.5% (x is 3-6% of a task's bytes there). Rule: a per-batch knob
+    # (ScheduleTuning.x_groups, to build) where >= 2% in both rounds at a table entry's batch; the traces say where it went
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rstd_epi_gpu.py -k x_groups 2>&1 | tail -4
+    ab 200 llama-3.2-1b --batch 1 2 3 4 5 6 --rounds 2 --build default --build MK_X_GROUPS=1 \
+      --build MK_X_GROUPS=1,MK_RSTD_EPI=1
+    ab 150 llama-3.1-8b --batch 1 2 --rounds 2 --build default --build MK_X_GROUPS=1
+    for d in "" "--define MK_X_GROUPS=1"; do
+      timeout 60 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 $d \
+        --records-dir "$out" --model bench/models/llama-3.2-1b --batch 4 --csv /dev/null 2>&1 | tail -1
+    done
+    for f in "$out"/*_b4_*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;

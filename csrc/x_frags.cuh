@@ -185,6 +185,7 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
 constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp row sums, end of scratch
 
 __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
+  if (MK_X_GROUPS) return false;   // A/B switch (session 47): x by column groups at every batch size
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 

@@ -73,7 +73,11 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_INFLIGHT=3"),
             # session 40's L2 fold window (gate_up's chunks 2..9 from L2, timing only) on the 1B b1 entry's gate
             ("-DMK_W_TMA=1", "-DMK_INFLIGHT=2", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2", "-DMK_DIAG=32",
-             "-DMK_DIAG_L2_FROM=2", "-DMK_DIAG_L2_N=8")]
+             "-DMK_DIAG_L2_FROM=2", "-DMK_DIAG_L2_N=8"),
+            # session 47's MK_X_GROUPS (x by column groups at every batch size), alone, with the rstd epilogue, and on
+            # the 1B batch-4 entry's program (the b8 program: K-split down, ring-fed attention, gate 112 + ahead 2)
+            ("-DMK_X_GROUPS=1",), ("-DMK_X_GROUPS=1", "-DMK_RSTD_EPI=1"),
+            ("-DMK_X_GROUPS=1", "-DMK_RSTD_EPI=1", "-DMK_ATT_TMA=128", "-DMK_RELEASE_GATE=112", "-DMK_GATE_AHEAD=2")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at

@@ -366,10 +366,38 @@ def test_layout_staged_fits_mirrors_the_kernel():
     src = (Path(__file__).resolve().parents[1] / "csrc" / "x_frags.cuh").read_text()
     assert "constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;" in src
     assert "return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;" in src
+    assert "if (MK_X_GROUPS) return false;" in src   # the A/B switch: never staged whole (KernelVariant.stages_x_whole)
     assert [b for b in range(1, 17) if LAYOUT.staged_fits(2048, b, True)] == list(range(1, 7))
     assert [b for b in range(1, 17) if LAYOUT.staged_fits(4096, b, True)] == [1, 2]
     assert LAYOUT.staged_fits(2048, 7, False) and not LAYOUT.staged_fits(2048, 8, False)
     assert LAYOUT.with_stages(4).staged_fits(2048, 16, True)   # 96.5 KiB of scratch
+    assert KernelVariant().stages_x_whole(2048, 3, True) and not KernelVariant(x_groups=True).stages_x_whole(2048, 1, False)
+    assert not KernelVariant(num_stages=4, x_groups=True).stages_x_whole(2048, 16, True)
+
+
+def test_vm_models_x_groups_with_rstd_epi_at_small_batches():
+    """MK_X_GROUPS (session 47, A/B switch): x never staged whole, so MK_RSTD_EPI's epilogue also applies at a batch whose
+    x would be (batch 3 of K 2048); without rstd_epi the column groups' x' is the staged path's: bitwise the default."""
+    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
+                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    w, batch, cs, hidden = _setup(spec, [9, 30, 1], torch.bfloat16)
+    p = build_program(spec, 3, 5, lm_head=True)
+    outs = {}
+    for v in (KernelVariant(), KernelVariant(x_groups=True), KernelVariant(rstd_epi=True),
+              KernelVariant(rstd_epi=True, x_groups=True)):
+        caches = batch.clone_caches()
+        st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
+                            batch.slot_mapping, cs, variant=v)
+        vm.run(p, st_)
+        outs[v] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+    base = outs[KernelVariant()]
+    assert all(torch.equal(a, b) for a, b in zip(base, outs[KernelVariant(x_groups=True)]))
+    assert all(torch.equal(a, b) for a, b in zip(base, outs[KernelVariant(rstd_epi=True)]))   # staged at batch 3
+    epi = outs[KernelVariant(rstd_epi=True, x_groups=True)]
+    assert not all(torch.equal(a, b) for a, b in zip(base, epi))
+    hn, logits, _ = _ref_step(spec, w, batch, cs)
+    assert_matches(epi[0], hn, torch.bfloat16, "step")
+    assert_matches(epi[1], logits, torch.bfloat16, "step")
 
 
 def test_vm_models_rstd_epi_where_the_kernel_takes_it():

@@ -39,3 +39,29 @@ def test_rstd_in_the_epilogue_matches_the_vm_op_by_op(models, name, seq_lens):
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=KernelVariant(rstd_epi=True))
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+# MK_X_GROUPS (A/B switch, session 47): x by column groups at every batch size, so the column-group path (and, with
+# rstd_epi, the epilogue's rstd) runs where x would be staged whole: 1B batch 1..6, 8B batch 1..2. Batch 1 and 2 had
+# never taken the group path before (down at 1B batch 2 was its smallest), hence batch 1 / 2 / 4 here, a padded slot
+# at batch 4 (seq_len 0), with and without rstd_epi.
+@pytest.mark.parametrize("epi", [False, True])
+@pytest.mark.parametrize("name,seq_lens", [("llama-3.2-1b", [33]), ("llama-3.2-1b", [129, 3]),
+                                           ("llama-3.2-1b", [33, 0, 511, 17]), ("llama-3.1-8b", [129, 3])])
+def test_x_groups_matches_the_vm_op_by_op(models, name, seq_lens, epi):
+    spec, w = models(name, 1)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off",
+                            variant=KernelVariant(rstd_epi=epi, x_groups=True))
+    failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=len(seq_lens) + 3))
+    assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name,bsz", [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.1-8b", 2)])
+def test_x_groups_with_rstd_epi_matches_the_reference(models, name, bsz):
+    spec, w = models(name, 2)
+    seq_lens = [(53 * i + 9) % 600 + 1 for i in range(bsz)]
+    batch = gpu_batch(spec, seq_lens, seed=bsz + 43)
+    cs = ref.rope_cos_sin_cache(spec, 800).to(DEV)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off",
+                            variant=KernelVariant(rstd_epi=True, x_groups=True))
+    assert_repeatable_step(dec, spec, w, batch, cs)

@@ -41,7 +41,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_RSTD_EPI", "rstd_epi", "rstd_epi"), ("MK_WGMMA_A", "wgmma_a", "wgmma_a"),
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
-                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"))
+                   ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
+                   ("MK_X_GROUPS", "x_groups", "x_groups"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -117,6 +118,12 @@ class KernelVariant:
     # memory, so the ready step's return waits for no load (the register load of the next group's weights put an L2
     # round trip on every group: bench/NOTES.md session 46). The same answer bit for bit; H100: -1..-4% at batch 11..16.
     wga_nws: bool = False
+    # MK_X_GROUPS (A/B switch, session 47; off): a matvec task's x comes by column groups at every batch size, never
+    # staged whole (csrc/x_frags.cuh staged_fits), so MK_RSTD_EPI applies at 1B batch <= 6 and 8B batch <= 2 too. Why:
+    # on the H100 a 1B batch-4 step (the batch-8 program, x staged whole per pass) costs as much as batch 8's (997 /
+    # 969 us, session 47), where the staged path restages x once per pass after the wait while the group path's copies
+    # run under the chunk loop. Without rstd_epi the group path's x' is the staged path's bit for bit (rows_rstd's rstd).
+    x_groups: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -145,7 +152,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -213,6 +220,11 @@ class KernelVariant:
     @property
     def layout(self) -> KernelLayout:
         return LAYOUT.with_stages(self.num_stages)
+
+    def stages_x_whole(self, k: int, batch: int, norm: bool) -> bool:
+        """Whether this build stages a matvec task's x [batch, k] whole (csrc/x_frags.cuh staged_fits): where it fits
+        the ring depth's scratch (KernelLayout.staged_fits), never with MK_X_GROUPS."""
+        return not self.x_groups and self.layout.staged_fits(k, batch, norm)
 
     def with_stages(self, num_stages: int) -> KernelVariant:
         """The same build with another ring depth (0: the layout's default)."""

@@ -235,7 +235,7 @@ def _epi_rstd(st: VMState, x: torch.Tensor) -> bool:
     v, (b, k) = st.variant, x.shape
     if v.wgmma_a and v.wga_x and b > 8 and k % WGA_KC == 0:
         return True
-    return v.rstd_epi and not v.layout.staged_fits(k, b, True)
+    return v.rstd_epi and not v.stages_x_whole(k, b, True)
 
 
 def _norm_operand(st: VMState, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
