@@ -387,8 +387,9 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
     them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi, wga_x to a
     base without its own (the table's choices are measured on the default base; a user's variant that excludes one,
-    or sets wga_x, keeps its own); the release gate's mask where the base has the default one, and its head start (gate_ahead) where
-    the variant then has a gate and no head start of its own."""
+    or sets wga_x, keeps its own); wga_nws where the variant then has wga_x 2 at 6 ring slots; the release gate's mask
+    where the base has the default one, and its head start (gate_ahead) where the variant then has a gate and no head
+    start of its own."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
