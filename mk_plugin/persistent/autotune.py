@@ -36,6 +36,7 @@ from .tuning import (
     SPLIT_OPS,
     WGMMA_A_TUNED,
     ScheduleTuning,
+    nws_depth,
 )
 from .tuning_table import TUNED_MIN_GAIN
 from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED, WGA_X_CHOICES
@@ -115,8 +116,8 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
             out.append(("wgmma_a", base.with_wgmma_a(0 if base.wgmma_a else WGMMA_A_TUNED)))
             if base.wgmma_a and spec.dtype == "bfloat16":   # its rstd epilogue (session 30: -2..-3% at batch 16)
                 out += [("wga_x", base.with_wga_x(x)) for x in WGA_X_CHOICES if x != base.wga_x]
-                if base.num_stages in (0, 6):   # the norm weights with wga_x 2's x groups (session 47: -1..-4%)
-                    out.append(("wga_nws", base.with_wga_x(2).with_wga_nws(not (base.wga_x == 2 and base.wga_nws))))
+                if nws_depth(base.num_stages):   # the norm weights with wga_x 2's x groups (session 47: -1..-4%)
+                    out.append(("wga_nws", base.with_wga_x(2).with_wga_nws(not base.wga_nws)))
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))

@@ -32,6 +32,7 @@ from .variant import (
     INFLIGHT_MAX,
     RELEASE_GATE_DEFAULT,
     RELEASE_GATE_MASKS,
+    WGA_NWS_STAGES,
     WGA_X_CHOICES,
     WGMMA_A_CHOICES,
     KernelVariant,
@@ -82,6 +83,10 @@ def _check_op_pairs(field_name: str, items: tuple, what: str, ops: tuple[str, ..
         if not value_ok(v):
             raise ValueError(f"{field_name} {what} {v!r} for {op} {bad_value}")
 
+
+def nws_depth(num_stages: int) -> bool:
+    """Whether a tuning's ring depth (0: the decoder's, 6 slots) has wga_nws's buffer (variant.WGA_NWS_STAGES)."""
+    return num_stages in (0, WGA_NWS_STAGES)
 
 @dataclass(frozen=True)
 class ScheduleTuning:
@@ -186,9 +191,9 @@ class ScheduleTuning:
                              "(and x staged per warpgroup)")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is the wgmma path's x staging: set wgmma_a too")
-        if self.wga_nws and (self.wga_x != 2 or self.num_stages not in (0, 6)):
-            raise ValueError(f"wga_nws=True stages the norm weights with wga_x 2's x groups at 6 ring slots (got wga_x="
-                             f"{self.wga_x}, num_stages={self.num_stages})")
+        if self.wga_nws and (self.wga_x != 2 or not nws_depth(self.num_stages)):
+            raise ValueError(f"wga_nws=True stages the norm weights with wga_x 2's x groups at {WGA_NWS_STAGES} ring slots "
+                             f"(got wga_x={self.wga_x}, num_stages={self.num_stages})")
         if not (int_in(self.release_gate, RELEASE_GATE_OFF, RELEASE_GATE_OFF)
                 or int_in(self.release_gate, 0, RELEASE_GATE_MASKS - 1)):
             raise ValueError(f"release_gate={self.release_gate!r}: 0 (the decoder's variant), {RELEASE_GATE_OFF} (no "
@@ -220,7 +225,7 @@ class ScheduleTuning:
 
     def with_stages(self, num_stages: int) -> ScheduleTuning:
         """The ring depth; a depth other than 6 turns wga_nws off (its buffer is the 6-slot layout's spare tail)."""
-        return replace(self, num_stages=num_stages, wga_nws=self.wga_nws and num_stages in (0, 6))
+        return replace(self, num_stages=num_stages, wga_nws=self.wga_nws and nws_depth(num_stages))
 
     def with_merge(self, merge_in_partial: bool) -> ScheduleTuning:
         return replace(self, merge_in_partial=merge_in_partial)
@@ -407,7 +412,7 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     if t.wga_x and not v.wga_x and v.wgmma_a and v.rounding == Rounding.FUSED:
         v = replace(v, wga_x=t.wga_x)
     # the norm weights with the x groups: only on wga_x 2's 6-slot layout (a base of another depth runs without)
-    if t.wga_nws and v.wga_x == 2 and v.num_stages == 6:
+    if t.wga_nws and v.wga_x == 2 and v.num_stages == WGA_NWS_STAGES:
         v = replace(v, wga_nws=True)
     # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
     if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:

@@ -57,6 +57,9 @@ WGMMA_A_CHOICES = (0, 1, 2, 4)
 # measured +0.7% and left), and that with each warpgroup staging its own half of x (sessions 33-35: the tables' value
 # at 1B batch 12..16 and 8B batch 11..16)
 WGA_X_CHOICES = (0, 1, 2)
+# MK_WGA_NWS's one ring depth: its norm-weight buffer is the 6-slot layout's spare tail after the misc block, and only
+# there does wga_x 2 keep one x group ahead (csrc/wga_x.cuh's static_assert on WGA_AHEAD)
+WGA_NWS_STAGES = 6
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
 
@@ -171,9 +174,9 @@ class KernelVariant:
         if isinstance(self.wga_x, bool) or self.wga_x not in WGA_X_CHOICES:
             raise ValueError(f"wga_x={self.wga_x!r}: 0 (off), 1 (the wgmma path's rstd epilogue) or 2 (and x staged "
                              "per warpgroup)")
-        if self.wga_nws and (self.wga_x != 2 or self.num_stages != 6):
-            raise ValueError(f"wga_nws=True: the norm weights one x group ahead, with wga_x 2 at 6 ring slots (got "
-                             f"wga_x={self.wga_x}, num_stages={self.num_stages})")
+        if self.wga_nws and (self.wga_x != 2 or self.num_stages != WGA_NWS_STAGES):
+            raise ValueError(f"wga_nws=True: the norm weights one x group ahead, with wga_x 2 at {WGA_NWS_STAGES} ring "
+                             f"slots (got wga_x={self.wga_x}, num_stages={self.num_stages})")
         if self.wga_x and not self.wgmma_a:
             raise ValueError(f"wga_x={self.wga_x} is MK_WGMMA_A's x staging: set wgmma_a too (MK_WGMMA_A=1, 2 or 4)")
         if self.wga_x and self.rounding != Rounding.FUSED:
