@@ -33,11 +33,11 @@ def _setup(spec, seq_lens, dtype, seed=0, block_size=16):
 
 
 def _vm_step(spec, w, batch, cs, hidden, sms, *, lm_head=True, fallback=frozenset(), order="round_robin",
-             seed=0, stop_after=None, tuning=DEFAULT_TUNING):
+             seed=0, stop_after=None, tuning=DEFAULT_TUNING, variant=None):
     p = build_program(spec, hidden.shape[0], sms, lm_head=lm_head, fallback=fallback, tuning=tuning)
     caches = batch.clone_caches()
     st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                        batch.slot_mapping, cs)
+                        batch.slot_mapping, cs, variant=variant)
     vm.run(p, st_, order=order, seed=seed, stop_after=stop_after)
     return p, st_, caches
 
@@ -375,21 +375,24 @@ def test_layout_staged_fits_mirrors_the_kernel():
     assert not KernelVariant(num_stages=4, x_groups=True).stages_x_whole(2048, 16, True)
 
 
+# K = 2048 (1B's hidden size) on one small layer: x is staged whole up to batch 6, by column groups above
+_WIDE = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4, num_kv_heads=2,
+                  head_dim=64, vocab_size=97)
+
+
+def _variant_bits(w, batch, cs, hidden, variant: KernelVariant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_WIDE's VM step (5 SMs, LM head) under `variant`: (OUT, LOGITS, layer 0's cache), to compare builds' bits."""
+    _, st_, caches = _vm_step(_WIDE, w, batch, cs, hidden, 5, variant=variant)
+    return st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone()
+
+
 def test_vm_models_x_groups_with_rstd_epi_at_small_batches():
     """MK_X_GROUPS (session 47, A/B switch): x never staged whole, so MK_RSTD_EPI's epilogue also applies at a batch whose
     x would be (batch 3 of K 2048); without rstd_epi the column groups' x' is the staged path's: bitwise the default."""
-    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
-                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    spec = _WIDE
     w, batch, cs, hidden = _setup(spec, [9, 30, 1], torch.bfloat16)
-    p = build_program(spec, 3, 5, lm_head=True)
-    outs = {}
-    for v in (KernelVariant(), KernelVariant(x_groups=True), KernelVariant(rstd_epi=True),
-              KernelVariant(rstd_epi=True, x_groups=True)):
-        caches = batch.clone_caches()
-        st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                            batch.slot_mapping, cs, variant=v)
-        vm.run(p, st_)
-        outs[v] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+    outs = {v: _variant_bits(w, batch, cs, hidden, v) for v in (
+        KernelVariant(), KernelVariant(x_groups=True), KernelVariant(rstd_epi=True), KernelVariant(rstd_epi=True, x_groups=True))}
     base = outs[KernelVariant()]
     assert all(torch.equal(a, b) for a, b in zip(base, outs[KernelVariant(x_groups=True)]))
     assert all(torch.equal(a, b) for a, b in zip(base, outs[KernelVariant(rstd_epi=True)]))   # staged at batch 3
@@ -405,19 +408,12 @@ def test_vm_models_rstd_epi_where_the_kernel_takes_it():
     round(x * w) and the sums take 1/rms in the epilogue. The VM with rstd_epi: not bitwise the default there, both
     within the bf16 step tolerance of the fp32 reference; bitwise the default where x is staged (batch 3, or 4 ring
     stages) and under att_tma / num_stages it passes through."""
-    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
-                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    spec = _WIDE
     for seq_lens, stages, applies in (([9, 30, 1, 17, 44, 3, 60, 2], 6, True), ([9, 30, 1], 6, False),
                                       ([9, 30, 1, 17, 44, 3, 60, 2], 4, False)):
         w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16)
-        p = build_program(spec, len(seq_lens), 5, lm_head=True)
-        outs = {}
-        for epi in (False, True):
-            caches = batch.clone_caches()
-            st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                                batch.slot_mapping, cs, variant=KernelVariant(rstd_epi=epi, num_stages=stages))
-            vm.run(p, st_)
-            outs[epi] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+        outs = {epi: _variant_bits(w, batch, cs, hidden, KernelVariant(rstd_epi=epi, num_stages=stages))
+                for epi in (False, True)}
         same = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
         assert same != applies, (seq_lens, stages)
         hn, logits, _ = _ref_step(spec, w, batch, cs)
@@ -436,19 +432,11 @@ def test_vm_models_the_wgmma_paths_rstd_epilogue():
     kernel's B operand is round(x * w) and its sums take 1/rms in the epilogue, as MK_RSTD_EPI's. The VM with wga_x:
     not bitwise the default at batch 10, bitwise it at batch 8 (one n-tile: the default path), within the bf16 step
     tolerance of the fp32 reference; the CPU decoder runs the VM with the same variant."""
-    spec = LlamaSpec(name="wide", hidden_size=2048, intermediate_size=320, num_layers=1, num_q_heads=4,
-                     num_kv_heads=2, head_dim=64, vocab_size=97)
+    spec = _WIDE
     wa = KernelVariant(w_tma=True, wgmma_a=4)
     for seq_lens, applies in (([9, 30, 1, 17, 44, 3, 60, 2, 21, 5], True), ([9, 30, 1, 17, 44, 3, 60, 2], False)):
         w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16)
-        p = build_program(spec, len(seq_lens), 5, lm_head=True)
-        outs = {}
-        for x in (0, 1):
-            caches = batch.clone_caches()
-            st_ = vm.make_state(p, w, hidden, batch.positions, caches, batch.block_table, batch.seq_lens,
-                                batch.slot_mapping, cs, variant=replace(wa, wga_x=x))
-            vm.run(p, st_)
-            outs[x] = (st_.bufs[Buf.OUT].clone(), st_.bufs[Buf.LOGITS].clone(), caches[0].clone())
+        outs = {x: _variant_bits(w, batch, cs, hidden, replace(wa, wga_x=x)) for x in (0, 1)}
         same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
         assert same != applies, seq_lens
         hn, logits, _ = _ref_step(spec, w, batch, cs)
