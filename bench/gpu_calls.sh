@@ -44,6 +44,8 @@
 #   b16_nws_gate   8B b12 / b16: MK_WGA_NWS, and with the gate pair 48 + ahead 2, against the table (2 rounds; ~120 s)
 #   x_groups       MK_X_GROUPS (x by column groups at every batch) at 1B b1..6 and 8B b1..2 after its GPU tests, and the
 #                  1B b4 phase traces of both builds (~250 s)
+#   xg_tables      session 48's table entries (x_groups, 8B b12 / b16's NWS + gate pair): GPU tests, the batch sizes they
+#                  serve unmeasured against the table without them, and on an H100 its own 1B b4 entry with x_groups
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -277,6 +279,32 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
         --records-dir "$out" --model bench/models/llama-3.2-1b --batch 4 --csv /dev/null 2>&1 | tail -1
     done
     for f in "$out"/*_b4_*.records.json.gz; do python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p; done ;;
+  xg_tables)   # session 48: the tables' new entries (x_groups at 1B b4 / b8 and a new 8B b2 entry; wga_nws + the gate pair
+    # 48 / ahead 2 at 8B b12 / b16) on the GPU tests, then the batch sizes they serve that session 48's A/Bs did not
+    # measure, against the table without them: 1B b7 (o_proj's x staged whole; predicted -2..-6% like b6's -8%), 8B b3
+    # (o_proj's; predicted -1..-2%) and b4 (nothing staged: the same program, +-0.5%); 8B b11 / 13 / 14 / 15 with the pair
+    # (predicted -2..-3% like b12 / b16), and b9 / b10 (the b10 entry + the pair: its candidate). On an H100 also this
+    # GPU's own table at 1B b3..5: its b4 entry (att_tma 128 only) against the H200 entry's program with x_groups
+    # (predicted -5..-10%). A served batch > 0.5% slower in both rounds takes its entry's change back (~350 s)
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py 2>&1 | tail -4
+    O=$out/table_before_s48.json
+    python3 -c 'import json, sys
+d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
+d["entries"] = [e for e in d["entries"] if not (e["meta"]["spec"] == "llama-3.1-8b" and e["key"]["batch"] == 2)]
+for e in d["entries"]:
+    e["tuning"].pop("x_groups", None)
+    if e["meta"]["spec"] == "llama-3.1-8b" and e["key"]["batch"] in (12, 16):
+        for k in ("wga_nws", "release_gate", "gate_ahead"): e["tuning"].pop(k, None)
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$O"
+    MK_TUNING=$O ab 150 llama-3.2-1b --batch 3 5 6 7 8 --rounds 2 --build default --build MK_X_GROUPS=1
+    MK_TUNING=$O ab 120 llama-3.1-8b --batch 2 3 4 --rounds 2 --build default --build MK_X_GROUPS=1
+    MK_TUNING=$O ab 200 llama-3.1-8b --batch 9 10 11 13 14 15 --rounds 2 --build default \
+      --build $W,MK_WGA_X=2,MK_WGA_NWS=1,MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
+    rm -f "$O"
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then
+      MK_TUNING=$PWD/mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json ab 100 llama-3.2-1b --batch 3 4 5 \
+        --rounds 2 --build default --build ksplit.down=4,MK_ATT_TMA=128,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2,MK_RSTD_EPI=1,MK_X_GROUPS=1
+    fi ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;

@@ -163,9 +163,10 @@ def test_nvrtc_compiles_the_runtime_source():
 # warpgroup, session 34's H100 A/B -2.5 / -2.4%): 16 / 16, as session 30 built it; 8B batch 12 with wga_x 2 too since
 # session 35 (H100 A/B -2.3 / -2.1%): 16 / 16, which left batch 10 the only entry at 4 / 16. 8B batch 10 with wga_x 2 +
 # wga_nws (session 47, H100 A/B -2.8 / -2.8%): 32 / 32, one more 64-bit pair stored once at the kernel's start (session
-# 46's SASS: none in the chunk loops).
+# 46's SASS: none in the chunk loops). 8B batch 12 / 16 with wga_nws + release_gate 48 + gate_ahead 2 (session 48, H100
+# A/B -2.5 / -2.7% as built): 36 / 48.
 KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {
-    ("llama-3.1-8b", 10): (32, 32), ("llama-3.1-8b", 12): (16, 16), ("llama-3.1-8b", 16): (16, 16)}
+    ("llama-3.1-8b", 10): (32, 32), ("llama-3.1-8b", 12): (36, 48), ("llama-3.1-8b", 16): (36, 48)}
 
 
 def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):

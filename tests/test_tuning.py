@@ -207,6 +207,31 @@ def test_wga_nws_is_a_knob_of_wga_x_2_at_six_slots():
     assert not [k for k, _ in neighbours(spec, 8, 132, ScheduleTuning()) if k == "wga_nws"]
 
 
+
+def test_x_groups_is_a_per_batch_knob_where_x_would_be_staged_whole():
+    """Session 48's x_groups (x by column groups at every batch size): round-trips through JSON, reaches the batch's
+    variant, and the autotuner toggles it only at the batch sizes where the ring depth stages some op's x whole (at 6
+    slots o_proj's: 1B <= 7, 8B <= 3; the norm-fused ops' 1B <= 6, 8B <= 2), where it changes the program."""
+    from mk_plugin.persistent.tuning import tuned_variant
+    from mk_plugin.persistent.variant import KernelVariant
+
+    xg = ScheduleTuning(rstd_epi=True).with_x_groups(True)
+    assert ScheduleTuning.from_json(xg.to_json()) == xg and "x_groups" in xg.label() and not xg.is_default
+    assert "x_groups" not in ScheduleTuning(rstd_epi=True).to_json()
+    with pytest.raises(ValueError, match="x_groups=1 must be true or false"):
+        ScheduleTuning(x_groups=1)
+    assert tuned_variant(KernelVariant(), xg) == KernelVariant(rstd_epi=True, x_groups=True)
+    assert tuned_variant(KernelVariant(), ScheduleTuning(rstd_epi=True)).x_groups is False
+    models = Path(__file__).resolve().parents[1] / "bench" / "models"
+    one, eight = (LlamaSpec.from_json_file(models / m) for m in ("llama-3.2-1b", "llama-3.1-8b"))
+    for spec, staged, grouped in ((one, (1, 4, 7), (8, 9, 16)), (eight, (1, 3), (4, 8, 16))):
+        for b in staged:
+            assert [t for k, t in neighbours(spec, b, 132, ScheduleTuning()) if k == "x_groups"] == [
+                ScheduleTuning(x_groups=True)], (spec.name, b)
+            assert [t for k, t in neighbours(spec, b, 132, xg) if k == "x_groups"] == [ScheduleTuning(rstd_epi=True)]
+        for b in grouped:
+            assert not [k for k, _ in neighbours(spec, b, 132, ScheduleTuning()) if k == "x_groups"], (spec.name, b)
+
 def test_a_tunings_weight_maps_are_checked_against_the_model():
     """A tuning with w_tma compiles MK_W_TMA into its batch's variant; the decoder checks at construction that the
     model's K sizes allow it (a clear error, as for the decoder's own variant), and builds no maps on CPU."""

@@ -121,6 +121,10 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
+    # x by column groups where this ring depth would stage it whole (so rstd_epi applies there too; session 48, H100:
+    # -5..-8% at 1B batch 4..6, +4% at 1B batch 1 without rstd_epi): a per-batch choice
+    if base.x_groups or LAYOUT.with_stages(cur_s).staged_fits(spec.hidden_size, batch, False):
+        out.append(("x_groups", base.with_x_groups(not base.x_groups)))
     # the release gate's mask: which ops' next tasks wait for their release before their weights go out (a per-batch
     # choice: session 8 at 1B against 8B, session 35's traces)
     out += [("release_gate", base.with_release_gate(m)) for m in (0, *RELEASE_GATE_TRIES) if m != base.release_gate]
@@ -225,7 +229,8 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "wga_x", "wga_nws", "rstd_epi", "release_gate", "gate_ahead", "release_gate+gate_ahead"]
+                 "w_tma+inflight", "wgmma_a", "wga_x", "wga_nws", "rstd_epi", "x_groups", "release_gate", "gate_ahead",
+                 "release_gate+gate_ahead"]
         for knob in knobs:
             moved |= try_each(t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                                        chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)

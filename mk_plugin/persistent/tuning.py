@@ -136,6 +136,10 @@ class ScheduleTuning:
     wga_nws: with wga_x 2 at 6 ring slots, the norm weights by cp.async with the x groups (variant.KernelVariant.
       wga_nws; the same answer bit for bit). Session 47 (H100, ctx 512): -2..-4% at 1B batch 12..16, -10% at 1B batch
       9..11 with the wgmma path on batch 8's program, -3% at 8B batch 9 / 10, -1..-2% at 8B batch 11..16.
+    x_groups: a matvec task's x by column groups at every batch size, never staged whole (variant.KernelVariant.
+      x_groups), so rstd_epi applies where x would be staged (1B batch <= 6, 8B <= 2); a no-op at larger batches.
+      Session 48 (H100, ctx 512, the H200 table's programs): -5..-8% at 1B batch 4..6, -2.1% at 8B batch 2, -1.4% at
+      8B batch 1, +4% at 1B batch 1 (its entry has no rstd_epi): a per-batch choice.
     release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
       task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
       (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
@@ -158,6 +162,7 @@ class ScheduleTuning:
     release_gate: int = 0
     gate_ahead: int = 0
     wga_nws: bool = False
+    x_groups: bool = False
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -169,7 +174,7 @@ class ScheduleTuning:
         if not int_in(self.attn_chunks, 0, MAX_ATTN_CHUNKS):
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi", "wga_nws"):
+        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi", "wga_nws", "x_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if not int_in(self.att_tma, ATT_TMA_OFF, ATT_TMA_MAX_TOKENS):
@@ -263,6 +268,9 @@ class ScheduleTuning:
         """The norm weights by cp.async with wga_x 2's x groups; needs wga_x 2 at 6 slots (a ValueError names it)."""
         return replace(self, wga_nws=wga_nws)
 
+    def with_x_groups(self, x_groups: bool) -> ScheduleTuning:
+        return replace(self, x_groups=x_groups)
+
     def with_release_gate(self, release_gate: int) -> ScheduleTuning:
         return replace(self, release_gate=release_gate)
 
@@ -282,7 +290,8 @@ class ScheduleTuning:
         return (not self.split and self.attn_chunks == 0 and self.num_stages == 0 and self.merge_in_partial
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
                 and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
-                and not self.wga_x and not self.release_gate and not self.gate_ahead and not self.wga_nws)
+                and not self.wga_x and not self.release_gate and not self.gate_ahead and not self.wga_nws
+                and not self.x_groups)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -311,6 +320,8 @@ class ScheduleTuning:
             parts.append(f"wga_x{self.wga_x}")
         if self.wga_nws:
             parts.append("wga_nws")
+        if self.x_groups:
+            parts.append("x_groups")
         if self.release_gate == RELEASE_GATE_OFF:
             parts.append("gate_off")
         elif self.release_gate:
@@ -342,6 +353,8 @@ class ScheduleTuning:
             d["wga_x"] = self.wga_x
         if self.wga_nws:                # absent = the decoder's variant
             d["wga_nws"] = True
+        if self.x_groups:               # absent = the decoder's variant
+            d["x_groups"] = True
         if self.release_gate:           # absent = the decoder's variant; RELEASE_GATE_OFF = no gate
             d["release_gate"] = self.release_gate
         if self.gate_ahead:             # absent = the decoder's variant
@@ -351,7 +364,8 @@ class ScheduleTuning:
     @classmethod
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
-                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead", "wga_nws")
+                 "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead", "wga_nws",
+                 "x_groups")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -361,7 +375,7 @@ class ScheduleTuning:
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
                    int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)),
-                   int(d.get("gate_ahead", 0)), d.get("wga_nws", False))
+                   int(d.get("gate_ahead", 0)), d.get("wga_nws", False), d.get("x_groups", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -392,9 +406,9 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     model and caches allow it), in-flight cap, weight-map copies, rstd epilogue and wgmma path of `t` where it sets
     them. rstd_epi applies to a fused-rounding base without wgmma_a, wgmma_a to a base without rstd_epi, wga_x to a
     base without its own (the table's choices are measured on the default base; a user's variant that excludes one,
-    or sets wga_x, keeps its own); wga_nws where the variant then has wga_x 2 at 6 ring slots; the release gate's mask
-    where the base has the default one, and its head start (gate_ahead) where the variant then has a gate and no head
-    start of its own."""
+    or sets wga_x, keeps its own); wga_nws where the variant then has wga_x 2 at 6 ring slots; x_groups; the release
+    gate's mask where the base has the default one, and its head start (gate_ahead) where the variant then has a gate
+    and no head start of its own."""
     v = base.with_stages(t.num_stages) if t.num_stages else base
     if t.att_tma == ATT_TMA_OFF:
         v = replace(v, att_tma=0)
@@ -414,6 +428,8 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     # the norm weights with the x groups: only on wga_x 2's 6-slot layout (a base of another depth runs without)
     if t.wga_nws and v.wga_x == 2 and v.num_stages == WGA_NWS_STAGES:
         v = replace(v, wga_nws=True)
+    if t.x_groups:   # x by column groups at every batch size (a no-op where it already comes by groups)
+        v = replace(v, x_groups=True)
     # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
     if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:
         if t.release_gate > 0:
