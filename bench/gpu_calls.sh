@@ -46,6 +46,8 @@
 #                  1B b4 phase traces of both builds (~250 s)
 #   xg_tables      session 48's table entries (x_groups, 8B b12 / b16's NWS + gate pair): GPU tests, the batch sizes they
 #                  serve unmeasured against the table without them, and on an H100 its own 1B b4 entry with x_groups
+#   xg_wide        MK_X_GROUPS where nothing is staged whole (1B b8 / 10 / 16, 8B b1 / 8 / 10 / 16): the build without the
+#                  whole-x code, 2 rounds (~200 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
 #                  lead grows: its x load queues behind the SM's copies in flight; ~120 s)
 #   release_coresident  release_probe streams 5 / 6 / 7 (session 39): two CTAs per SM; does a release wait for the copies
@@ -305,6 +307,12 @@ json.dump(d, open(sys.argv[1], "w"), indent=1)' "$O"
       MK_TUNING=$PWD/mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json ab 100 llama-3.2-1b --batch 3 4 5 \
         --rounds 2 --build default --build ksplit.down=4,MK_ATT_TMA=128,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2,MK_RSTD_EPI=1,MK_X_GROUPS=1
     fi ;;
+  xg_wide)   # session 48: xg_tables measured the x_groups build -1.4% at 1B b8 and -0.7% at 8B b4, where no op's x is staged
+    # whole (the same program, bitwise; 167 against 168 registers, no spills either way): is the build without the
+    # whole-x code faster at the batch sizes above too? Predicted 1B b8 -1..-1.5%, 8B b8 -0.5..-1%, the wgmma batch
+    # sizes (1B b10 / b16, 8B b10 / b16) +-0.5%. Rule: x_groups into an entry where >= 2% in both rounds at its batch
+    ab 150 llama-3.2-1b --batch 8 10 16 --rounds 2 --build default --build MK_X_GROUPS=1
+    ab 200 llama-3.1-8b --batch 1 8 10 16 --rounds 2 --build default --build MK_X_GROUPS=1 ;;
   b1_inflight)   # session 38's H100 b1 trace: qkv_rope's stage 2.19 us at the shortest producer leads, 1.63 at the
     # longest (x's 4 KB load behind the SM's weight copies in flight). Predicted -0.5..-1.5% at b1, 0..-1% at b4
     ab 150 llama-3.2-1b --batch 1 4 --rounds 2 --build default --build MK_INFLIGHT=2 --build MK_INFLIGHT=3 ;;
