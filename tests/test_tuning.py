@@ -207,7 +207,6 @@ def test_wga_nws_is_a_knob_of_wga_x_2_at_six_slots():
     assert not [k for k, _ in neighbours(spec, 8, 132, ScheduleTuning()) if k == "wga_nws"]
 
 
-
 def test_x_groups_is_a_per_batch_knob_where_x_would_be_staged_whole():
     """Session 48's x_groups (x by column groups at every batch size): round-trips through JSON, reaches the batch's
     variant, and the autotuner toggles it only at the batch sizes where the ring depth stages some op's x whole (at 6

@@ -137,9 +137,10 @@ class ScheduleTuning:
       wga_nws; the same answer bit for bit). Session 47 (H100, ctx 512): -2..-4% at 1B batch 12..16, -10% at 1B batch
       9..11 with the wgmma path on batch 8's program, -3% at 8B batch 9 / 10, -1..-2% at 8B batch 11..16.
     x_groups: a matvec task's x by column groups at every batch size, never staged whole (variant.KernelVariant.
-      x_groups), so rstd_epi applies where x would be staged (1B batch <= 6, 8B <= 2); a no-op at larger batches.
-      Session 48 (H100, ctx 512, the H200 table's programs): -5..-8% at 1B batch 4..6, -2.1% at 8B batch 2, -1.4% at
-      8B batch 1, +4% at 1B batch 1 (its entry has no rstd_epi): a per-batch choice.
+      x_groups), so rstd_epi applies where x would be staged (1B batch <= 6, 8B <= 2); at larger batches the same
+      program from a smaller build (the whole-x paths compiled out). Session 48 (H100, ctx 512, the H200 table's
+      programs): -5..-8% at 1B batch 4..6, -2.1% at 8B batch 2, -1.4% at 8B batch 1 and at 1B batch 8 (the same
+      program), +4% at 1B batch 1 (its entry has no rstd_epi): a per-batch choice.
     release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
       task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
       (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
@@ -428,7 +429,7 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
     # the norm weights with the x groups: only on wga_x 2's 6-slot layout (a base of another depth runs without)
     if t.wga_nws and v.wga_x == 2 and v.num_stages == WGA_NWS_STAGES:
         v = replace(v, wga_nws=True)
-    if t.x_groups:   # x by column groups at every batch size (a no-op where it already comes by groups)
+    if t.x_groups:   # x by column groups at every batch size (where it already comes by groups: a smaller build)
         v = replace(v, x_groups=True)
     # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
     if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:
