@@ -289,15 +289,12 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # GPU's own table at 1B b3..5: its b4 entry (att_tma 128 only) against the H200 entry's program with x_groups
     # (predicted -5..-10%). A served batch > 0.5% slower in both rounds takes its entry's change back (~350 s)
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py 2>&1 | tail -4
-    O=$out/table_before_s48.json
-    python3 -c 'import json, sys
-d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
-d["entries"] = [e for e in d["entries"] if not (e["meta"]["spec"] == "llama-3.1-8b" and e["key"]["batch"] == 2)]
+    O=$(edited_table table_before_s48 'd["entries"] = [e for e in d["entries"]
+                if not (e["meta"]["spec"] == "llama-3.1-8b" and e["key"]["batch"] == 2)]
 for e in d["entries"]:
     e["tuning"].pop("x_groups", None)
     if e["meta"]["spec"] == "llama-3.1-8b" and e["key"]["batch"] in (12, 16):
-        for k in ("wga_nws", "release_gate", "gate_ahead"): e["tuning"].pop(k, None)
-json.dump(d, open(sys.argv[1], "w"), indent=1)' "$O"
+        for k in ("wga_nws", "release_gate", "gate_ahead"): e["tuning"].pop(k, None)') || exit 1
     MK_TUNING=$O ab 150 llama-3.2-1b --batch 3 5 6 7 8 --rounds 2 --build default --build MK_X_GROUPS=1
     MK_TUNING=$O ab 120 llama-3.1-8b --batch 2 3 4 --rounds 2 --build default --build MK_X_GROUPS=1
     MK_TUNING=$O ab 200 llama-3.1-8b --batch 9 10 11 13 14 15 --rounds 2 --build default \

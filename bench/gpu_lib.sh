@@ -1,7 +1,8 @@
 # Shared by bench/gpu_calls.sh, sourced once `n` (the call name) and `out` (the output folder) are
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
-# STEP_T, default 200 s), ab() (an mk_ab.py A/B, rows to $out/mk_ab.csv) and ab_without_gate (the same on the
-# table without release gates), untuned_table (an empty table file: MK_TUNING set to it runs the untuned program),
+# STEP_T, default 200 s), ab() (an mk_ab.py A/B, rows to $out/mk_ab.csv), edited_table (the H200 table edited
+# for an A/B's base) and ab_without_gate (ab on the table without release gates), untuned_table (an empty table
+# file: MK_TUNING set to it runs the untuned program),
 # copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
 # machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
 # (serve_auto, tbt_1layer_profiled, soak).
@@ -19,14 +20,18 @@ untuned_table() {   # an empty tuning table file in $out, its path printed: MK_T
   # (MK_TUNING unset reads the packaged table of this GPU, which an H100 has since session 40)
   echo '{"format": 1, "gpu": "none", "entries": []}' > "$out/empty_table.json" && echo "$out/empty_table.json"
 }
-ab_without_gate() {   # ab's arguments, run on the packaged H200 table with every entry's release_gate / gate_ahead
-  # dropped (the gate A/B calls' base), written to $out for the run and removed after it
-  local table="$out/table_without_gate.json" rc
+edited_table() {   # edited_table NAME PY: the packaged H200 table with PY run on it (`d`, the parsed JSON), written to
+  # $out/NAME.json and its path printed: an A/B's base table (MK_TUNING=$(edited_table ...) ab ...; remove it after)
   python3 -c 'import json, sys
 d = json.load(open("mk_plugin/persistent/tuned/megakernel_nvidia_h200.json"))
-for e in d["entries"]:
-    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)
-json.dump(d, open(sys.argv[1], "w"), indent=1)' "$table"
+exec(sys.argv[2])
+json.dump(d, open(sys.argv[1], "w"), indent=1)' "$out/$1.json" "$2" && echo "$out/$1.json"
+}
+ab_without_gate() {   # ab's arguments, run on the packaged H200 table with every entry's release_gate / gate_ahead
+  # dropped (the gate A/B calls' base), written to $out for the run and removed after it
+  local table rc
+  table=$(edited_table table_without_gate 'for e in d["entries"]:
+    e["tuning"].pop("release_gate", None); e["tuning"].pop("gate_ahead", None)') || return 1
   MK_TUNING="$table" ab "$@"
   rc=$?
   rm -f "$table"
