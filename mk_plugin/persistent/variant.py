@@ -121,8 +121,9 @@ class KernelVariant:
     # memory, so the ready step's return waits for no load (the register load of the next group's weights put an L2
     # round trip on every group: bench/NOTES.md session 46). The same answer bit for bit; H100: -1..-4% at batch 11..16.
     wga_nws: bool = False
-    # MK_X_GROUPS (A/B switch, session 47; off): a matvec task's x comes by column groups at every batch size, never
-    # staged whole (csrc/x_frags.cuh staged_fits), so MK_RSTD_EPI applies at 1B batch <= 6 and 8B batch <= 2 too. Why:
+    # MK_X_GROUPS (session 47; off; a per-batch knob of the tables since session 48: tuning.ScheduleTuning.x_groups): a
+    # matvec task's x comes by column groups at every batch size, never staged whole (csrc/x_frags.cuh staged_fits), so
+    # MK_RSTD_EPI applies at 1B batch <= 6 and 8B batch <= 2 too. Why:
     # on the H100 a 1B batch-4 step (the batch-8 program, x staged whole per pass) costs as much as batch 8's (997 /
     # 969 us, session 47), where the staged path restages x once per pass after the wait while the group path's copies
     # run under the chunk loop. Without rstd_epi the group path's x' is the staged path's bit for bit (rows_rstd's rstd).
