@@ -230,6 +230,15 @@ def test_x_groups_is_a_per_batch_knob_where_x_would_be_staged_whole():
             assert [t for k, t in neighbours(spec, b, 132, xg) if k == "x_groups"] == [ScheduleTuning(rstd_epi=True)]
         for b in grouped:
             assert not [k for k, _ in neighbours(spec, b, 132, ScheduleTuning()) if k == "x_groups"], (spec.name, b)
+    # asked per task, as the kernel asks it: a K-split part is staged whole where its op's full K is not (8B down in 4
+    # parts of 3584 columns at batch 4), and a task on MK_WGMMA_A's path (batch > 8) never is
+    ks4 = ScheduleTuning(ksplit=(("down", 4),))
+    assert [t for k, t in neighbours(eight, 4, 132, ks4) if k == "x_groups"] == [ks4.with_x_groups(True)]
+    assert not [k for k, _ in neighbours(eight, 5, 132, ks4) if k == "x_groups"]
+    four = ScheduleTuning().with_stages(4)
+    assert [k for k, _ in neighbours(one, 12, 132, four) if k == "x_groups"] == ["x_groups"]
+    assert not [k for k, _ in neighbours(one, 12, 132, four.with_wgmma_a(4)) if k == "x_groups"]
+
 
 def test_a_tunings_weight_maps_are_checked_against_the_model():
     """A tuning with w_tma compiles MK_W_TMA into its batch's variant; the decoder checks at construction that the

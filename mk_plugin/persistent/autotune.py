@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import compare
-from .encoding import LAYOUT, STAGE_CHOICES
-from .tasks import attention_chunks, op_units
+from .encoding import LAYOUT, STAGE_CHOICES, ksplit_range
+from .tasks import attention_chunks, op_units, weight_k
 from .tensormap import check_model, check_weights_model
 from .tuning import (
     ATT_TMA_OFF,
@@ -62,6 +62,27 @@ def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
         per_group = max(1, round(t / spec.num_kv_heads))
         return spec.num_kv_heads * min(per_group, op_units(spec, op) // spec.num_kv_heads)
     return min(t, op_units(spec, op))
+
+
+NORM_FUSED_OPS = ("qkv_rope", "gate_up")   # csrc/megakernel.cu norm_weight: these ops' x is staged with a weight row
+
+
+def stages_some_x_whole(spec, batch: int, tuning: ScheduleTuning, *, lm_head: bool = True) -> bool:
+    """Whether the tuning's ring depth stages some matvec task's x whole at this batch size, asked per task as
+    csrc/megakernel.cu matvec_dispatch asks it: each op's own K (o_proj's is q_size, down's the intermediate size), a
+    K-split task's part of it (ksplit_range), a norm-fused op with its weight row (KernelLayout.staged_fits), none on
+    the wgmma path. Where none is, x_groups changes only the build (the whole-x code compiled out), not the path any task takes."""
+    layout = LAYOUT.with_stages(tuning.num_stages or LAYOUT.num_stages)
+    for op in SPLIT_OPS:
+        if op == "lm_head" and not lm_head:
+            continue
+        k, parts = weight_k(spec, op), (tuning.ksplit_for(op) if op in KSPLIT_OPS else 1)
+        widths = {hi - lo for lo, hi in (ksplit_range(k, p, parts) for p in range(parts))}
+        # a task on MK_WGMMA_A's path (csrc/wga_x.cuh wga_takes: batch > 8, whole 256-column chunks) never stages x
+        widths = {w for w in widths if not (tuning.wgmma_a and batch > 8 and w % 256 == 0)}
+        if any(layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for w in widths):
+            return True
+    return False
 
 
 def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Iterable[str] = SPLIT_OPS,
@@ -121,9 +142,9 @@ def neighbours(spec, batch: int, num_sms: int, base: ScheduleTuning, *, ops: Ite
     # the rstd epilogue (norm-fused ops whose x is not staged whole; session 29: -2..-6% at batch 8 / 16, +3% at
     # 1B batch 2): a per-batch choice
     out.append(("rstd_epi", base.with_rstd_epi(not base.rstd_epi)))
-    # x by column groups where this ring depth would stage it whole (so rstd_epi applies there too; session 48, H100:
-    # -5..-8% at 1B batch 4..6, +4% at 1B batch 1 without rstd_epi): a per-batch choice
-    if base.x_groups or LAYOUT.with_stages(cur_s).staged_fits(spec.hidden_size, batch, False):
+    # x by column groups where this ring depth would stage some task's x whole (so rstd_epi applies there too;
+    # session 48, H100: -5..-8% at 1B batch 4..6, +4% at 1B batch 1 without rstd_epi): a per-batch choice
+    if base.x_groups or stages_some_x_whole(spec, batch, base, lm_head=lm_head):
         out.append(("x_groups", base.with_x_groups(not base.x_groups)))
     # the release gate's mask: which ops' next tasks wait for their release before their weights go out (a per-batch
     # choice: session 8 at 1B against 8B, session 35's traces)
