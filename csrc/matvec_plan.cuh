@@ -83,7 +83,11 @@ __device__ __forceinline__ const elem_t* chunk_row(const elem_t* w, int K, int o
   return w + (size_t)weight_row(op, p0, m * 16 + lane) * K + k0;
 }
 
-__device__ __forceinline__ int batch_ntiles(int batch) { return batch <= 8 ? 1 : 2; }
+// A batch size's n-tile count (8 tokens an n-tile); batch_ntiles is the build's: a constant where MK_NTILES compiles
+// one batch class only (session 49's A/B: the other class's matvec path and the wgmma path at one n-tile leave the
+// build), so the compiler drops what that class never runs. The kernel's header check refuses a batch of the other class.
+__device__ __forceinline__ int batch_class(int batch) { return batch <= 8 ? 1 : 2; }
+__device__ __forceinline__ int batch_ntiles(int batch) { return MK_NTILES ? MK_NTILES : batch_class(batch); }
 
 // Chunk columns and shared-memory row stride for NT batch n-tiles: the ring chunk is CHUNK_COLS wide at
 // NT = 1 and 2 alike (16 copies of 2 KB). The column group (the activation fragments a warp holds at

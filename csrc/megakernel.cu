@@ -228,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(mk::NUM_THREADS, 1) mk_decode(MK_DE
     if (prog[HDR_VERSION] != PROGRAM_VERSION) bad |= HDRCHK_VERSION;
     if (prog[HDR_SPEC_HASH] != MK_SPEC_HASH) bad |= HDRCHK_SPEC_HASH;
     if (prog[HDR_NUM_QUEUES] != (int)gridDim.x) bad |= HDRCHK_NUM_QUEUES;
-    if (P.batch < 1 || P.batch > MAX_BATCH) bad |= HDRCHK_BATCH;
+    if (P.batch < 1 || P.batch > MAX_BATCH || (MK_NTILES && batch_class(P.batch) != MK_NTILES)) bad |= HDRCHK_BATCH;
     if (blockDim.x != NUM_THREADS) bad |= HDRCHK_BLOCK;
     if (MK_W_TMA && (smem_addr(smem_raw) & 1023u)) bad |= HDRCHK_SMEM_ALIGN;
     int stop = 0;

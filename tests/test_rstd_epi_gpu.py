@@ -2,15 +2,20 @@
 are not staged whole takes rstd out of its fragments and scales its accumulators in the epilogue, the first pass
 summing x^2 from the column groups. Against the fp32 reference and the Triton path; bitwise repeatable (fixed-order
 sums), and op by op against the VM, which models it since session 27 (vm._norm_operand). The helpers are
-tests/gpu_helpers.py's, the weights fixture conftest.py's."""
+tests/gpu_helpers.py's, the weights fixture conftest.py's. Also MK_NTILES (session 49), a build of one batch class."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 from gpu_helpers import (
     DEV,
     assert_repeatable_step,
     gpu_batch,
     op_by_op_failures,
+    run_mk,
+    steps_equal,
 )
 
 from mk_plugin import reference as ref
@@ -65,3 +70,28 @@ def test_x_groups_with_rstd_epi_matches_the_reference(models, name, bsz):
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off",
                             variant=KernelVariant(rstd_epi=True, x_groups=True))
     assert_repeatable_step(dec, spec, w, batch, cs)
+
+
+@pytest.mark.parametrize("name,bsz,wgmma", [("llama-3.2-1b", 3, 0), ("llama-3.2-1b", 8, 0), ("llama-3.2-1b", 12, 0),
+                                            ("llama-3.2-1b", 12, 4), ("llama-3.1-8b", 16, 4)])
+def test_ntiles_builds_one_batch_class_bit_for_bit(models, name, bsz, wgmma, monkeypatch):
+    """MK_NTILES (session 49's A/B): each batch size runs the build of its own class, bit for bit the default build's
+    step (the same code path, the other class compiled out); a build of the other class refuses the program in its
+    header check (HeaderCheck.BATCH) and writes nothing."""
+    from mk_plugin.persistent.encoding import ErrorCode, HeaderCheck
+
+    spec, w = models(name, 2)
+    batch = gpu_batch(spec, [(37 * i + 5) % 300 + 1 for i in range(bsz)], seed=bsz + 71)
+    cs = ref.rope_cos_sin_cache(spec, 400).to(DEV)
+    base = KernelVariant(w_tma=True, wgmma_a=wgmma) if wgmma else KernelVariant()
+    plain = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=base)
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=replace(base, ntiles=1))
+    assert dec.variant_for(bsz).ntiles == (1 if bsz <= 8 else 2)
+    assert steps_equal(run_mk(plain, spec, w, batch, cs), run_mk(dec, spec, w, batch, cs))
+    wrong = dec.variant_for(bsz).for_batch(1 if bsz > 8 else 9)   # the other class's build
+    monkeypatch.setattr(dec, "variant_for", lambda b: wrong)
+    out, _, _ = run_mk(dec, spec, w, batch, cs)
+    rec = dec.error_record()
+    assert rec["code"] == ErrorCode.BAD_PROGRAM and rec["seen"] & HeaderCheck.BATCH, rec
+    assert torch.isnan(out).all()
+    dec.clear_errors()

@@ -415,3 +415,19 @@ def test_gate_ahead_is_a_per_batch_knob():
     assert (112, 2) in [(c.release_gate, c.gate_ahead) for k, c in cands if k == "release_gate"]   # the mask, head start kept
     assert not [k for k, _ in neighbours(SPEC, 2, SMS, ScheduleTuning(release_gate=RELEASE_GATE_OFF), lm_head=False)
                 if k == "gate_ahead"]
+
+
+def test_ntiles_builds_are_per_batch_class():
+    """MK_NTILES (session 49's A/B): a decoder variant with it on gives each batch size the build of its class (1 for
+    batch 1..8, 2 for 9..16), with -DMK_NTILES; off, every batch size shares the build of both classes."""
+    from mk_plugin.persistent.variant import KernelVariant, batch_class
+
+    assert [batch_class(b) for b in (1, 8, 9, 16)] == [1, 1, 2, 2]
+    on = KernelVariant(ntiles=1)
+    assert on.for_batch(3) == on and on.for_batch(9) == KernelVariant(ntiles=2) and "-DMK_NTILES=2" in on.for_batch(16).defines()
+    assert KernelVariant().for_batch(12) == KernelVariant() and "ntiles=2" in on.for_batch(12).label()
+    for bad in (3, True, -1):
+        with pytest.raises(ValueError, match="ntiles="):
+            KernelVariant(ntiles=bad)
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "megakernel.cu").read_text()
+    assert "(MK_NTILES && batch_class(P.batch) != MK_NTILES)) bad |= HDRCHK_BATCH" in src

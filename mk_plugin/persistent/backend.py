@@ -171,7 +171,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
-        return tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok)
+        return tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
 
     def _wants_w_tma(self) -> bool:
         """Whether the decoder's variant or some batch's tuning copies weight chunks by tensor maps."""

@@ -162,7 +162,7 @@ class HeaderCheck(enum.IntFlag):
     VERSION = 2
     SPEC_HASH = 4
     NUM_QUEUES = 8      # != grid size
-    BATCH = 16          # not in 1..MAX_BATCH
+    BATCH = 16          # not in 1..MAX_BATCH, or not the batch class of an MK_NTILES build
     BLOCK = 32          # blockDim.x != NUM_THREADS
     SMEM_ALIGN = 64     # MK_W_TMA: dynamic shared memory not 1024-byte aligned (the 128-byte swizzle's unit)
 

@@ -42,7 +42,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
-                   ("MK_X_GROUPS", "x_groups", "x_groups"))
+                   ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -62,6 +62,12 @@ WGA_X_CHOICES = (0, 1, 2)
 WGA_NWS_STAGES = 6
 # the cap a tuning turns on (session 20's A/B: 2 chunks beat 4 at 8B; 1 loses 20% of the streaming rate)
 INFLIGHT_TUNED = 2
+
+
+def batch_class(batch: int) -> int:
+    """The n-tiles (8 tokens each) of a batch size's matvec path: 1 for batch 1..8, 2 for 9..16 (csrc/matvec_plan.cuh
+    batch_class)."""
+    return 1 if batch <= 8 else 2
 
 
 def int_in(value: object, lo: int, hi: int) -> bool:
@@ -128,6 +134,12 @@ class KernelVariant:
     # 969 us, session 47), where the staged path restages x once per pass after the wait while the group path's copies
     # run under the chunk loop. Without rstd_epi the group path's x' is the staged path's bit for bit (rows_rstd's rstd).
     x_groups: bool = False
+    # MK_NTILES (A/B switch, session 49; 0 = off): a build of one batch class only, 1 (batch 1..8, one n-tile of 8
+    # tokens) or 2 (batch 9..16), so the compiler drops the other class's matvec path (and, at 1, the wgmma path).
+    # Session 48: the x_groups build of the same program (11% less SASS) measured -1.4% at 1B b8; is code size the
+    # cause? A decoder whose variant has ntiles != 0 builds each batch size's kernel for its own class (variant_for);
+    # the kernel's header check refuses a batch of the other class (HeaderCheck.BATCH).
+    ntiles: int = 0
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -165,6 +177,9 @@ class KernelVariant:
         if self.gate_ahead and not self.release_gate:
             raise ValueError(f"gate_ahead={self.gate_ahead} moves MK_RELEASE_GATE's wait: set release_gate too "
                              "(it is 0)")
+        if isinstance(self.ntiles, bool) or self.ntiles not in (0, 1, 2):
+            raise ValueError(f"ntiles={self.ntiles!r}: 0 (both batch classes) or the one class built, 1 (batch 1..8) "
+                             "or 2 (batch 9..16)")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
@@ -229,6 +244,10 @@ class KernelVariant:
         """Whether this build stages a matvec task's x [batch, k] whole (csrc/x_frags.cuh staged_fits): where it fits
         the ring depth's scratch (KernelLayout.staged_fits), never with MK_X_GROUPS."""
         return not self.x_groups and self.layout.staged_fits(k, batch, norm)
+
+    def for_batch(self, batch: int) -> KernelVariant:
+        """The build that runs `batch` tokens: with MK_NTILES on (ntiles != 0), the one of batch's class."""
+        return replace(self, ntiles=batch_class(batch)) if self.ntiles else self
 
     def with_stages(self, num_stages: int) -> KernelVariant:
         """The same build with another ring depth (0: the layout's default)."""
