@@ -431,3 +431,26 @@ def test_ntiles_builds_are_per_batch_class():
             KernelVariant(ntiles=bad)
     src = (Path(__file__).resolve().parents[1] / "csrc" / "megakernel.cu").read_text()
     assert "(MK_NTILES && batch_class(P.batch) != MK_NTILES)) bad |= HDRCHK_BATCH" in src
+
+
+def test_wga_only_builds_where_every_task_has_whole_chunks():
+    """MK_WGA_ONLY (session 49's A/B, on top of MK_NTILES): a batch-9..16 build puts every task on the wgmma path only
+    where every matvec task's reduction width is whole 256-column chunks under that batch's tuning (a K-split part
+    too); elsewhere, and for batch 1..8, the decoder drops it from the batch's build."""
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.tasks import task_k_widths
+    from mk_plugin.persistent.variant import KernelVariant
+    from mk_plugin.weights import random_weights
+
+    spec = replace(LlamaSpec.tiny(), intermediate_size=512)   # K 256 / 256 / 256 / 512: whole chunks
+    v = KernelVariant(w_tma=True, wgmma_a=4, ntiles=1, wga_only=True)
+    cut = ScheduleTuning(ksplit=(("down", 3),))   # 512 columns in 3 parts of 128 / 192 / 192
+    assert task_k_widths(spec, cut)["down"] == {128, 192} and task_k_widths(spec, cut, lm_head=False).keys() == {
+        "qkv_rope", "o_proj", "gate_up", "down"}
+    dec = MegakernelDecoder(spec, random_weights(spec), 16, "cpu", num_sms=6, variant=v, tuning={13: cut})
+    assert dec.variant_for(12) == replace(v, ntiles=2) and "-DMK_WGA_ONLY=1" in dec.variant_for(12).defines()
+    assert dec.variant_for(13) == replace(v, ntiles=2, wga_only=False)
+    assert dec.variant_for(4) == replace(v, ntiles=1, wga_only=False)
+    assert KernelVariant(ntiles=1, wga_only=True).for_batch(12) == KernelVariant(ntiles=2)   # no wgmma path: dropped
+    with pytest.raises(ValueError, match="wga_only puts every task"):
+        KernelVariant(w_tma=True, wgmma_a=4, wga_only=True)

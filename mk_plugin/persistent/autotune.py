@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import compare
-from .encoding import LAYOUT, STAGE_CHOICES, ksplit_range
-from .tasks import attention_chunks, op_units, weight_k
+from .encoding import LAYOUT, STAGE_CHOICES, WGA_KC
+from .tasks import NORM_FUSED_OPS, attention_chunks, op_units, task_k_widths
 from .tensormap import check_model, check_weights_model
 from .tuning import (
     ATT_TMA_OFF,
@@ -64,22 +64,15 @@ def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
     return min(t, op_units(spec, op))
 
 
-NORM_FUSED_OPS = ("qkv_rope", "gate_up")   # csrc/megakernel.cu norm_weight: these ops' x is staged with a weight row
-
-
 def stages_some_x_whole(spec, batch: int, tuning: ScheduleTuning, *, lm_head: bool = True) -> bool:
     """Whether the tuning's ring depth stages some matvec task's x whole at this batch size, asked per task as
-    csrc/megakernel.cu matvec_dispatch asks it: each op's own K (o_proj's is q_size, down's the intermediate size), a
-    K-split task's part of it (ksplit_range), a norm-fused op with its weight row (KernelLayout.staged_fits), none on
-    the wgmma path. Where none is, x_groups changes only the build (the whole-x code compiled out), not the path any task takes."""
+    csrc/megakernel.cu matvec_dispatch asks it: each task's reduction width (tasks.task_k_widths: a K-split task's part),
+    a norm-fused op with its weight row (KernelLayout.staged_fits), none on the wgmma path (csrc/wga_x.cuh wga_takes:
+    batch > 8, whole 256-column chunks). Where none is, x_groups changes only the build (the whole-x code compiled
+    out), not the path any task takes."""
     layout = LAYOUT.with_stages(tuning.num_stages or LAYOUT.num_stages)
-    for op in SPLIT_OPS:
-        if op == "lm_head" and not lm_head:
-            continue
-        k, parts = weight_k(spec, op), (tuning.ksplit_for(op) if op in KSPLIT_OPS else 1)
-        widths = {hi - lo for lo, hi in (ksplit_range(k, p, parts) for p in range(parts))}
-        # a task on MK_WGMMA_A's path (csrc/wga_x.cuh wga_takes: batch > 8, whole 256-column chunks) never stages x
-        widths = {w for w in widths if not (tuning.wgmma_a and batch > 8 and w % 256 == 0)}
+    for op, widths in task_k_widths(spec, tuning, lm_head=lm_head).items():
+        widths = {w for w in widths if not (tuning.wgmma_a and batch > 8 and w % WGA_KC == 0)}
         if any(layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for w in widths):
             return True
     return False

@@ -49,6 +49,7 @@ from .encoding import (
     TRACE_WORDS,
     VERSION,
     WATCHDOG_MS_MAX,
+    WGA_KC,
     Buf,
     spec_hash,
 )
@@ -57,7 +58,7 @@ from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
 from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
-from .tasks import attention_chunks
+from .tasks import attention_chunks, task_k_widths
 from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
 from .tuning_table import resolve, spec_tuning_key
 from .variant import KernelVariant
@@ -171,7 +172,11 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
-        return tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
+        v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
+        if v.wga_only and any(w % WGA_KC for ws in task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
+                              .values() for w in ws):   # a task whose chunks are not whole keeps the default path
+            v = replace(v, wga_only=False)
+        return v
 
     def _wants_w_tma(self) -> bool:
         """Whether the decoder's variant or some batch's tuning copies weight chunks by tensor maps."""

@@ -239,6 +239,10 @@ def ksplit_range(K: int, part: int, parts: int) -> tuple[int, int]:
     return g * (steps * part // parts), g * (steps * (part + 1) // parts)
 
 
+# csrc/wga_x.cuh WGA_KC (wga_takes): a task runs on MK_WGMMA_A's path at two n-tiles (batch > 8) with whole chunks of
+# this many columns
+WGA_KC = 256
+
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).
 COUNTER_STRIDE = 8
 MAX_BATCH = 16

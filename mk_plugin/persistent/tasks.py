@@ -197,6 +197,22 @@ def unit_weight_bytes(spec: LlamaSpec, name: str) -> int:
     return rows * weight_k(spec, name) * el
 
 
+MATVEC_OPS = ("qkv_rope", "o_proj", "gate_up", "down", "lm_head")
+NORM_FUSED_OPS = ("qkv_rope", "gate_up")   # csrc/megakernel.cu norm_weight: these ops' x is staged with a weight row
+
+
+def task_k_widths(spec: LlamaSpec, tuning: ScheduleTuning, *, lm_head: bool = True) -> dict[str, set[int]]:
+    """The reduction widths of each matvec op's tasks under `tuning`, as csrc/megakernel.cu matvec_dispatch sees them:
+    the op's own K (weight_k), or a K-split task's part of it (ksplit_range over tuning.ksplit_for(op) parts)."""
+    out = {}
+    for op in MATVEC_OPS:
+        if op == "lm_head" and not lm_head:
+            continue
+        k, parts = weight_k(spec, op), tuning.ksplit_for(op)
+        out[op] = {hi - lo for lo, hi in (ksplit_range(k, p, parts) for p in range(parts))}
+    return out
+
+
 def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
     """Predicted duration of a weight-streaming task of `units` units (the time model above)."""
     return TASK_FIXED_NS + units * unit_weight_bytes(spec, name) / (HBM_BYTES_PER_NS / num_sms)

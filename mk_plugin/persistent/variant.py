@@ -42,7 +42,8 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_WGA_X", "wga_x", "wga_x"), ("MK_LINEINFO", "lineinfo", "lineinfo"),
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
-                   ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"))
+                   ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"),
+                   ("MK_WGA_ONLY", "wga_only", "wga_only"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -140,6 +141,11 @@ class KernelVariant:
     # cause? A decoder whose variant has ntiles != 0 builds each batch size's kernel for its own class (variant_for);
     # the kernel's header check refuses a batch of the other class (HeaderCheck.BATCH).
     ntiles: int = 0
+    # MK_WGA_ONLY (A/B switch, session 49; off; needs ntiles; applies to builds with wgmma_a): where every matvec task of a batch-9..16
+    # program has whole 256-column chunks (tasks.task_k_widths), every task takes the wgmma path, so matvec_task<2> and
+    # the producer's default chunk loop leave that batch's build too (1B b16's table build: 4167 more instructions). The
+    # decoder keeps it only for such a batch size's build (for_batch; MegakernelDecoder.variant_for checks the widths).
+    wga_only: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -168,7 +174,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -180,6 +186,9 @@ class KernelVariant:
         if isinstance(self.ntiles, bool) or self.ntiles not in (0, 1, 2):
             raise ValueError(f"ntiles={self.ntiles!r}: 0 (both batch classes) or the one class built, 1 (batch 1..8) "
                              "or 2 (batch 9..16)")
+        if self.wga_only and not self.ntiles:
+            raise ValueError("wga_only puts every task of a batch-9..16 build on the wgmma path: set ntiles too (a "
+                             "build per batch class; it is 0)")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
@@ -246,8 +255,12 @@ class KernelVariant:
         return not self.x_groups and self.layout.staged_fits(k, batch, norm)
 
     def for_batch(self, batch: int) -> KernelVariant:
-        """The build that runs `batch` tokens: with MK_NTILES on (ntiles != 0), the one of batch's class."""
-        return replace(self, ntiles=batch_class(batch)) if self.ntiles else self
+        """The build that runs `batch` tokens: with MK_NTILES on (ntiles != 0), the one of batch's class (wga_only kept
+        for class 2 with wgmma_a only: the wgmma path runs at two n-tiles)."""
+        if not self.ntiles:
+            return self
+        c = batch_class(batch)
+        return replace(self, ntiles=c, wga_only=self.wga_only and c == 2 and bool(self.wgmma_a))
 
     def with_stages(self, num_stages: int) -> KernelVariant:
         """The same build with another ring depth (0: the layout's default)."""

@@ -24,6 +24,7 @@ from ..spec import LlamaSpec
 from ..weights import ModelWeights
 from .encoding import (
     TASK_FIELDS,
+    WGA_KC,
     Buf,
     DecodedProgram,
     Opcode,
@@ -225,8 +226,6 @@ def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
-# csrc/wga_x.cuh wga_takes: a pass runs on wgmma at two n-tiles (batch > 8) with whole 256-column chunks
-WGA_KC = 256
 
 
 def _epi_rstd(st: VMState, x: torch.Tensor) -> bool:
