@@ -34,7 +34,8 @@ def _widths(spec: LlamaSpec) -> dict[str, int]:
 def test_the_kernel_condition_is_the_one_checked_here():
     from mk_plugin.persistent import vm
     assert _kernel_chunk_cols() == 256 == vm.WGA_KC   # the VM's copy of the condition (vm._epi_rstd) too
-    assert re.search(r"bool wga_takes\(int K, int B\) \{ return batch_ntiles\(B\) == 2 && K % WGA_KC == 0; \}", SRC)
+    assert re.search(r"bool wga_takes\(int K, int B\) \{\s+return MK_WGA_ONLY \|\| \(batch_ntiles\(B\) == 2 && "
+                     r"K % WGA_KC == 0\);\s+\}", SRC)   # MK_WGA_ONLY: where the host found every K whole chunks
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b"])
