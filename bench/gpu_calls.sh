@@ -47,8 +47,9 @@
 #   xg_tables      session 48's table entries (x_groups, 8B b12 / b16's NWS + gate pair): GPU tests, the batch sizes they
 #                  serve unmeasured against the table without them, and on an H100 its own 1B b4 entry with x_groups
 #   ntiles         MK_NTILES (a build per batch class: the other class's matvec path compiled out) after its GPU test,
-#                  1B b1 / 4 / 8 / 10 / 16, and MK_WGA_ONLY (every task on wgmma) at b10 / 16, 2 rounds (~450 s)
-#   ntiles_8b      MK_NTILES at 8B b1 / 8 / 16 and xg_wide's 1B half (~400 s)
+#                  1B b1 / 4 / 8 / 10 / 16, MK_WGA_ONLY (every task on wgmma) at b10 / 16, MK_X_WHOLE (every x staged
+#                  whole) at b1, 2 rounds (~500 s)
+#   ntiles_8b      the same at 8B b1 / 8 / 16 and xg_wide's 1B half (~500 s)
 #   xg_wide        MK_X_GROUPS where nothing is staged whole (1B b8 / 10 / 16, 8B b1 / 8 / 10 / 16): the build without the
 #                  whole-x code, 2 rounds (~200 s)
 #   b1_inflight    MK_INFLIGHT 2 / 3 at 1B b1 / b4 under the tables' gates (qkv_rope's b1 stage shrinks as the producer's
@@ -314,11 +315,14 @@ for e in d["entries"]:
     # 21.4k -> 13.7k instructions) -1..-2% more. Rule: the default (variant_for) where >= 1% in both rounds at every
     # batch measured and nothing slower; the GPU test first (bitwise against the default build, the other class's
     # build refused)
+    # MK_X_WHOLE at b1 (every x staged whole: the column-group path out too, 1B b1's build 14.0k -> 8.9k) -1..-2% more
     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rstd_epi_gpu.py -k ntiles 2>&1 | tail -4
-    ab 150 llama-3.2-1b --batch 1 4 8 --rounds 2 --build default --build MK_NTILES=1
+    ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_X_WHOLE=1
+    ab 120 llama-3.2-1b --batch 4 8 --rounds 2 --build default --build MK_NTILES=1
     ab 150 llama-3.2-1b --batch 10 16 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_WGA_ONLY=1 ;;
   ntiles_8b)   # the same at 8B (predicted -0.3..-1%: longer tasks), and xg_wide's 1B half (see there)
-    ab 150 llama-3.1-8b --batch 1 8 --rounds 2 --build default --build MK_NTILES=1
+    ab 120 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_X_WHOLE=1
+    ab 100 llama-3.1-8b --batch 8 --rounds 2 --build default --build MK_NTILES=1
     ab 150 llama-3.1-8b --batch 16 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_WGA_ONLY=1
     ab 150 llama-3.2-1b --batch 8 10 16 --rounds 2 --build default --build MK_X_GROUPS=1 ;;
   xg_wide)   # session 48: xg_tables measured the x_groups build -1.4% at 1B b8 and -0.7% at 8B b4, where no op's x is staged

@@ -186,6 +186,7 @@ constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp ro
 
 __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   if (MK_X_GROUPS) return false;   // A/B switch (session 47): x by column groups at every batch size
+  if (MK_X_WHOLE) return true;     // A/B switch (session 49): the host found every task's x fits (variant_for)
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 

@@ -72,13 +72,15 @@ def test_x_groups_with_rstd_epi_matches_the_reference(models, name, bsz):
     assert_repeatable_step(dec, spec, w, batch, cs)
 
 
-@pytest.mark.parametrize("name,bsz,wgmma,only", [("llama-3.2-1b", 3, 0, False), ("llama-3.2-1b", 8, 0, False),
-                                                 ("llama-3.2-1b", 12, 0, False), ("llama-3.2-1b", 12, 4, False),
-                                                 ("llama-3.2-1b", 12, 4, True), ("llama-3.1-8b", 16, 4, True)])
+@pytest.mark.parametrize("name,bsz,wgmma,only", [("llama-3.2-1b", 3, 0, ""), ("llama-3.2-1b", 8, 0, ""),
+                                                 ("llama-3.2-1b", 12, 0, ""), ("llama-3.2-1b", 12, 4, ""),
+                                                 ("llama-3.2-1b", 12, 4, "wga_only"), ("llama-3.1-8b", 16, 4, "wga_only"),
+                                                 ("llama-3.2-1b", 1, 0, "x_whole"), ("llama-3.1-8b", 1, 0, "x_whole")])
 def test_ntiles_builds_one_batch_class_bit_for_bit(models, name, bsz, wgmma, only, monkeypatch):
     """MK_NTILES (session 49's A/B): each batch size runs the build of its own class, bit for bit the default build's
-    step (the same code path, the other class compiled out; with MK_WGA_ONLY every task on the wgmma path, as it was);
-    a build of the other class refuses the program in its header check (HeaderCheck.BATCH) and writes nothing."""
+    step (the same code path, the other class compiled out; with MK_WGA_ONLY every task on the wgmma path, with
+    MK_X_WHOLE every x staged whole, as they were); a build of the other class refuses the program in its header check
+    (HeaderCheck.BATCH) and writes nothing."""
     from mk_plugin.persistent.encoding import ErrorCode, HeaderCheck
 
     spec, w = models(name, 2)
@@ -86,8 +88,9 @@ def test_ntiles_builds_one_batch_class_bit_for_bit(models, name, bsz, wgmma, onl
     cs = ref.rope_cos_sin_cache(spec, 400).to(DEV)
     base = KernelVariant(w_tma=True, wgmma_a=wgmma) if wgmma else KernelVariant()
     plain = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=base)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=replace(base, ntiles=1, wga_only=only))
-    assert dec.variant_for(bsz).ntiles == (1 if bsz <= 8 else 2) and dec.variant_for(bsz).wga_only == only
+    on = {only: True} if only else {}
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=replace(base, ntiles=1, **on))
+    assert dec.variant_for(bsz) == replace(base, ntiles=1 if bsz <= 8 else 2, **on)
     assert steps_equal(run_mk(plain, spec, w, batch, cs), run_mk(dec, spec, w, batch, cs))
     wrong = replace(dec.variant_for(bsz), wga_only=False).for_batch(1 if bsz > 8 else 9)   # the other class's build
     monkeypatch.setattr(dec, "variant_for", lambda b: wrong)

@@ -436,7 +436,8 @@ def test_ntiles_builds_are_per_batch_class():
 def test_wga_only_builds_where_every_task_has_whole_chunks():
     """MK_WGA_ONLY (session 49's A/B, on top of MK_NTILES): a batch-9..16 build puts every task on the wgmma path only
     where every matvec task's reduction width is whole 256-column chunks under that batch's tuning (a K-split part
-    too); elsewhere, and for batch 1..8, the decoder drops it from the batch's build."""
+    too); elsewhere, and for batch 1..8, the decoder drops it from the batch's build. MK_X_WHOLE likewise only where
+    every task's x is staged whole."""
     from mk_plugin.persistent.backend import MegakernelDecoder
     from mk_plugin.persistent.tasks import task_k_widths
     from mk_plugin.persistent.variant import KernelVariant
@@ -454,3 +455,9 @@ def test_wga_only_builds_where_every_task_has_whole_chunks():
     assert KernelVariant(ntiles=1, wga_only=True).for_batch(12) == KernelVariant(ntiles=2)   # no wgmma path: dropped
     with pytest.raises(ValueError, match="wga_only puts every task"):
         KernelVariant(w_tma=True, wgmma_a=4, wga_only=True)
+    wide = replace(spec, intermediate_size=8192)   # down's K: 1 row of 8192 fits the scratch, 4 do not
+    one = MegakernelDecoder(wide, random_weights(wide), 16, "cpu", num_sms=6, variant=KernelVariant(ntiles=1, x_whole=True))
+    assert one.variant_for(1) == KernelVariant(ntiles=1, x_whole=True) and one.variant_for(1).stages_x_whole(8192, 16, True)
+    assert one.variant_for(4) == KernelVariant(ntiles=1) and one.variant_for(16) == KernelVariant(ntiles=2)
+    with pytest.raises(ValueError, match="x_whole stages every task"):
+        KernelVariant(ntiles=1, x_whole=True, x_groups=True)

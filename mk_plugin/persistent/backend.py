@@ -58,7 +58,7 @@ from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
 from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
-from .tasks import attention_chunks, task_k_widths
+from .tasks import NORM_FUSED_OPS, attention_chunks, task_k_widths
 from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
 from .tuning_table import resolve, spec_tuning_key
 from .variant import KernelVariant
@@ -173,9 +173,12 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
         v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
-        if v.wga_only and any(w % WGA_KC for ws in task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
-                              .values() for w in ws):   # a task whose chunks are not whole keeps the default path
-            v = replace(v, wga_only=False)
+        widths = task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
+        if v.wga_only and any(w % WGA_KC for ws in widths.values() for w in ws):
+            v = replace(v, wga_only=False)   # a task whose chunks are not whole keeps the default path
+        if v.x_whole and not all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS)
+                                 for op, ws in widths.items() for w in ws):
+            v = replace(v, x_whole=False)    # a task whose x does not fit keeps the column groups
         return v
 
     def _wants_w_tma(self) -> bool:

@@ -43,7 +43,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
                    ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"),
-                   ("MK_WGA_ONLY", "wga_only", "wga_only"))
+                   ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -146,6 +146,10 @@ class KernelVariant:
     # the producer's default chunk loop leave that batch's build too (1B b16's table build: 4167 more instructions). The
     # decoder keeps it only for such a batch size's build (for_batch; MegakernelDecoder.variant_for checks the widths).
     wga_only: bool = False
+    # MK_X_WHOLE (A/B switch, session 49; off; needs ntiles, not x_groups): where every matvec task of a program stages
+    # its x whole (1B and 8B at batch 1), staged_fits is constant true, so the column-group path leaves the build (the
+    # mirror of x_groups). The decoder keeps it only for such a batch size's build (MegakernelDecoder.variant_for).
+    x_whole: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -174,7 +178,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
@@ -189,6 +193,9 @@ class KernelVariant:
         if self.wga_only and not self.ntiles:
             raise ValueError("wga_only puts every task of a batch-9..16 build on the wgmma path: set ntiles too (a "
                              "build per batch class; it is 0)")
+        if self.x_whole and (self.x_groups or not self.ntiles):
+            raise ValueError(f"x_whole stages every task's x whole in a build per batch class: set ntiles (it is "
+                             f"{self.ntiles}), not x_groups (it is {self.x_groups})")
         if isinstance(self.wgmma_a, bool) or self.wgmma_a not in WGMMA_A_CHOICES:
             raise ValueError(f"wgmma_a={self.wgmma_a!r}: 0 (off) or the 64-row blocks per pass, "
                              f"{', '.join(map(str, WGMMA_A_CHOICES[1:]))}")
@@ -251,8 +258,8 @@ class KernelVariant:
 
     def stages_x_whole(self, k: int, batch: int, norm: bool) -> bool:
         """Whether this build stages a matvec task's x [batch, k] whole (csrc/x_frags.cuh staged_fits): where it fits
-        the ring depth's scratch (KernelLayout.staged_fits), never with MK_X_GROUPS."""
-        return not self.x_groups and self.layout.staged_fits(k, batch, norm)
+        the ring depth's scratch (KernelLayout.staged_fits), never with MK_X_GROUPS, always with MK_X_WHOLE."""
+        return self.x_whole or (not self.x_groups and self.layout.staged_fits(k, batch, norm))
 
     def for_batch(self, batch: int) -> KernelVariant:
         """The build that runs `batch` tokens: with MK_NTILES on (ntiles != 0), the one of batch's class (wga_only kept
