@@ -313,13 +313,14 @@ for e in d["entries"]:
     # Is code size what made session 48's x_groups build of the same program 1.4% faster at 1B b8? Predicted (H100):
     # 1B b1 / b4 / b8 -1..-2%, b10 / b16 -0.5..-1.5%; MK_WGA_ONLY on top at b10 / b16 (every task on wgmma: b16's build
     # 21.4k -> 13.7k instructions) -1..-2% more. Rule: the default (variant_for) where >= 1% in both rounds at every
-    # batch measured and nothing slower; the GPU test first (bitwise against the default build, the other class's
-    # build refused)
+    # batch measured and nothing slower; the GPU test (bitwise against the default build, the other class's build
+    # refused)
     # MK_X_WHOLE at b1 (every x staged whole: the column-group path out too, 1B b1's build 14.0k -> 8.9k) -1..-2% more
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rstd_epi_gpu.py -k ntiles 2>&1 | tail -4
+    # (the A/Bs first: mk_ab checks every build's step against the first's before timing; the GPU test last)
     ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_X_WHOLE=1
-    ab 80 llama-3.2-1b --batch 8 --rounds 2 --build default --build MK_NTILES=1
     ab 100 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_WGA_ONLY=1
+    ab 80 llama-3.2-1b --batch 8 --rounds 2 --build default --build MK_NTILES=1
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rstd_epi_gpu.py -k ntiles 2>&1 | tail -4
     [ -n "${NTILES_MORE:-}" ] && ab 120 llama-3.2-1b --batch 4 10 --rounds 2 --build default --build MK_NTILES=1 ;;
   ntiles_8b)   # the same at 8B (predicted -0.3..-1%: longer tasks), and xg_wide's 1B half (see there)
     ab 120 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_X_WHOLE=1
