@@ -309,7 +309,8 @@ for e in d["entries"]:
         --rounds 2 --build default --build ksplit.down=4,MK_ATT_TMA=128,MK_RELEASE_GATE=112,MK_GATE_AHEAD=2,MK_RSTD_EPI=1,MK_X_GROUPS=1
     fi ;;
   ntiles)   # session 49: MK_NTILES (each batch size's build compiles its own batch class only: at 1B b8 the table's
-    # build drops matvec_task<2>, 2962 of ~14.2k SASS instructions, at b16 matvec_task<1>, 3224 of ~21.4k: bench/sass.py).
+    # build drops matvec_task<2>, 2962 of ~14.2k SASS instructions, at b16 matvec_task<1>, 3224 of ~21.4k:
+    # bench/sass.py).
     # Is code size what made session 48's x_groups build of the same program 1.4% faster at 1B b8? Predicted (H100):
     # 1B b1 / b4 / b8 -1..-2%, b10 / b16 -0.5..-1.5%; MK_WGA_ONLY on top at b10 / b16 (every task on wgmma: b16's build
     # 21.4k -> 13.7k instructions) -1..-2% more. Rule: the default (variant_for) where >= 1% in both rounds at every

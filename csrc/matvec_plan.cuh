@@ -85,7 +85,7 @@ __device__ __forceinline__ const elem_t* chunk_row(const elem_t* w, int K, int o
 
 // A batch size's n-tile count (8 tokens an n-tile); batch_ntiles is the build's: a constant where MK_NTILES compiles
 // one batch class only (session 49's A/B: the other class's matvec path and the wgmma path at one n-tile leave the
-// build), so the compiler drops what that class never runs. The kernel's header check refuses a batch of the other class.
+// build), so the compiler drops what that class never runs. The kernel's header check refuses the other class.
 __device__ __forceinline__ int batch_class(int batch) { return batch <= 8 ? 1 : 2; }
 __device__ __forceinline__ int batch_ntiles(int batch) { return MK_NTILES ? MK_NTILES : batch_class(batch); }
 

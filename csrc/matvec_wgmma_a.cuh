@@ -265,7 +265,7 @@ static_assert(false, "MK_WGA_X is MK_WGMMA_A's x staging: build it with MK_WGMMA
 static_assert(false, "MK_X_WHOLE stages every task's x whole: build it with MK_NTILES and without MK_X_GROUPS");
 #endif
 #if MK_WGA_ONLY && !(MK_WGMMA_A && MK_NTILES == 2)
-static_assert(false, "MK_WGA_ONLY puts every task of a batch-9..16 build on wgmma: build it with MK_WGMMA_A, MK_NTILES=2");
+static_assert(false, "MK_WGA_ONLY: every task of a batch-9..16 build on wgmma; build it with MK_WGMMA_A, MK_NTILES=2");
 #endif
 #if MK_WGA_NWS && !(MK_WGMMA_A && MK_WGA_X == 2)
 static_assert(false, "MK_WGA_NWS is MK_WGA_X = 2's norm-weight staging: build it with MK_WGMMA_A and MK_WGA_X=2");

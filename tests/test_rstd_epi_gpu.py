@@ -72,10 +72,10 @@ def test_x_groups_with_rstd_epi_matches_the_reference(models, name, bsz):
     assert_repeatable_step(dec, spec, w, batch, cs)
 
 
-@pytest.mark.parametrize("name,bsz,wgmma,only", [("llama-3.2-1b", 3, 0, ""), ("llama-3.2-1b", 8, 0, ""),
-                                                 ("llama-3.2-1b", 12, 0, ""), ("llama-3.2-1b", 12, 4, ""),
-                                                 ("llama-3.2-1b", 12, 4, "wga_only"), ("llama-3.1-8b", 16, 4, "wga_only"),
-                                                 ("llama-3.2-1b", 1, 0, "x_whole"), ("llama-3.1-8b", 1, 0, "x_whole")])
+@pytest.mark.parametrize("name,bsz,wgmma,only", [
+    ("llama-3.2-1b", 3, 0, ""), ("llama-3.2-1b", 8, 0, ""), ("llama-3.2-1b", 12, 0, ""), ("llama-3.2-1b", 12, 4, ""),
+    ("llama-3.2-1b", 12, 4, "wga_only"), ("llama-3.1-8b", 16, 4, "wga_only"),
+    ("llama-3.2-1b", 1, 0, "x_whole"), ("llama-3.1-8b", 1, 0, "x_whole")])
 def test_ntiles_builds_one_batch_class_bit_for_bit(models, name, bsz, wgmma, only, monkeypatch):
     """MK_NTILES (session 49's A/B): each batch size runs the build of its own class, bit for bit the default build's
     step (the same code path, the other class compiled out; with MK_WGA_ONLY every task on the wgmma path, with

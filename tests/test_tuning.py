@@ -424,7 +424,8 @@ def test_ntiles_builds_are_per_batch_class():
 
     assert [batch_class(b) for b in (1, 8, 9, 16)] == [1, 1, 2, 2]
     on = KernelVariant(ntiles=1)
-    assert on.for_batch(3) == on and on.for_batch(9) == KernelVariant(ntiles=2) and "-DMK_NTILES=2" in on.for_batch(16).defines()
+    assert on.for_batch(3) == on and on.for_batch(9) == KernelVariant(ntiles=2)
+    assert "-DMK_NTILES=2" in on.for_batch(16).defines()
     assert KernelVariant().for_batch(12) == KernelVariant() and "ntiles=2" in on.for_batch(12).label()
     for bad in (3, True, -1):
         with pytest.raises(ValueError, match="ntiles="):
@@ -456,8 +457,9 @@ def test_wga_only_builds_where_every_task_has_whole_chunks():
     with pytest.raises(ValueError, match="wga_only puts every task"):
         KernelVariant(w_tma=True, wgmma_a=4, wga_only=True)
     wide = replace(spec, intermediate_size=8192)   # down's K: 1 row of 8192 fits the scratch, 4 do not
-    one = MegakernelDecoder(wide, random_weights(wide), 16, "cpu", num_sms=6, variant=KernelVariant(ntiles=1, x_whole=True))
-    assert one.variant_for(1) == KernelVariant(ntiles=1, x_whole=True) and one.variant_for(1).stages_x_whole(8192, 16, True)
+    xw = KernelVariant(ntiles=1, x_whole=True)
+    one = MegakernelDecoder(wide, random_weights(wide), 16, "cpu", num_sms=6, variant=xw)
+    assert one.variant_for(1) == xw and xw.stages_x_whole(8192, 16, True)
     assert one.variant_for(4) == KernelVariant(ntiles=1) and one.variant_for(16) == KernelVariant(ntiles=2)
     with pytest.raises(ValueError, match="x_whole stages every task"):
         KernelVariant(ntiles=1, x_whole=True, x_groups=True)

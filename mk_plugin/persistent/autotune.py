@@ -66,9 +66,9 @@ def effective_tasks(spec, op: str, factor: float, num_sms: int) -> int:
 
 def stages_some_x_whole(spec, batch: int, tuning: ScheduleTuning, *, lm_head: bool = True) -> bool:
     """Whether the tuning's ring depth stages some matvec task's x whole at this batch size, asked per task as
-    csrc/megakernel.cu matvec_dispatch asks it: each task's reduction width (tasks.task_k_widths: a K-split task's part),
-    a norm-fused op with its weight row (KernelLayout.staged_fits), none on the wgmma path (csrc/wga_x.cuh wga_takes:
-    batch > 8, whole 256-column chunks). Where none is, x_groups changes only the build (the whole-x code compiled
+    csrc/megakernel.cu matvec_dispatch asks it: each task's reduction width (tasks.task_k_widths: a K-split task's
+    part), a norm-fused op with its weight row (KernelLayout.staged_fits), none on the wgmma path (csrc/wga_x.cuh
+    wga_takes: batch > 8, whole 256-column chunks). Where none is, x_groups changes only the build (the whole-x code compiled
     out), not the path any task takes."""
     layout = LAYOUT.with_stages(tuning.num_stages or LAYOUT.num_stages)
     for op, widths in task_k_widths(spec, tuning, lm_head=lm_head).items():

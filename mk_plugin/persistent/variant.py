@@ -141,10 +141,11 @@ class KernelVariant:
     # cause? A decoder whose variant has ntiles != 0 builds each batch size's kernel for its own class (variant_for);
     # the kernel's header check refuses a batch of the other class (HeaderCheck.BATCH).
     ntiles: int = 0
-    # MK_WGA_ONLY (A/B switch, session 49; off; needs ntiles; applies to builds with wgmma_a): where every matvec task of a batch-9..16
-    # program has whole 256-column chunks (tasks.task_k_widths), every task takes the wgmma path, so matvec_task<2> and
-    # the producer's default chunk loop leave that batch's build too (1B b16's table build: 4167 more instructions). The
-    # decoder keeps it only for such a batch size's build (for_batch; MegakernelDecoder.variant_for checks the widths).
+    # MK_WGA_ONLY (A/B switch, session 49; off; needs ntiles; applies to builds with wgmma_a): where every matvec task
+    # of a batch-9..16 program has whole 256-column chunks (tasks.task_k_widths), every task takes the wgmma path, so
+    # matvec_task<2> and the producer's default chunk loop leave that batch's build too (1B b16's table build: 4167 more
+    # instructions). The decoder keeps it only for such a batch size's build (for_batch; MegakernelDecoder.variant_for
+    # checks the widths).
     wga_only: bool = False
     # MK_X_WHOLE (A/B switch, session 49; off; needs ntiles, not x_groups): where every matvec task of a program stages
     # its x whole (1B and 8B at batch 1), staged_fits is constant true, so the column-group path leaves the build (the

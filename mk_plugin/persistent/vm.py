@@ -226,8 +226,6 @@ def _normed(st: VMState, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _rnd(_norm_elem(st, x.float(), r[:, None], w.float()[None, :]), st.dtype)
 
 
-
-
 def _epi_rstd(st: VMState, x: torch.Tensor) -> bool:
     """Whether the kernel scales a norm-fused op's sums by 1/rms in the epilogue: MK_RSTD_EPI where x is not staged
     whole (the column-group path), MK_WGA_X where the task takes MK_WGMMA_A's path."""
