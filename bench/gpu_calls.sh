@@ -46,9 +46,9 @@
 #                  1B b4 phase traces of both builds (~250 s)
 #   xg_tables      session 48's table entries (x_groups, 8B b12 / b16's NWS + gate pair): GPU tests, the batch sizes they
 #                  serve unmeasured against the table without them, and on an H100 its own 1B b4 entry with x_groups
-#   ntiles         MK_NTILES (a build per batch class: the other class's matvec path compiled out) after its GPU test,
-#                  1B b1 / 8 / 16 (NTILES_MORE=1: b4 / 10 too), MK_WGA_ONLY (every task on wgmma) at b16, MK_X_WHOLE
-#                  (every x staged whole) at b1, 2 rounds (~400 s)
+#   ntiles         MK_NTILES (a build per batch class: the other class's matvec path compiled out) at 1B b1 / 8 / 16
+#                  (NTILES_MORE=1: b4 / 10 too), MK_WGA_ONLY (every task on wgmma) at b16, MK_X_WHOLE (every x staged
+#                  whole) at b1, 2 rounds, then their GPU test (~400 s)
 #   ntiles_8b      the same at 8B b1 / 8 / 16 and xg_wide's 1B half (~500 s)
 #   xg_wide        MK_X_GROUPS where nothing is staged whole (1B b8 / 10 / 16, 8B b1 / 8 / 10 / 16): the build without the
 #                  whole-x code, 2 rounds (~200 s)
@@ -314,10 +314,9 @@ for e in d["entries"]:
     # Is code size what made session 48's x_groups build of the same program 1.4% faster at 1B b8? Predicted (H100):
     # 1B b1 / b4 / b8 -1..-2%, b10 / b16 -0.5..-1.5%; MK_WGA_ONLY on top at b10 / b16 (every task on wgmma: b16's build
     # 21.4k -> 13.7k instructions) -1..-2% more. Rule: the default (variant_for) where >= 1% in both rounds at every
-    # batch measured and nothing slower; the GPU test (bitwise against the default build, the other class's build
-    # refused)
-    # MK_X_WHOLE at b1 (every x staged whole: the column-group path out too, 1B b1's build 14.0k -> 8.9k) -1..-2% more
-    # (the A/Bs first: mk_ab checks every build's step against the first's before timing; the GPU test last)
+    # batch measured and nothing slower. MK_X_WHOLE at b1 (every x staged whole: the column-group path out too, 1B b1's
+    # build 14.0k -> 8.9k) -1..-2% more. The A/Bs first (mk_ab checks every build's step against the first's before
+    # timing), the GPU test last (bitwise against the default build, the other class's build refused)
     ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_X_WHOLE=1
     ab 100 llama-3.2-1b --batch 16 --rounds 2 --build default --build MK_NTILES=1 --build MK_NTILES=1,MK_WGA_ONLY=1
     ab 80 llama-3.2-1b --batch 8 --rounds 2 --build default --build MK_NTILES=1
