@@ -261,9 +261,6 @@ __device__ __forceinline__ unsigned wga_task(const Smem& S, const Params& P, con
 #if MK_WGA_X && !MK_WGMMA_A
 static_assert(false, "MK_WGA_X is MK_WGMMA_A's x staging: build it with MK_WGMMA_A");
 #endif
-#if MK_X_WHOLE && (MK_X_GROUPS || !MK_NTILES)
-static_assert(false, "MK_X_WHOLE stages every task's x whole: build it with MK_NTILES and without MK_X_GROUPS");
-#endif
 #if MK_WGA_ONLY && !(MK_WGMMA_A && MK_NTILES == 2)
 static_assert(false, "MK_WGA_ONLY: every task of a batch-9..16 build on wgmma; build it with MK_WGMMA_A, MK_NTILES=2");
 #endif

@@ -184,6 +184,9 @@ __device__ __forceinline__ void group_frags(unsigned (&xb)[JMAX][NT][2], const u
 // scratch (staged_fits). Ends with consumer_sync().
 constexpr int STAGE_PART_BYTES = 4 * CONSUMER_WARPS * MAX_BATCH;  // per-warp row sums, end of scratch
 
+#if MK_X_WHOLE && (MK_X_GROUPS || !MK_NTILES)
+static_assert(false, "MK_X_WHOLE stages every task's x whole: build it with MK_NTILES and without MK_X_GROUPS");
+#endif
 __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   if (MK_X_GROUPS) return false;   // A/B switch (session 47): x by column groups at every batch size
   if (MK_X_WHOLE) return true;     // A/B switch (session 49): the host found every task's x fits (variant_for)

@@ -32,8 +32,10 @@ def _widths(spec: LlamaSpec) -> dict[str, int]:
 
 
 def test_the_kernel_condition_is_the_one_checked_here():
-    from mk_plugin.persistent import vm
-    assert _kernel_chunk_cols() == 256 == vm.WGA_KC   # the VM's copy of the condition (vm._epi_rstd) too
+    from mk_plugin.persistent import encoding
+    # the host's copy of the condition (encoding.wga_takes: the VM's _epi_rstd, the autotuner, the decoder) too
+    assert _kernel_chunk_cols() == 256 == encoding.WGA_KC
+    assert encoding.wga_takes(256, 9) and not encoding.wga_takes(256, 8) and not encoding.wga_takes(320, 16)
     assert re.search(r"bool wga_takes\(int K, int B\) \{\s+return MK_WGA_ONLY \|\| \(batch_ntiles\(B\) == 2 && "
                      r"K % WGA_KC == 0\);\s+\}", SRC)   # MK_WGA_ONLY: where the host found every K whole chunks
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import compare
-from .encoding import LAYOUT, STAGE_CHOICES, WGA_KC
+from .encoding import LAYOUT, STAGE_CHOICES, wga_takes
 from .tasks import NORM_FUSED_OPS, attention_chunks, op_units, task_k_widths
 from .tensormap import check_model, check_weights_model
 from .tuning import (
@@ -72,7 +72,7 @@ def stages_some_x_whole(spec, batch: int, tuning: ScheduleTuning, *, lm_head: bo
     out), not the path any task takes."""
     layout = LAYOUT.with_stages(tuning.num_stages or LAYOUT.num_stages)
     for op, widths in task_k_widths(spec, tuning, lm_head=lm_head).items():
-        widths = {w for w in widths if not (tuning.wgmma_a and batch > 8 and w % WGA_KC == 0)}
+        widths = {w for w in widths if not (tuning.wgmma_a and wga_takes(w, batch))}
         if any(layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for w in widths):
             return True
     return False

@@ -49,9 +49,9 @@ from .encoding import (
     TRACE_WORDS,
     VERSION,
     WATCHDOG_MS_MAX,
-    WGA_KC,
     Buf,
     spec_hash,
+    wga_takes,
 )
 from .errors import MegakernelHang, ProgramMismatch
 from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
@@ -173,8 +173,10 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
         v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
+        if not (v.wga_only or v.x_whole):   # (this runs every eager step: the widths only where a switch asks)
+            return v
         widths = task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
-        if v.wga_only and any(w % WGA_KC for ws in widths.values() for w in ws):
+        if v.wga_only and not all(wga_takes(w, batch) for ws in widths.values() for w in ws):
             v = replace(v, wga_only=False)   # a task whose chunks are not whole keeps the default path
         if v.x_whole and not all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS)
                                  for op, ws in widths.items() for w in ws):

@@ -24,7 +24,6 @@ from ..spec import LlamaSpec
 from ..weights import ModelWeights
 from .encoding import (
     TASK_FIELDS,
-    WGA_KC,
     Buf,
     DecodedProgram,
     Opcode,
@@ -32,6 +31,7 @@ from .encoding import (
     decode,
     ksplit_parts,
     ksplit_range,
+    wga_takes,
 )
 from .graph import FusedOp
 from .schedule import FallbackStep, Program, Segment
@@ -230,7 +230,7 @@ def _epi_rstd(st: VMState, x: torch.Tensor) -> bool:
     """Whether the kernel scales a norm-fused op's sums by 1/rms in the epilogue: MK_RSTD_EPI where x is not staged
     whole (the column-group path), MK_WGA_X where the task takes MK_WGMMA_A's path."""
     v, (b, k) = st.variant, x.shape
-    if v.wgmma_a and v.wga_x and b > 8 and k % WGA_KC == 0:
+    if v.wgmma_a and v.wga_x and wga_takes(k, b):
         return True
     return v.rstd_epi and not v.stages_x_whole(k, b, True)
 
