@@ -12,7 +12,9 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
 A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and program items:
 ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
 (tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
-ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only). A/B rows are
+ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only), and the decoder item
+class_builds=0 (MegakernelDecoder(class_builds=False): every batch size on the build of both batch classes, the
+default before session 50, where batch 1 runs MK_NTILES + MK_X_WHOLE's build). A/B rows are
 not appended to mk_step.csv (like mk_step.py --define, they are not the tuned program's step): every row goes to
 bench/results/mk_ab.csv (--csv), with its build and round.
 """
@@ -22,6 +24,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,28 +44,42 @@ CSV = common.RESULTS / "mk_ab.csv"
 CSV_HEADER = ("date", "gpu", "commit", "shape", "batch", "ctx", "build", "round", "step_us", "gbps")
 
 
-def parse_build(text: str) -> tuple[KernelVariant, ScheduleTuning | None]:
+class Build(NamedTuple):
+    """One --build: the decoder's kernel variant, a tuning forced on every batch size (None: the configured
+    tuning) and the decoder's class_builds."""
+    variant: KernelVariant
+    tuning: ScheduleTuning | None = None
+    class_builds: bool = True
+
+
+def parse_build(text: str) -> Build:
     """"default" (or "") -> the default build; "A=1,B=2" -> KernelVariant.parse (its errors name the value);
     items "ksplit.OP=N" cut OP over K in N parts (tuning.ksplit, every batch size) instead of the configured
-    tuning."""
+    tuning; "class_builds=0" turns the decoder's per-class builds off."""
     items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "default"]
     ks = parse_ksplit(i.removeprefix("ksplit.") for i in items if i.startswith("ksplit."))
     chunks = [i.removeprefix("chunks=") for i in items if i.startswith("chunks=")]
     if len(chunks) > 1 or (chunks and not chunks[0].isdigit()):
         raise ValueError(f"build {text!r}: give one chunks=N (attention KV chunks per request and kv head)")
+    cb = [i.removeprefix("class_builds=") for i in items if i.startswith("class_builds=")]
+    if len(cb) > 1 or (cb and cb[0] not in ("0", "1")):
+        raise ValueError(f"build {text!r}: class_builds takes 0 or 1, once")
     pieces = "piece_deps" in items
     tuning = None
     if ks or chunks or pieces:   # validates op, parts and chunk count
         tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0, piece_deps=pieces)
-    return KernelVariant.parse([i for i in items if not i.startswith(("ksplit.", "chunks=")) and i != "piece_deps"]), tuning
+    rest = [i for i in items if not i.startswith(("ksplit.", "chunks=", "class_builds=")) and i != "piece_deps"]
+    return Build(KernelVariant.parse(rest), tuning, cb != ["0"])
 
 
-def build_label(variant: KernelVariant, tuning: ScheduleTuning | None = None) -> str:
+def build_label(build: Build) -> str:
     """The header label ab_table.py reads: "default", or the defines as mk_step's --define flags give them,
-    then a forced tuning's label."""
-    words = [f"--define {x.removeprefix('-D')}" for x in variant.defines()]
-    if tuning is not None:
-        words.append(f"tuning {tuning.label()}")
+    then a forced tuning's label and class_builds=0 where it is off."""
+    words = [f"--define {x.removeprefix('-D')}" for x in build.variant.defines()]
+    if build.tuning is not None:
+        words.append(f"tuning {build.tuning.label()}")
+    if not build.class_builds:
+        words.append("class_builds=0")
     return " ".join(words) or "default"
 
 
@@ -75,22 +92,22 @@ def check_builds(variants, decs, inputs, cs) -> list[bool]:
     for bsz, (hidden, pos, caches, bt, sl, slots, _, _) in inputs.items():
         pristine = [c.clone() for c in caches]
         first = None
-        for i, ((v, tuning), dec) in enumerate(zip(variants, decs)):
+        for i, (bd, dec) in enumerate(zip(variants, decs)):
             for c, p in zip(caches, pristine):
                 c.copy_(p)
             out = poison_(torch.empty_like(hidden))
             dec(hidden, pos, caches, bt, sl, slots, cs, out=out)
-            if v.diag and first is not None:
-                print(f"check batch {bsz} {build_label(v, tuning)}: not compared (MK_DIAG: timing only, wrong results)")
+            if bd.variant.diag and first is not None:
+                print(f"check batch {bsz} {build_label(bd)}: not compared (MK_DIAG: timing only, wrong results)")
                 continue
             if first is None:
                 first = out.clone()
                 ok = bool(torch.isfinite(out.float()).all())
-                print(f"check batch {bsz} {build_label(v, tuning)}: {'finite' if ok else 'NON-FINITE'} (the reference build)")
+                print(f"check batch {bsz} {build_label(bd)}: {'finite' if ok else 'NON-FINITE'} (the reference build)")
             else:
                 c = compare(out, first, out.dtype, "drift")
                 ok = c["pass"]
-                print(f"check batch {bsz} {build_label(v, tuning)}: rel_fro {c['rel_fro']:.2e} max_abs {c['max_abs']:.3g} "
+                print(f"check batch {bsz} {build_label(bd)}: rel_fro {c['rel_fro']:.2e} max_abs {c['max_abs']:.3g} "
                       f"against the first build: {'ok' if ok else 'MISMATCH, left out of the rounds'}")
             agree[i] = agree[i] and ok
         for c, p in zip(caches, pristine):
@@ -122,12 +139,13 @@ def main() -> None:
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     decs = []
-    for v, tuning in variants:   # compile and prepare every build before the first timed row
-        tun = cfg.tuning if tuning is None else {b: tuning for b in range(1, max(args.batch) + 1)}
-        dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=v, tuning=tun, watchdog_ms=cfg.watchdog_ms)
+    for bd in variants:   # compile and prepare every build before the first timed row
+        tun = cfg.tuning if bd.tuning is None else {b: bd.tuning for b in range(1, max(args.batch) + 1)}
+        dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=bd.variant, tuning=tun,
+                                watchdog_ms=cfg.watchdog_ms, class_builds=bd.class_builds)
         dec.prepare(args.batch)
         decs.append(dec)
-        print(f"built {build_label(v, tuning)}", flush=True)
+        print(f"built {build_label(bd)}", flush=True)
     inputs = {}
     for bsz in args.batch:
         seq = [args.ctx] * bsz
@@ -139,10 +157,10 @@ def main() -> None:
     print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {commit}, gpu {gpu}, reps {args.reps}")
     agree = check_builds(variants, decs, inputs, cs)
     for r in range(1, args.rounds + 1):
-        for (v, tuning), dec, ok in zip(variants, decs, agree):
+        for bd, dec, ok in zip(variants, decs, agree):
             if not ok:
                 continue
-            print(f"== round {r} {group}: {build_label(v, tuning)}")
+            print(f"== round {r} {group}: {build_label(bd)}")
             for bsz in args.batch:
                 hidden, pos, caches, bt, sl, slots, out, nbytes = inputs[bsz]
                 fn = functools.partial(dec, hidden, pos, caches, bt, sl, slots, cs, out=out)
@@ -150,7 +168,7 @@ def main() -> None:
                 bps = nbytes / (us * 1e-6)
                 print(f"megakernel {bsz:>5} {us:>9.1f} {bps / 1e9:>8.0f} {100 * bps / common.HBM_BYTES_PER_S:>12.1f}%", flush=True)
                 common.append_csv(args.csv, CSV_HEADER, [[date, gpu, commit, spec.name, bsz, args.ctx,
-                                                          build_label(v, tuning), r, f"{us:.1f}", f"{bps / 1e9:.0f}"]])
+                                                          build_label(bd), r, f"{us:.1f}", f"{bps / 1e9:.0f}"]])
 
 
 if __name__ == "__main__":

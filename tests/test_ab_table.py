@@ -64,32 +64,44 @@ def test_a_log_without_the_default_build_is_refused():
 def test_mk_ab_builds_and_labels_read_back_by_the_table():
     """bench/mk_ab.py's build strings parse to variants whose header labels ab_table.parse reads back."""
     import mk_ab
-    v, vt = mk_ab.parse_build("MK_RELEASE_GATE=96,MK_NUM_STAGES=5")
-    assert vt is None and mk_ab.build_label(v) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
-    assert mk_ab.build_label(*mk_ab.parse_build("default")) == "default"
-    assert mk_ab.build_label(*mk_ab.parse_build("")) == "default"
-    k, kt = mk_ab.parse_build("ksplit.o_proj=2,ksplit.down=4")   # a program item: tuning.ksplit
-    assert k == mk_ab.parse_build("default")[0] and kt.ksplit == (("down", 4), ("o_proj", 2))
-    assert mk_ab.build_label(k, kt) == "tuning down/k4,o_proj/k2"
-    log = (f"== round 1 1b: {mk_ab.build_label(*mk_ab.parse_build('default'))}\nmegakernel    16    1400.0  1 1%\n"
-           f"== round 1 1b: {mk_ab.build_label(v)}\nmegakernel    16    1300.0  1 1%\n"
-           f"== round 1 1b: {mk_ab.build_label(k, kt)}\nmegakernel    16    1200.0  1 1%\n")
+    b = mk_ab.parse_build("MK_RELEASE_GATE=96,MK_NUM_STAGES=5")
+    v = b.variant
+    assert b.tuning is None and b.class_builds
+    assert mk_ab.build_label(b) == " ".join(f"--define {d.removeprefix('-D')}" for d in v.defines())
+    assert mk_ab.build_label(mk_ab.parse_build("default")) == "default"
+    assert mk_ab.build_label(mk_ab.parse_build("")) == "default"
+    k = mk_ab.parse_build("ksplit.o_proj=2,ksplit.down=4")   # a program item: tuning.ksplit
+    assert k.variant == mk_ab.parse_build("default").variant and k.tuning.ksplit == (("down", 4), ("o_proj", 2))
+    assert mk_ab.build_label(k) == "tuning down/k4,o_proj/k2"
+    off = mk_ab.parse_build("class_builds=0,MK_RELEASE_GATE=96")   # a decoder item: class_builds
+    assert not off.class_builds and off.variant == v.__class__(release_gate=96)
+    assert mk_ab.build_label(off) == "--define MK_RELEASE_GATE=96 class_builds=0"
+    assert mk_ab.build_label(mk_ab.parse_build("class_builds=1")) == "default"
+    log = (f"== round 1 1b: {mk_ab.build_label(mk_ab.parse_build('default'))}\nmegakernel    16    1400.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(b)}\nmegakernel    16    1300.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(k)}\nmegakernel    16    1200.0  1 1%\n"
+           f"== round 1 1b: {mk_ab.build_label(mk_ab.parse_build('class_builds=0'))}\nmegakernel    16    1500.0  1 1%\n")
     builds = ab_table.parse(log.splitlines())
     assert builds["default"][("1b", 16)] == [1400.0]
-    assert builds[mk_ab.build_label(v).replace("--define ", "")][("1b", 16)] == [1300.0]
+    assert builds[mk_ab.build_label(b).replace("--define ", "")][("1b", 16)] == [1300.0]
     assert builds["tuning down/k4,o_proj/k2"][("1b", 16)] == [1200.0]
+    assert builds["class_builds=0"][("1b", 16)] == [1500.0]
     with pytest.raises(ValueError, match="MK_NOPE"):
         mk_ab.parse_build("MK_NOPE=1")
+    with pytest.raises(ValueError, match="class_builds takes 0 or 1"):
+        mk_ab.parse_build("class_builds=2")
     with pytest.raises(ValueError, match="ksplit parts 9 for down"):
         mk_ab.parse_build("ksplit.down=9")
     with pytest.raises(ValueError, match="ksplit item 'down': give OP=N"):   # an item without its parts
         mk_ab.parse_build("ksplit.down")
-    c, ct = mk_ab.parse_build("MK_ATT_TMA=128,chunks=4")   # a program item: tuning.attn_chunks
-    assert c.att_tma == 128 and ct.attn_chunks == 4 and ct.ksplit == () and mk_ab.build_label(c, ct).endswith("tuning chunks4")
+    c = mk_ab.parse_build("MK_ATT_TMA=128,chunks=4")   # a program item: tuning.attn_chunks
+    assert c.variant.att_tma == 128 and c.tuning.attn_chunks == 4 and c.tuning.ksplit == ()
+    assert mk_ab.build_label(c).endswith("tuning chunks4")
     with pytest.raises(ValueError, match="give one chunks=N"):
         mk_ab.parse_build("chunks=x")
-    q, qt = mk_ab.parse_build("ksplit.down=4,piece_deps")   # a program item: tuning.piece_deps
-    assert q == mk_ab.parse_build("default")[0] and qt.piece_deps and mk_ab.build_label(q, qt) == "tuning down/k4,piece_deps"
+    q = mk_ab.parse_build("ksplit.down=4,piece_deps")   # a program item: tuning.piece_deps
+    assert q.variant == mk_ab.parse_build("default").variant and q.tuning.piece_deps
+    assert mk_ab.build_label(q) == "tuning down/k4,piece_deps"
     with pytest.raises(ValueError, match="attn_chunks=99"):
         mk_ab.parse_build("chunks=99")
 
@@ -110,7 +122,7 @@ def test_mk_ab_check_leaves_out_a_build_that_disagrees_with_the_first():
     w = random_weights(spec, device="cpu")
     cs = ref.rope_cos_sin_cache(spec, 64)
     variants = [mk_ab.parse_build(b) for b in ("default", "MK_ROUNDING=1", "default")]
-    decs = [MegakernelDecoder(spec, w, 3, "cpu", variant=v) for v, _ in variants]
+    decs = [MegakernelDecoder(spec, w, 3, "cpu", variant=b.variant) for b in variants]
 
     class Off:   # the third build: right program, wrong answer
         def __call__(self, hidden, *a, out, **k):

@@ -146,7 +146,7 @@ def test_decoder_keeps_one_kernel_per_ring_depth(monkeypatch):
     from mk_plugin.persistent.variant import KernelVariant
     dec = MegakernelDecoder(SPEC, w, 4, "cpu", num_sms=SMS, tuning={2: ScheduleTuning(num_stages=5),
                                                                     3: ScheduleTuning(num_stages=5)},
-                            variant=KernelVariant(rounding=Rounding.STOCK))
+                            variant=KernelVariant(rounding=Rounding.STOCK), class_builds=False)
     m1, m2, m3 = dec.module(1), dec.module(2), dec.module(3)
     assert isinstance(m1, runtime.MegakernelModule) and m2 is m3 and m1 is not m2
     assert m1.variant.defines() == ("-DMK_ROUNDING=1",)

@@ -77,20 +77,22 @@ def test_x_groups_with_rstd_epi_matches_the_reference(models, name, bsz):
     ("llama-3.2-1b", 12, 4, "wga_only"), ("llama-3.1-8b", 16, 4, "wga_only"),
     ("llama-3.2-1b", 1, 0, "x_whole"), ("llama-3.1-8b", 1, 0, "x_whole")])
 def test_ntiles_builds_one_batch_class_bit_for_bit(models, name, bsz, wgmma, only, monkeypatch):
-    """MK_NTILES (session 49's A/B): each batch size runs the build of its own class, bit for bit the default build's
-    step (the same code path, the other class compiled out; with MK_WGA_ONLY every task on the wgmma path, with
-    MK_X_WHOLE every x staged whole, as they were); a build of the other class refuses the program in its header check
-    (HeaderCheck.BATCH) and writes nothing."""
+    """MK_NTILES (session 49's A/B): each batch size runs the build of its own class, bit for bit the build of both
+    classes' step (the same code path, the other class compiled out; with MK_WGA_ONLY every task on the wgmma path, with
+    MK_X_WHOLE every x staged whole, as they were: since session 50 the decoder's default at batch 1, class_builds); a
+    build of the other class refuses the program in its header check (HeaderCheck.BATCH) and writes nothing."""
     from mk_plugin.persistent.encoding import ErrorCode, HeaderCheck
 
     spec, w = models(name, 2)
     batch = gpu_batch(spec, [(37 * i + 5) % 300 + 1 for i in range(bsz)], seed=bsz + 71)
     cs = ref.rope_cos_sin_cache(spec, 400).to(DEV)
     base = KernelVariant(w_tma=True, wgmma_a=wgmma) if wgmma else KernelVariant()
-    plain = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=base)
+    plain = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=base, class_builds=False)
     on = {only: True} if only else {}
     dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off", variant=replace(base, ntiles=1, **on))
     assert dec.variant_for(bsz) == replace(base, ntiles=1 if bsz <= 8 else 2, **on)
+    if only == "x_whole":   # session 50: the decoder's default (class_builds) at batch 1 is this build
+        assert MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning="off").variant_for(bsz) == dec.variant_for(bsz)
     assert steps_equal(run_mk(plain, spec, w, batch, cs), run_mk(dec, spec, w, batch, cs))
     wrong = replace(dec.variant_for(bsz), wga_only=False).for_batch(1 if bsz > 8 else 9)   # the other class's build
     monkeypatch.setattr(dec, "variant_for", lambda b: wrong)

@@ -110,10 +110,10 @@ def test_a_model_with_eight_heads_per_kv_head_runs_without_the_ring_path(caplog)
     spec = replace(LlamaSpec.tiny(), num_q_heads=8, num_kv_heads=1, head_dim=64, hidden_size=512)
     with caplog.at_level(logging.WARNING, logger="vllm.mk_plugin.persistent"):
         dec = MegakernelDecoder(spec, random_weights(spec), 2, "cpu", num_sms=6, variant=KernelVariant(att_tma=128),
-                                tuning={2: ScheduleTuning(att_tma=64)})
+                                tuning={2: ScheduleTuning(att_tma=64)}, class_builds=False)
     assert dec.variant == KernelVariant() and dec.variant_for(1) == dec.variant_for(2) == KernelVariant()
     assert sum("ring-fed" in r.getMessage() for r in caplog.records) == 1 and "has 8" in caplog.text, caplog.text
     ok = MegakernelDecoder(LlamaSpec.tiny(), random_weights(LlamaSpec.tiny()), 2, "cpu", num_sms=6,
-                           tuning={2: ScheduleTuning(att_tma=64)})
+                           tuning={2: ScheduleTuning(att_tma=64)}, class_builds=False)
     # G = 2: the path stays on where the tuning asks for it (a batch's variant, like its ring depth)
     assert ok.variant == ok.variant_for(1) == KernelVariant() and ok.variant_for(2) == KernelVariant(att_tma=64)

@@ -118,7 +118,7 @@ def test_a_tunings_inflight_cap_is_its_batch_variant():
     from mk_plugin.weights import random_weights
 
     spec = LlamaSpec.tiny()
-    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6,
+    dec = MegakernelDecoder(spec, random_weights(spec), 3, "cpu", num_sms=6, class_builds=False,
                             tuning={2: ScheduleTuning(inflight=2, num_stages=4)})
     assert dec.variant_for(1) == KernelVariant() and dec.variant_for(2) == KernelVariant(num_stages=4, inflight=2)
     assert dec.variant_for(2).defines() == ("-DMK_NUM_STAGES=4", "-DMK_INFLIGHT=2")
@@ -249,7 +249,8 @@ def test_a_tunings_weight_maps_are_checked_against_the_model():
     from mk_plugin.weights import random_weights
 
     ok = replace(LlamaSpec.tiny(), hidden_size=128, intermediate_size=256)
-    dec = MegakernelDecoder(ok, random_weights(ok), 2, "cpu", num_sms=6, tuning={2: ScheduleTuning(w_tma=True)})
+    dec = MegakernelDecoder(ok, random_weights(ok), 2, "cpu", num_sms=6, tuning={2: ScheduleTuning(w_tma=True)},
+                            class_builds=False)
     assert dec.variant_for(1) == KernelVariant() and dec.variant_for(2) == KernelVariant(w_tma=True)
     assert dec._wmaps is None   # the CPU executor has no weight table
     with pytest.raises(ValueError, match="MK_W_TMA needs every matrix's K to be a multiple of 64"):
@@ -463,3 +464,33 @@ def test_wga_only_builds_where_every_task_has_whole_chunks():
     assert one.variant_for(4) == KernelVariant(ntiles=1) and one.variant_for(16) == KernelVariant(ntiles=2)
     with pytest.raises(ValueError, match="x_whole stages every task"):
         KernelVariant(ntiles=1, x_whole=True, x_groups=True)
+
+
+def test_class_builds_give_batch_one_its_class_build_with_x_whole():
+    """Session 50 (H100: -2.7% at 1B batch 1, -1.2% at 8B batch 1): by default (class_builds) a batch size whose every
+    matvec task stages its x whole runs MK_NTILES + MK_X_WHOLE's build of its class, the same program bit for bit;
+    other batch sizes, a variant that sets ntiles or x_groups itself (variant or tuning), and class_builds=False keep
+    the build of both classes. variant_for is cached per batch; retune() drops its batch's entry."""
+    from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.variant import KernelVariant
+    from mk_plugin.weights import random_weights
+
+    wide = replace(LlamaSpec.tiny(), intermediate_size=8192)   # down's K: 1 row of 8192 fits the scratch, 4 do not
+    w = random_weights(wide)
+    dec = MegakernelDecoder(wide, w, 16, "cpu", num_sms=6)
+    xw = KernelVariant(ntiles=1, x_whole=True)
+    assert dec.variant_for(1) == xw and dec.variant_for(1) is dec.variant_for(1)
+    assert dec.variant_for(4) == dec.variant_for(12) == KernelVariant()
+    assert "-DMK_X_WHOLE=1" in dec.variant_for(1).defines() and "-DMK_NTILES=1" in dec.variant_for(1).defines()
+    assert MegakernelDecoder(wide, w, 2, "cpu", num_sms=6, class_builds=False).variant_for(1) == KernelVariant()
+    assert MegakernelDecoder(wide, w, 2, "cpu", num_sms=6, variant=KernelVariant(x_groups=True)).variant_for(1) == \
+        KernelVariant(x_groups=True)
+    dec.retune(1, ScheduleTuning(x_groups=True))
+    assert dec.variant_for(1) == KernelVariant(x_groups=True)
+    dec.retune(1, ScheduleTuning(ksplit=(("down", 2),)))   # a part of 4096 columns still fits at batch 1
+    assert dec.variant_for(1) == xw
+    tiny = LlamaSpec.tiny()   # every task fits at every batch size: a build per class
+    small = MegakernelDecoder(tiny, random_weights(tiny), 16, "cpu", num_sms=6)
+    assert small.variant_for(8) == xw and small.variant_for(9) == KernelVariant(ntiles=2, x_whole=True)
+    with pytest.raises(ValueError, match="class_builds=1"):
+        MegakernelDecoder(tiny, random_weights(tiny), 2, "cpu", num_sms=6, class_builds=1)

@@ -61,7 +61,7 @@ from .schedule import Program, Segment, build_program
 from .tasks import NORM_FUSED_OPS, attention_chunks, task_k_widths
 from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
 from .tuning_table import resolve, spec_tuning_key
-from .variant import KernelVariant
+from .variant import KernelVariant, batch_class
 from .watchdog import WatchdogMixin
 
 EXECUTORS = ("cuda", "vm")
@@ -78,11 +78,13 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
                  fallback: frozenset[str] = frozenset(), lm_head: bool = False, num_sms: int | None = None,
                  executor: str | None = None, trace: bool = False, watchdog_ms: int = DEFAULT_WATCHDOG_MS,
                  variant: KernelVariant | None = None, tuning: str | dict[int, ScheduleTuning] = "auto",
-                 verbose: bool = False):
+                 class_builds: bool = True, verbose: bool = False):
         """variant: what the kernel compiles in (rounding points, ring depth; variant.KernelVariant);
         a tuning's ring depth replaces the variant's for its batch sizes. tuning: per padded batch
         size, how the step is cut into tasks (persistent.tuning): a dict {batch: ScheduleTuning}
-        (missing batches: default), or an MK_TUNING setting ("auto", "off", a table file). The
+        (missing batches: default), or an MK_TUNING setting ("auto", "off", a table file). class_builds: a
+        batch size whose every matvec task stages its x whole runs a build of its batch class with the
+        column-group path compiled out (MK_NTILES + MK_X_WHOLE: the same step bit for bit; variant_for). The
         decoder reads no environment: whoever builds it passes the MK_* values (config.MkConfig)."""
         self.spec = spec
         self.weights = weights
@@ -92,6 +94,10 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         check_tokens("max_tokens", max_tokens)
         self.max_tokens = max_tokens
         self.variant = variant or KernelVariant()
+        if not isinstance(class_builds, bool):
+            raise ValueError(f"class_builds={class_builds!r} must be true or false")
+        self.class_builds = class_builds
+        self._variants: dict[tuple[int, bool], KernelVariant] = {}   # variant_for's, per (batch, _att_tma_ok)
         self.rounding = self.variant.rounding   # one source for the kernel and the VM
         self.verbose = verbose
         self.fallback = frozenset(fallback)
@@ -170,17 +176,30 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
 
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
-        depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them."""
-        # (the weight maps of a tuning's w_tma: _ensure_weight_maps)
+        depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them, and with
+        class_builds, MK_NTILES + MK_X_WHOLE where every task of the program stages its x whole."""
+        # (the weight maps of a tuning's w_tma: _ensure_weight_maps). Cached: this runs every eager step; retune()
+        # drops its batch's entry, and the attention path can only turn off (the key has it)
+        key = (batch, self._att_tma_ok)
+        if key not in self._variants:
+            self._variants[key] = self._variant_for(batch)
+        return self._variants[key]
+
+    def _variant_for(self, batch: int) -> KernelVariant:
         v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
-        if not (v.wga_only or v.x_whole):   # (this runs every eager step: the widths only where a switch asks)
+        auto = self.class_builds and not (v.ntiles or v.x_groups)
+        if not (v.wga_only or v.x_whole or auto):
             return v
         widths = task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
         if v.wga_only and not all(wga_takes(w, batch) for ws in widths.values() for w in ws):
             v = replace(v, wga_only=False)   # a task whose chunks are not whole keeps the default path
-        if v.x_whole and not all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS)
-                                 for op, ws in widths.items() for w in ws):
+        whole = all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for op, ws in widths.items() for w in ws)
+        if v.x_whole and not whole:
             v = replace(v, x_whole=False)    # a task whose x does not fit keeps the column groups
+        if auto and whole:
+            # session 50 (H100, the H200 table's programs): -2.7% at 1B batch 1 and -1.2% at 8B batch 1 against the
+            # build of both classes, where MK_NTILES alone measured +-0.5% (bench/NOTES.md session 50)
+            v = replace(v, ntiles=batch_class(batch), x_whole=True)
         return v
 
     def _wants_w_tma(self) -> bool:
@@ -286,6 +305,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
             check_weights_model(self.spec)
         self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
         self._entries.pop(batch, None)
+        self._variants = {k: v for k, v in self._variants.items() if k[0] != batch}   # variant_for's cache
         self._update_needs_maps()
         need = max(b * self.spec.num_kv_heads * self.attn_chunks(b) for b in range(1, self.max_tokens + 1))
         if need * self.spec.gqa_group * self.spec.head_dim > self.part_o.numel():
