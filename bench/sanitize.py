@@ -96,7 +96,7 @@ def main() -> int:
     finite = bool(torch.isfinite(logits[live]).all())
     ok = finite and r["pass"] and all(k["pass"] for k in kvs)
     print(f"sanitize-run {spec.name} layers={spec.num_layers} batch={args.batch} seq={seq} "
-          f"variant {variant.label()}, tuning {dec.tunings[args.batch].label()}: "
+          f"build {dec.variant_for(args.batch).label()}, tuning {dec.tunings[args.batch].label()}: "
           f"hidden rel vs triton {r['rel_fro']:.2e}, worst kv rel {max(k['rel_fro'] for k in kvs):.2e}, "
           f"logits finite {finite} -> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1

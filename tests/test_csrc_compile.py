@@ -168,16 +168,18 @@ def test_nvrtc_compiles_the_runtime_source():
 # session 35 (H100 A/B -2.3 / -2.1%): 16 / 16, which left batch 10 the only entry at 4 / 16. 8B batch 10 with wga_x 2 +
 # wga_nws (session 47, H100 A/B -2.8 / -2.8%): 32 / 32, one more 64-bit pair stored once at the kernel's start (session
 # 46's SASS: none in the chunk loops). 8B batch 12 / 16 with wga_nws + release_gate 48 + gate_ahead 2 (session 48, H100
-# A/B -2.5 / -2.7% as built): 36 / 48.
-KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {
-    ("llama-3.1-8b", 10): (32, 32), ("llama-3.1-8b", 12): (36, 48), ("llama-3.1-8b", 16): (36, 48)}
+# A/B -2.5 / -2.7% as built): 36 / 48. Since session 50 the decoder serves those entries on their class's build with
+# MK_WGA_ONLY (every task on the wgmma path, the default matvec path compiled out): none spills.
+KNOWN_TABLE_SPILLS: dict[tuple[str, int], tuple[int, int]] = {}
 
 
 def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):
     """The variant each packaged table entry compiles into its batch's kernel (tuning.tuned_variant: ring depth,
-    ring-fed attention, in-flight cap, weight maps), at the entry's model shape: no spills but the known ones (the
-    variants above are checked at the 1B shape only)."""
+    ring-fed attention, in-flight cap, weight maps; tasks.class_build: the build of its batch class where every task
+    takes one matvec path), at the entry's model shape: no spills but the known ones (the variants above are checked at
+    the 1B shape only)."""
     from mk_plugin.persistent.encoding import spec_hash
+    from mk_plugin.persistent.tasks import class_build
     from mk_plugin.persistent.tuning import tuned_variant
     from mk_plugin.persistent.tuning_table import TUNED_DIR, TuningTable
     from mk_plugin.persistent.variant import KernelVariant
@@ -196,7 +198,8 @@ def test_every_packaged_tuning_compiles_at_its_own_shape(tmp_path):
                 continue
             assert key.spec_hash in specs, f"{path.name}: an entry for a model not in bench/models ({key})"
             spec = specs[key.spec_hash]
-            defines = tuned_variant(KernelVariant(), e.tuning).defines()
+            v = tuned_variant(KernelVariant(), e.tuning).for_batch(key.batch)   # the decoder's (variant_for): since
+            defines = class_build(v, spec, e.tuning, key.batch, lm_head=key.lm_head).defines()   # session 50 per class
             jobs.setdefault((spec.name, defines), []).append(key.batch)
     assert jobs, "no packaged tuning entries found"
 

@@ -467,10 +467,11 @@ def test_wga_only_builds_where_every_task_has_whole_chunks():
 
 
 def test_class_builds_give_batch_one_its_class_build_with_x_whole():
-    """Session 50 (H100: -2.7% at 1B batch 1, -1.2% at 8B batch 1): by default (class_builds) a batch size whose every
-    matvec task stages its x whole runs MK_NTILES + MK_X_WHOLE's build of its class, the same program bit for bit;
-    other batch sizes, a variant that sets ntiles or x_groups itself (variant or tuning), and class_builds=False keep
-    the build of both classes. variant_for is cached per batch; retune() drops its batch's entry."""
+    """Session 50 (H100: -2.8% at 1B batch 1, -1.2% at 8B batch 1; -0.3..-1.6% at batch 10..16): by default
+    (class_builds) a batch size whose every matvec task stages its x whole runs MK_NTILES + MK_X_WHOLE's build of its
+    class, one whose every task takes the wgmma path MK_NTILES + MK_WGA_ONLY's, the same program bit for bit; other
+    batch sizes, a variant that sets ntiles or x_groups itself (variant or tuning), and class_builds=False keep the
+    build of both classes. variant_for is cached per batch; retune() drops its batch's entry."""
     from mk_plugin.persistent.backend import MegakernelDecoder
     from mk_plugin.persistent.variant import KernelVariant
     from mk_plugin.weights import random_weights
@@ -494,3 +495,11 @@ def test_class_builds_give_batch_one_its_class_build_with_x_whole():
     assert small.variant_for(8) == xw and small.variant_for(9) == KernelVariant(ntiles=2, x_whole=True)
     with pytest.raises(ValueError, match="class_builds=1"):
         MegakernelDecoder(tiny, random_weights(tiny), 2, "cpu", num_sms=6, class_builds=1)
+    # every task on the wgmma path (whole 256-column chunks, batch 9..16): MK_WGA_ONLY's build, x_whole moot there
+    chunky = replace(tiny, intermediate_size=512)
+    wg = KernelVariant(w_tma=True, wgmma_a=4)
+    cut = ScheduleTuning(ksplit=(("down", 3),))   # 512 columns in 3 parts of 128 / 192 / 192: not whole chunks
+    mixed = MegakernelDecoder(chunky, random_weights(chunky), 16, "cpu", num_sms=6, variant=wg, tuning={13: cut})
+    assert mixed.variant_for(12) == replace(wg, ntiles=2, wga_only=True)
+    assert mixed.variant_for(13) == replace(wg, ntiles=2, x_whole=True)   # the parts fit: staged whole instead
+    assert mixed.variant_for(4) == replace(wg, ntiles=1, x_whole=True)

@@ -51,17 +51,16 @@ from .encoding import (
     WATCHDOG_MS_MAX,
     Buf,
     spec_hash,
-    wga_takes,
 )
 from .errors import MegakernelHang, ProgramMismatch
 from .executors import CudaExecutorMixin, VMExecutorMixin, _Entry, _StepIO
 from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
-from .tasks import NORM_FUSED_OPS, attention_chunks, task_k_widths
+from .tasks import attention_chunks, class_build
 from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
 from .tuning_table import resolve, spec_tuning_key
-from .variant import KernelVariant, batch_class
+from .variant import KernelVariant
 from .watchdog import WatchdogMixin
 
 EXECUTORS = ("cuda", "vm")
@@ -84,7 +83,9 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         size, how the step is cut into tasks (persistent.tuning): a dict {batch: ScheduleTuning}
         (missing batches: default), or an MK_TUNING setting ("auto", "off", a table file). class_builds: a
         batch size whose every matvec task stages its x whole runs a build of its batch class with the
-        column-group path compiled out (MK_NTILES + MK_X_WHOLE: the same step bit for bit; variant_for). The
+        column-group path compiled out (MK_NTILES + MK_X_WHOLE), and a batch size whose every task takes the
+        wgmma path one with the default matvec path compiled out (MK_NTILES + MK_WGA_ONLY): the same step bit
+        for bit (variant_for). The
         decoder reads no environment: whoever builds it passes the MK_* values (config.MkConfig)."""
         self.spec = spec
         self.weights = weights
@@ -177,29 +178,15 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
     def variant_for(self, batch: int) -> KernelVariant:
         """The kernel variant the program of `batch` tokens runs on: the decoder's, with the ring
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them, and with
-        class_builds, MK_NTILES + MK_X_WHOLE where every task of the program stages its x whole."""
+        class_builds the build of the batch's class where every task takes one matvec path (tasks.class_build)."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps). Cached: this runs every eager step; retune()
         # drops its batch's entry, and the attention path can only turn off (the key has it)
         key = (batch, self._att_tma_ok)
-        if key not in self._variants:
-            self._variants[key] = self._variant_for(batch)
-        return self._variants[key]
-
-    def _variant_for(self, batch: int) -> KernelVariant:
-        v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
-        auto = self.class_builds and not (v.ntiles or v.x_groups)
-        if not (v.wga_only or v.x_whole or auto):
-            return v
-        widths = task_k_widths(self.spec, self.tunings[batch], lm_head=self.lm_head)
-        if v.wga_only and not all(wga_takes(w, batch) for ws in widths.values() for w in ws):
-            v = replace(v, wga_only=False)   # a task whose chunks are not whole keeps the default path
-        whole = all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for op, ws in widths.items() for w in ws)
-        if v.x_whole and not whole:
-            v = replace(v, x_whole=False)    # a task whose x does not fit keeps the column groups
-        if auto and whole:
-            # session 50 (H100, the H200 table's programs): -2.7% at 1B batch 1 and -1.2% at 8B batch 1 against the
-            # build of both classes, where MK_NTILES alone measured +-0.5% (bench/NOTES.md session 50)
-            v = replace(v, ntiles=batch_class(batch), x_whole=True)
+        v = self._variants.get(key)
+        if v is None:
+            v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
+            v = self._variants[key] = class_build(v, self.spec, self.tunings[batch], batch, lm_head=self.lm_head,
+                                                  auto=self.class_builds)
         return v
 
     def _wants_w_tma(self) -> bool:

@@ -41,12 +41,13 @@ through these chains; schedule.check_ordering proves it for a program.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..spec import LlamaSpec
-from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range
+from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range, wga_takes
 from .graph import FusedOp, decode_graph, residual_source
 from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
+from .variant import KernelVariant, batch_class
 
 # Scheduling time model (ns), fitted to the first H200 trace (2026-11-30, bench/NOTES.md v1, 1B
 # batch 1): a weight-streaming task costs TASK_FIXED_NS (counter wake-up, norm statistics, activation
@@ -211,6 +212,31 @@ def task_k_widths(spec: LlamaSpec, tuning: ScheduleTuning, *, lm_head: bool = Tr
         k, parts = weight_k(spec, op), tuning.ksplit_for(op)
         out[op] = {hi - lo for lo, hi in (ksplit_range(k, p, parts) for p in range(parts))}
     return out
+
+
+def class_build(v: KernelVariant, spec: LlamaSpec, tuning: ScheduleTuning, batch: int, *, lm_head: bool,
+                auto: bool = True) -> KernelVariant:
+    """The build that runs `batch` tokens' program under `tuning`, from the batch's variant v (tuned_variant, for_batch):
+    v's MK_WGA_ONLY / MK_X_WHOLE dropped where a task does not qualify, and with `auto` (MegakernelDecoder's
+    class_builds) and v setting neither ntiles nor x_groups, the build of batch's class with MK_X_WHOLE where every task
+    stages its x whole (csrc/x_frags.cuh staged_fits) or MK_WGA_ONLY where every task takes the wgmma path
+    (encoding.wga_takes): the same program bit for bit, with the path no task takes compiled out."""
+    auto = auto and not (v.ntiles or v.x_groups)
+    if not (v.wga_only or v.x_whole or auto):
+        return v
+    widths = task_k_widths(spec, tuning, lm_head=lm_head)
+    wga = bool(v.wgmma_a) and all(wga_takes(w, batch) for ws in widths.values() for w in ws)
+    if v.wga_only and not wga:
+        v = replace(v, wga_only=False)   # a task whose chunks are not whole keeps the default path
+    whole = all(v.layout.staged_fits(w, batch, op in NORM_FUSED_OPS) for op, ws in widths.items() for w in ws)
+    if v.x_whole and not whole:
+        v = replace(v, x_whole=False)    # a task whose x does not fit keeps the column groups
+    if auto and (whole or wga):
+        # session 50 (H100, the H200 table's programs, bench/NOTES.md): MK_X_WHOLE -2.8% at 1B batch 1 and -1.2% at 8B
+        # batch 1; MK_WGA_ONLY -0.3..-1.6% at 1B / 8B batch 10 / 12 / 16, faster in each of 18 paired rounds; MK_NTILES
+        # alone +-0.5%. (With every task on the wgmma path no task stages x: x_whole is moot there.)
+        v = replace(v, ntiles=batch_class(batch), x_whole=whole and not wga, wga_only=wga)
+    return v
 
 
 def matvec_ns(spec: LlamaSpec, name: str, units: int, num_sms: int) -> float:
