@@ -22,8 +22,8 @@ def _dec(value: float):
 def test_wrong_builds_leave_the_rounds_and_diag_builds_stay(capsys):
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     inputs = {2: (hidden, None, [torch.zeros(3)], None, None, None, None, None)}
-    variants = [(KernelVariant(), None), (KernelVariant(release_gate=48), None), (KernelVariant(release_gate=34), None),
-                (KernelVariant(diag=32, w_tma=True), None)]
+    variants = [mk_ab.Build(KernelVariant()), mk_ab.Build(KernelVariant(release_gate=48)),
+                mk_ab.Build(KernelVariant(release_gate=34)), mk_ab.Build(KernelVariant(diag=32, w_tma=True))]
     decs = [_dec(1.0), _dec(1.0), _dec(5.0), _dec(-7.0)]
     assert mk_ab.check_builds(variants, decs, inputs, None) == [True, True, False, True]
     log = capsys.readouterr().out
