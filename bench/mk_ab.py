@@ -14,7 +14,8 @@ ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,kspl
 (tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
 ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only), and the decoder item
 class_builds=0 (MegakernelDecoder(class_builds=False): every batch size on the build of both batch classes, the
-default before session 50, where batch 1 runs MK_NTILES + MK_X_WHOLE's build). A/B rows are
+default before session 50; since, a batch size whose every task takes one matvec path runs its class's build without
+the others: tasks.class_build). A/B rows are
 not appended to mk_step.csv (like mk_step.py --define, they are not the tuned program's step): every row goes to
 bench/results/mk_ab.csv (--csv), with its build and round.
 """

@@ -85,8 +85,9 @@ static_assert(MK_DTYPE_BF16, "MK_WGA_X: bf16 models only (x * w is not range-nor
 
 // Whether a pass of this task takes this path (the producer and the consumers decide alike): two n-tiles, whole
 // 256-column chunks (K, or a K-split part's width).
-// MK_WGA_ONLY (A/B switch, session 49): every task of this batch-9..16 build has whole chunks (the host checks the
-// program's widths: MegakernelDecoder.variant_for), so the default path at two n-tiles leaves the build
+// MK_WGA_ONLY (session 49; the decoder's default where it holds since session 50): every task of this batch-9..16
+// build has whole chunks (the host checks the program's widths: tasks.class_build), so the default path at two
+// n-tiles leaves the build
 __device__ __forceinline__ bool wga_takes(int K, int B) {
   return MK_WGA_ONLY || (batch_ntiles(B) == 2 && K % WGA_KC == 0);
 }

@@ -189,7 +189,7 @@ static_assert(false, "MK_X_WHOLE stages every task's x whole: build it with MK_N
 #endif
 __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   if (MK_X_GROUPS) return false;   // A/B switch (session 47): x by column groups at every batch size
-  if (MK_X_WHOLE) return true;     // A/B switch (session 49): the host found every task's x fits (variant_for)
+  if (MK_X_WHOLE) return true;     // session 50's default where it holds: the host found every task's x fits (tasks.class_build)
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 

@@ -96,7 +96,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         self.max_tokens = max_tokens
         self.variant = variant or KernelVariant()
         if not isinstance(class_builds, bool):
-            raise ValueError(f"class_builds={class_builds!r} must be true or false")  # noqa: TRY004 (a bad value, as KernelVariant says)
+            raise ValueError(f"class_builds={class_builds!r} must be true or false")  # noqa: TRY004 (a bad value)
         self.class_builds = class_builds
         self._variants: dict[tuple[int, bool], KernelVariant] = {}   # variant_for's, per (batch, _att_tma_ok)
         self.rounding = self.variant.rounding   # one source for the kernel and the VM

@@ -247,7 +247,7 @@ WGA_KC = 256
 def wga_takes(k: int, batch: int) -> bool:
     """csrc/wga_x.cuh wga_takes in an MK_WGMMA_A build: a task of reduction width k (a K-split task's part) runs on
     the wgmma path at batch > 8 (two n-tiles) with whole WGA_KC-column chunks. (MK_WGA_ONLY makes the kernel's form
-    constant true, for programs where this holds for every task: MegakernelDecoder.variant_for.)"""
+    constant true, for programs where this holds for every task: tasks.class_build.)"""
     return batch > 8 and k % WGA_KC == 0
 
 # Counters are uint32, one per COUNTER_STRIDE words (32 bytes: one L2 sector each).

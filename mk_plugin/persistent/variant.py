@@ -19,7 +19,9 @@ and MK_WARP_ARRIVE, one ring-slot release per warp, lost; session 39: MK_TICKET_
 completer's, lost at 1B b4 / b8; session 42: MK_EVICT_FIRST, the weight copies evict-first in L2, won at every shape
 and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gained nothing and left; session 43:
 MK_ATT_EARLY, attention's cached K / V loaded before the counter wait, lost at every shape but 1B b8 and left, as
-session 14's MK_ATT_PRELOAD, the same idea through shared memory, had).
+session 14's MK_ATT_PRELOAD, the same idea through shared memory, had; session 50: the builds per batch class without
+the paths a program never takes, MK_NTILES + MK_X_WHOLE / MK_WGA_ONLY, won and are the decoder's default where a
+program allows, tasks.class_build).
 """
 from __future__ import annotations
 
@@ -135,21 +137,24 @@ class KernelVariant:
     # 969 us, session 47), where the staged path restages x once per pass after the wait while the group path's copies
     # run under the chunk loop. Without rstd_epi the group path's x' is the staged path's bit for bit (rows_rstd's rstd).
     x_groups: bool = False
-    # MK_NTILES (A/B switch, session 49; 0 = off): a build of one batch class only, 1 (batch 1..8, one n-tile of 8
-    # tokens) or 2 (batch 9..16), so the compiler drops the other class's matvec path (and, at 1, the wgmma path).
-    # Session 48: the x_groups build of the same program (11% less SASS) measured -1.4% at 1B b8; is code size the
-    # cause? A decoder whose variant has ntiles != 0 builds each batch size's kernel for its own class (variant_for);
-    # the kernel's header check refuses a batch of the other class (HeaderCheck.BATCH).
+    # MK_NTILES (session 49; 0 = off): a build of one batch class only, 1 (batch 1..8, one n-tile of 8 tokens) or 2
+    # (batch 9..16), so the compiler drops the other class's matvec path (and, at 1, the wgmma path). Alone it measured
+    # +-0.5% (session 50: a function never called is never fetched); it carries MK_X_WHOLE / MK_WGA_ONLY, which the
+    # decoder builds by default where a program allows (tasks.class_build). A decoder whose variant has ntiles != 0
+    # builds each batch size's kernel for its own class (for_batch); the kernel's header check refuses a batch of the
+    # other class (HeaderCheck.BATCH).
     ntiles: int = 0
-    # MK_WGA_ONLY (A/B switch, session 49; off; needs ntiles; applies to builds with wgmma_a): where every matvec task
+    # MK_WGA_ONLY (session 49; off; needs ntiles; applies to builds with wgmma_a; the decoder's default where a program
+    # allows since session 50: -0.3..-1.6% at 1B / 8B batch 10..16, tasks.class_build): where every matvec task
     # of a batch-9..16 program has whole 256-column chunks (tasks.task_k_widths), every task takes the wgmma path, so
     # matvec_task<2> and the producer's default chunk loop leave that batch's build too (1B b16's table build: 4167 more
-    # instructions). The decoder keeps it only for such a batch size's build (for_batch; MegakernelDecoder.variant_for
-    # checks the widths).
+    # instructions). The decoder keeps it only for such a batch size's build (for_batch; tasks.class_build checks the
+    # widths).
     wga_only: bool = False
-    # MK_X_WHOLE (A/B switch, session 49; off; needs ntiles, not x_groups): where every matvec task of a program stages
+    # MK_X_WHOLE (session 49; off; needs ntiles, not x_groups; the decoder's default where a program allows since
+    # session 50: -2.8% at 1B batch 1, -1.2% at 8B, tasks.class_build): where every matvec task of a program stages
     # its x whole (1B and 8B at batch 1), staged_fits is constant true, so the column-group path leaves the build (the
-    # mirror of x_groups). The decoder keeps it only for such a batch size's build (MegakernelDecoder.variant_for).
+    # mirror of x_groups). The decoder keeps it only for such a batch size's build (tasks.class_build).
     x_whole: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
