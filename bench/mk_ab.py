@@ -84,7 +84,7 @@ def build_label(build: Build) -> str:
     return " ".join(words) or "default"
 
 
-def check_builds(variants, decs, inputs, cs) -> list[bool]:
+def check_builds(builds, decs, inputs, cs) -> list[bool]:
     """One step of every build at every batch (poisoned output, the same pristine KV cache each) against the
     first build's: within the tolerance table's whole-step bound, or the build is left out of the timed rounds
     (a fast wrong build must not reach the table). The lines say each build's distance from the first. A build with
@@ -93,7 +93,7 @@ def check_builds(variants, decs, inputs, cs) -> list[bool]:
     for bsz, (hidden, pos, caches, bt, sl, slots, _, _) in inputs.items():
         pristine = [c.clone() for c in caches]
         first = None
-        for i, (bd, dec) in enumerate(zip(variants, decs)):
+        for i, (bd, dec) in enumerate(zip(builds, decs)):
             for c, p in zip(caches, pristine):
                 c.copy_(p)
             out = poison_(torch.empty_like(hidden))
@@ -129,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
-    variants = [parse_build(b) for b in args.build]   # bad input fails here, before the GPU work
+    builds = [parse_build(b) for b in args.build]   # bad input fails here, before the GPU work
 
     from mk_plugin.config import get_config
     from mk_plugin.persistent.backend import MegakernelDecoder
@@ -140,7 +140,7 @@ def main() -> None:
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     decs = []
-    for bd in variants:   # compile and prepare every build before the first timed row
+    for bd in builds:   # compile and prepare every build before the first timed row
         tun = cfg.tuning if bd.tuning is None else {b: bd.tuning for b in range(1, max(args.batch) + 1)}
         dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=bd.variant, tuning=tun,
                                 watchdog_ms=cfg.watchdog_ms, class_builds=bd.class_builds)
@@ -156,9 +156,9 @@ def main() -> None:
         inputs[bsz] = (hidden, pos, caches, bt, sl, slots, torch.empty_like(hidden), nbytes)
     commit, gpu, date = common.git_commit(), torch.cuda.get_device_name(), common.today()
     print(f"{spec.name}: ctx {args.ctx}, {decs[0].num_sms} SMs, commit {commit}, gpu {gpu}, reps {args.reps}")
-    agree = check_builds(variants, decs, inputs, cs)
+    agree = check_builds(builds, decs, inputs, cs)
     for r in range(1, args.rounds + 1):
-        for bd, dec, ok in zip(variants, decs, agree):
+        for bd, dec, ok in zip(builds, decs, agree):
             if not ok:
                 continue
             print(f"== round {r} {group}: {build_label(bd)}")

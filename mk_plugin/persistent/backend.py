@@ -58,7 +58,7 @@ from .graph import FusedOp, residual_source
 from .program_meta import ProgramMeta, meta_mismatches, program_meta
 from .schedule import Program, Segment, build_program
 from .tasks import attention_chunks, class_build
-from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning, tuned_variant
+from .tuning import DEFAULT_TUNING, KSPLIT_MAX, ScheduleTuning
 from .tuning_table import resolve, spec_tuning_key
 from .variant import KernelVariant
 from .watchdog import WatchdogMixin
@@ -98,7 +98,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         if not isinstance(class_builds, bool):
             raise ValueError(f"class_builds={class_builds!r} must be true or false")  # noqa: TRY004 (a bad value)
         self.class_builds = class_builds
-        self._variants: dict[tuple[int, bool], KernelVariant] = {}   # variant_for's, per (batch, _att_tma_ok)
+        self._variants: dict[int, KernelVariant] = {}   # variant_for's, per batch
         self.rounding = self.variant.rounding   # one source for the kernel and the VM
         self.verbose = verbose
         self.fallback = frozenset(fallback)
@@ -180,13 +180,12 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         depth, ring-fed attention and in-flight cap of the batch's tuning where it sets them, and with
         class_builds the build of the batch's class where every task takes one matvec path (tasks.class_build)."""
         # (the weight maps of a tuning's w_tma: _ensure_weight_maps). Cached: this runs every eager step; retune()
-        # drops its batch's entry, and the attention path can only turn off (the key has it)
-        key = (batch, self._att_tma_ok)
-        v = self._variants.get(key)
+        # drops its batch's entry, _att_tma_off all of them
+        v = self._variants.get(batch)
         if v is None:
-            v = tuned_variant(self.variant, self.tunings[batch], att_tma_ok=self._att_tma_ok).for_batch(batch)
-            v = self._variants[key] = class_build(v, self.spec, self.tunings[batch], batch, lm_head=self.lm_head,
-                                                  auto=self.class_builds)
+            v = self._variants[batch] = class_build(self.variant, self.spec, self.tunings[batch], batch,
+                                                    lm_head=self.lm_head, att_tma_ok=self._att_tma_ok,
+                                                    auto=self.class_builds)
         return v
 
     def _wants_w_tma(self) -> bool:
@@ -292,7 +291,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
             check_weights_model(self.spec)
         self.tunings[batch], self.tuning_source[batch] = tuning, "retune"
         self._entries.pop(batch, None)
-        self._variants = {k: v for k, v in self._variants.items() if k[0] != batch}   # variant_for's cache
+        self._variants.pop(batch, None)   # variant_for's cache
         self._update_needs_maps()
         need = max(b * self.spec.num_kv_heads * self.attn_chunks(b) for b in range(1, self.max_tokens + 1))
         if need * self.spec.gqa_group * self.spec.head_dim > self.part_o.numel():
@@ -336,6 +335,7 @@ class MegakernelDecoder(DecoderIOMixin, WatchdogMixin, CudaExecutorMixin, VMExec
         logger.warning("megakernel: attention without the ring-fed K/V path (MK_ATT_TMA): %s", why)
         self._att_tma_ok = False
         self.variant = replace(self.variant, att_tma=0)
+        self._variants = {}   # variant_for's cache
         self._update_needs_maps()
         self._modules = {}
         if self._module is not None:   # CUDA: compiled now, in the eager step that brought the caches

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from ..spec import LlamaSpec
 from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range, wga_takes
 from .graph import FusedOp, decode_graph, residual_source
-from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning
+from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning, tuned_variant
 from .variant import KernelVariant, batch_class
 
 # Scheduling time model (ns), fitted to the first H200 trace (2026-11-30, bench/NOTES.md v1, 1B
@@ -214,13 +214,15 @@ def task_k_widths(spec: LlamaSpec, tuning: ScheduleTuning, *, lm_head: bool = Tr
     return out
 
 
-def class_build(v: KernelVariant, spec: LlamaSpec, tuning: ScheduleTuning, batch: int, *, lm_head: bool,
-                auto: bool = True) -> KernelVariant:
-    """The build that runs `batch` tokens' program under `tuning`, from the batch's variant v (tuned_variant, for_batch):
-    v's MK_WGA_ONLY / MK_X_WHOLE dropped where a task does not qualify, and with `auto` (MegakernelDecoder's
-    class_builds) and v setting neither ntiles nor x_groups, the build of batch's class with MK_X_WHOLE where every task
-    stages its x whole (csrc/x_frags.cuh staged_fits) or MK_WGA_ONLY where every task takes the wgmma path
-    (encoding.wga_takes): the same program bit for bit, with the path no task takes compiled out."""
+def class_build(base: KernelVariant, spec: LlamaSpec, tuning: ScheduleTuning, batch: int, *, lm_head: bool,
+                att_tma_ok: bool = True, auto: bool = True) -> KernelVariant:
+    """The build that runs `batch` tokens' program under `tuning` (MegakernelDecoder.variant_for): `base` with the
+    tuning's knobs (tuning.tuned_variant) in batch's class (KernelVariant.for_batch), its MK_WGA_ONLY / MK_X_WHOLE
+    dropped where a task does not qualify, and with `auto` (MegakernelDecoder's class_builds) and neither ntiles nor
+    x_groups set, the build of batch's class with MK_X_WHOLE where every task stages its x whole (csrc/x_frags.cuh
+    staged_fits) or MK_WGA_ONLY where every task takes the wgmma path (encoding.wga_takes): the same program bit for
+    bit, with the path no task takes compiled out."""
+    v = tuned_variant(base, tuning, att_tma_ok=att_tma_ok).for_batch(batch)
     auto = auto and not (v.ntiles or v.x_groups)
     if not (v.wga_only or v.x_whole or auto):
         return v
