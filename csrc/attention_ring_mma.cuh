@@ -23,7 +23,8 @@
 //     columns 2 (lane % 4), + 1: the same places), V by ldmatrix.trans as the B operand, D / 8 n-tiles.
 // Tokens outside the task's range get score -inf (p = 0) and their V rows zeroed in the tile first (0 x garbage
 // must not be NaN); the newest token (written by this launch's qkv_rope, its tile may predate the store) has its
-// K and V rows rewritten from global memory. Both only by the warp that reads those rows, before it reads them
+// K and V rows rewritten from global memory (loaded at the task's start beside q, from the request's slot_mapping
+// entry: attention_tma.cuh att_newest_row). Both only by the warp that reads those rows, before it reads them
 // (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor copy.
 // Results: the default loop's (attention.cuh) up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
 // FlashAttention's); the warps' states are merged and stored by attn_warps_store like the other loops'.
@@ -42,6 +43,10 @@ constexpr int AM_KSTEPS = D / 16;                              // score k-steps 
 constexpr int AM_NT = D / 8;                                   // P V n-tiles (8 dims each)
 constexpr int AM_GROUPS = ATT_TMA_BPS * ATT_TMA_ROWS / 8;      // 8-token groups per ring slot (8 at D = 128)
 constexpr int AM_CHUNKS = D / 8;                               // 16-byte chunks per token row
+// the newest token's staged K / V rows (2 x D elements) fit the scratch's q area (ATT_HG x D floats), 16-byte aligned
+static_assert(2 * D * (int)sizeof(elem_t) <= ATT_HG * D * 4 &&
+                  (2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D) % 4 == 0,
+              "MK_ATT_TMA: newest-row staging");
 static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_TMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
@@ -79,18 +84,30 @@ __device__ __forceinline__ unsigned am_addr(unsigned tile, int r, int c) {
   return row + ((((unsigned)c & 3u) ^ ((row >> 7) & 3u)) << 4);
 }
 
+// The newest token's staged rows [2][AM_CHUNKS] (K, then V): the scratch's q area after wo [warp][HG][D].
+__device__ __forceinline__ uint4* am_newest_rows(const float* wo) {
+  return reinterpret_cast<uint4*>(const_cast<float*>(wo) + CONSUMER_WARPS * ATT_HG * D);
+}
+
 // The rows of group `t0` (8 tokens at tile rows r0..r0+7 of the tiles kt / vt) that the MMAs must not read as they
-// landed: V of tokens outside [s_lo, s_hi) zeroed, K and V of the newest token from global memory. The warp's
-// lanes take its 8 rows x D / 8 chunks in turn, K and V together.
-__device__ __forceinline__ void am_patch(const Params& P, const Task& t, unsigned kt, unsigned vt, int r0, int t0,
-                                         int s_lo, int s_hi, int newest, int lane) {
+// landed: V of tokens outside [s_lo, s_hi) zeroed, K and V of the newest token written over with its rows from global
+// memory: under MK_ATT_NEWEST staged at the task's start by this warp (am_newest_rows: K's AM_CHUNKS 16-byte chunks,
+// then V's), else loaded here. The warp's lanes take its 8 rows x D / 8 chunks in turn.
+__device__ __forceinline__ void am_patch(const Smem& S, const Params& P, const Task& t, unsigned kt, unsigned vt,
+                                         int r0, int t0, int s_lo, int s_hi, int newest, const float* wo, int lane) {
+  const uint4* nrow = am_newest_rows(wo);
   for (int i = lane; i < 8 * AM_CHUNKS; i += 32) {
     const int rr = i / AM_CHUNKS, ch = i % AM_CHUNKS;
     const int tok = t0 + rr;
     const bool valid = tok >= s_lo && tok < s_hi;
     if (valid && tok == newest) {
       uint4 kr, vr;
-      att_newest_row(P, t, tok, ch, kr, vr);
+      if (MK_ATT_NEWEST) {
+        kr = nrow[ch];
+        vr = nrow[AM_CHUNKS + ch];
+      } else {
+        att_newest_row(S, P, t, tok, ch, kr, vr);
+      }
       st_shared_v4(am_addr(kt, r0 + rr, ch), kr);
       st_shared_v4(am_addr(vt, r0 + rr, ch), vr);
     } else if (!valid) {
@@ -98,6 +115,13 @@ __device__ __forceinline__ void am_patch(const Params& P, const Task& t, unsigne
     }
   }
   __syncwarp();
+}
+
+// The warp whose 8-token group holds token `tok` of a task whose tokens start at `lo` (group gi of a slot is taken
+// by warp gi % CONSUMER_WARPS; a slot holds ATT_TMA_BPS blocks from the task's first block).
+__device__ __forceinline__ int am_newest_warp(int lo, int tok) {
+  const int rel = tok / ATT_TMA_ROWS - lo / ATT_TMA_ROWS;
+  return ((rel % ATT_TMA_BPS) * 2 + (tok % ATT_TMA_ROWS) / 8) % CONSUMER_WARPS;
 }
 
 // One 8-token group: scores, the online-softmax update of (m, l) for row gid, and O += P V.
@@ -170,6 +194,17 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       qa[j][1] = qrow ? ld_cg_u32(qp + 16 * j + 8) : 0u;
     }
   }
+  // MK_ATT_NEWEST: the newest token's K / V rows (this launch's qkv_rope store: the counter wait orders them), in
+  // flight beside q's and staged in the scratch's q area (unused here: q is in registers) by the lanes of the warp
+  // that takes their group, for am_patch when its slot lands: loaded there, its round trip (after a block-table
+  // one) followed the slots before it on the step's chain. Registers held across the slot loop spilled at 8B.
+  if (MK_ATT_NEWEST && newest >= lo && newest < hi && warp == am_newest_warp(lo, newest) && lane < AM_CHUNKS) {
+    uint4 kr, vr;
+    att_newest_row(S, P, t, newest, lane, kr, vr);
+    am_newest_rows(wo)[lane] = kr;
+    am_newest_rows(wo)[AM_CHUNKS + lane] = vr;
+  }
+  __syncwarp();   // am_patch's lanes read chunks that other lanes of this warp staged
   if (ph_on) phase_lap(ph_t, ph_stage);
   float m = NEG_INF, l = 0.f, o[AM_NT][2];   // O's rows gid (its rows gid + 8 are zero: mma_1688_top)
 #pragma unroll
@@ -186,7 +221,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + ATT_TILE_BYTES;
       const int r0 = (gi & 1) * 8;
       if (t0 < s_lo || t0 + 8 > s_hi || (newest >= t0 && newest < t0 + 8)) {
-        am_patch(P, t, kt, vt, r0, t0, s_lo, s_hi, newest, lane);
+        am_patch(S, P, t, kt, vt, r0, t0, s_lo, s_hi, newest, wo, lane);
         patched = true;
       }
       am_group(qa, kt, vt, r0, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);

@@ -322,11 +322,17 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         blocks = st.block_table[b].long()[tok // bs]
         k = cache[blocks, 0, tok % bs, g].float()        # [T, d]
         v = cache[blocks, 1, tok % bs, g].float()
+        ring = bool(st.variant.att_tma) and hi - lo >= st.variant.att_tma and G <= 4   # csrc att_tma_task (G == ATT_HG)
+        slot = int(st.slot_mapping[b])
+        if ring and st.variant.att_newest and hi == L and slot >= 0:
+            # the ring path reads the newest token where qkv_rope stored it (csrc/attention_tma.cuh att_newest_row)
+            k[-1] = cache[slot // bs, 0, slot % bs, g].float()
+            v[-1] = cache[slot // bs, 1, slot % bs, g].float()
         s = (q @ k.t()) * (d ** -0.5)                    # [G, T]
         m = s.max(-1).values
         p = torch.exp(s - m[:, None])
         l_ = p.sum(-1)
-        if st.variant.att_tma and hi - lo >= st.variant.att_tma and G <= 4:   # csrc att_tma_task (G == ATT_HG: 1-4 heads)
+        if ring:
             # a slot of 32 KB holds 1024 / d groups: a multiple of 8 (warp = group % 8) for d in 32, 64, 128
             assert d in (32, 64, 128), f"the VM's ring model assumes head_dim 32, 64 or 128, not {d}"
             o = ring_pv_weights(s, lo, st.dtype) @ v
