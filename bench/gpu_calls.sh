@@ -77,8 +77,9 @@
 #                  (the H100 paths table has kernel-only rows at ctx 512; the H200 chose stock at 8B b16 from such rows)
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
-#   att_b1         the ring-fed attention at 1B b1 with 16 / 4 / 2 / 1 chunks and MK_ATT_NEWEST, after its GPU tests
-#   att_newest     MK_ATT_NEWEST where the tables take the ring (1B b4 / 8 / 16), 8B b1 with the ring at 16 / 4 / 1 chunks
+#   att_b1         the ring-fed attention at 1B b1 (MK_ATT_NEWEST, MK_AM_BLOCK, 16 / 4 / 2 / 1 chunks), after its GPU tests
+#   att_newest     MK_ATT_NEWEST / MK_AM_BLOCK where the tables take the ring (1B b4 / 8 / 16, 8B b8 / 16), 8B b1 with
+#                  the ring at 16 / 4 / 1 chunks
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
 #   serve_1b       issue 12: bench/serve.py 1B, stock against auto, concurrency 1 / 8 / 16, 2 rounds
 #   serve_8b       issue 12: bench/serve.py 8B, stock against auto, concurrency 1 / 8 / 16
@@ -406,17 +407,21 @@ for e in d["entries"]:
   soak_engines) vllm_env && soak megakernel --engines-only ;;
   soak) vllm_env && soak megakernel ;;
   att_b1)   # session 51: the ring-fed attention (K / V copied into the ring before the counter wait, tensor-core
-    # consumers) at batch 1 with 16 / 4 / 2 / 1 chunks (1: no ticket, no merge), MK_ATT_NEWEST on (the newest row beside
-    # q), against the table's program (the CUDA-core loop, 16 chunks); the GPU tests of the switch first (~300 s)
-    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
+    # consumers) at 1B b1 with MK_ATT_NEWEST (the newest row beside q), MK_AM_BLOCK (16-token blocks a warp) and 16 / 4 /
+    # 2 / 1 chunks (1: no ticket, no merge), against the table's program (the CUDA-core loop, 16 chunks); the GPU tests
+    # of the switches first (~400 s)
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 150 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4 --build $A,chunks=2 \
-      --build $A,chunks=1 ;;
-  att_newest)   # session 51: MK_ATT_NEWEST where the tables' programs take the ring (att_tma 128: 1B b4 / b8 / b16 at
-    # ctx 512 with 4 / 2 / 1 chunks, 8B b8 / b16), and 8B b1 with the ring at 16 / 4 / 1 chunks (~350 s)
-    ab 140 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1
+    ab 180 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
+      --build $A,MK_AM_BLOCK=1,chunks=4 --build $A,MK_AM_BLOCK=1,chunks=2 --build $A,MK_AM_BLOCK=1,chunks=1 ;;
+  att_newest)   # session 51: MK_ATT_NEWEST (+ MK_AM_BLOCK) where the tables' programs take the ring (att_tma 128: 1B b4 /
+    # b8 / b16 at ctx 512 with 4 / 2 / 1 chunks, 8B b8 / b16 with 2 / 1), and 8B b1 with the ring at 16 / 4 / 1 chunks
+    # (MK_AM_BLOCK is compiled in at head_dim <= 64 only; ~450 s)
+    ab 150 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 \
+      --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 200 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4 --build $A,chunks=1 ;;
+    ab 180 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4 --build $A,chunks=1
+    ab 120 llama-3.1-8b --batch 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 ;;
   *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -47,6 +47,10 @@ constexpr int AM_CHUNKS = D / 8;                               // 16-byte chunks
 static_assert(2 * D * (int)sizeof(elem_t) <= ATT_HG * D * 4 &&
                   (2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D) % 4 == 0,
               "MK_ATT_TMA: newest-row staging");
+// MK_AM_BLOCK's 16-token blocks at head_dim <= 64 only: at 128 (8B) its P V step spilled 64 / 80 bytes in mk_decode
+// around this function's call (the 8-token groups stay there)
+#define AM_BLOCK_PP (MK_AM_BLOCK && MK_HEAD_DIM <= 64)
+constexpr bool AM_BLOCK = AM_BLOCK_PP;
 static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_TMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
@@ -67,6 +71,20 @@ __device__ __forceinline__ void mma_1688_top(float& c0, float& c1, unsigned a0, 
       " {%0, %1, d2, d3}, {%2, za}, {%3}, {%0, %1, z, z};\n\t}"
       : "+f"(c0), "+f"(c1) : "r"(a0), "r"(b0));
 #undef MK_MMA_1688
+}
+
+// (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: MK_AM_BLOCK's P V step over a 16-token
+// block, A's rows gid + 8 zero (a1 = a3 = 0) as in mma_1688_top, A's k columns 0..7 in a0, 8..15 in a2.
+__device__ __forceinline__ void mma_16816_top(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+#if MK_DTYPE_BF16
+#define MK_MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+#else
+#define MK_MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+#endif
+  asm("{\n\t.reg .f32 z, d2, d3;\n\t.reg .b32 za;\n\tmov.f32 z, 0f00000000;\n\tmov.b32 za, 0;\n\t" MK_MMA_16816
+      " {%0, %1, d2, d3}, {%2, za, %3, za}, {%4, %5}, {%0, %1, z, z};\n\t}"
+      : "+f"(c0), "+f"(c1) : "r"(a0), "r"(a2), "r"(b0), "r"(b1));
+#undef MK_MMA_16816
 }
 
 __device__ __forceinline__ void st_shared_v4(unsigned addr, const uint4& v) {
@@ -117,10 +135,12 @@ __device__ __forceinline__ void am_patch(const Smem& S, const Params& P, const T
   __syncwarp();
 }
 
-// The warp whose 8-token group holds token `tok` of a task whose tokens start at `lo` (group gi of a slot is taken
-// by warp gi % CONSUMER_WARPS; a slot holds ATT_TMA_BPS blocks from the task's first block).
+// The warp whose unit holds token `tok` of a task whose tokens start at `lo`: its 8-token group (group gi of a slot
+// is taken by warp gi % CONSUMER_WARPS; a slot holds ATT_TMA_BPS blocks from the task's first block), or under
+// MK_AM_BLOCK its 16-token block (the task's block u, counted from its first, by warp u % CONSUMER_WARPS).
 __device__ __forceinline__ int am_newest_warp(int lo, int tok) {
   const int rel = tok / ATT_TMA_ROWS - lo / ATT_TMA_ROWS;
+  if (AM_BLOCK) return rel % CONSUMER_WARPS;
   return ((rel % ATT_TMA_BPS) * 2 + (tok % ATT_TMA_ROWS) / 8) % CONSUMER_WARPS;
 }
 
@@ -159,6 +179,55 @@ __device__ __forceinline__ void am_group(const unsigned (&qa)[AM_KSTEPS][2], uns
       o[4 * q + u][0] *= corr;
       o[4 * q + u][1] *= corr;
       mma_1688_top(o[4 * q + u][0], o[4 * q + u][1], pa, vb[u]);
+    }
+  }
+}
+
+// MK_AM_BLOCK: one 16-token block (tile rows 0..15, tokens t0..t0+15), as two 8-token groups' scores (two independent
+// MMA chains), one online-softmax update over the 16 columns, and O += P V by m16n8k16: half the P V MMAs of two
+// am_group calls and one dependent chain instead of two in series (session 50's b16 trace: 3.65 us for a 4-slot task's
+// loop, 8 groups a warp). P is rounded to 16 bits relative to the running maximum after the block.
+__device__ __forceinline__ void am_block(const unsigned (&qa)[AM_KSTEPS][2], unsigned kt, unsigned vt, int t0, int s_lo,
+                                         int s_hi, bool qrow, float qscale, int lane, float& m, float& l,
+                                         float (&o)[AM_NT][2]) {
+  const int lr = lane & 7, mi = lane >> 3, tq = lane & 3;
+  float s0[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f};   // rows gid of tokens t0 + 0..7 / t0 + 8..15 (rows gid + 8 are zero)
+#pragma unroll
+  for (int q = 0; q < AM_KSTEPS / 2; ++q) {   // 32 dims a load: k-steps 2q and 2q + 1, rows 0..7 then 8..15
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      unsigned kb[4];
+      ldmatrix_x4(kb, am_addr(kt, 8 * h + lr, 4 * q + mi));
+      float (&sh)[2] = h ? s1 : s0;
+      mma_16816_top(sh[0], sh[1], qa[2 * q][0], qa[2 * q][1], kb[0], kb[1]);
+      mma_16816_top(sh[0], sh[1], qa[2 * q + 1][0], qa[2 * q + 1][1], kb[2], kb[3]);
+    }
+  }
+  const int ta = t0 + 2 * tq, tb = ta + 8;
+  const float x0 = (ta >= s_lo && ta < s_hi) ? s0[0] * qscale : NEG_INF;
+  const float x1 = (ta + 1 >= s_lo && ta + 1 < s_hi) ? s0[1] * qscale : NEG_INF;
+  const float x2 = (tb >= s_lo && tb < s_hi) ? s1[0] * qscale : NEG_INF;
+  const float x3 = (tb + 1 >= s_lo && tb + 1 < s_hi) ? s1[1] * qscale : NEG_INF;
+  float mx = fmaxf(fmaxf(x0, x1), fmaxf(x2, x3));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m, mx);   // finite: the block has a valid token (the caller skips the others)
+  const float corr = fast_exp2(m - mn);
+  const float p0 = fast_exp2(x0 - mn), p1 = fast_exp2(x1 - mn), p2 = fast_exp2(x2 - mn), p3 = fast_exp2(x3 - mn);
+  l = fmaf(l, corr, (p0 + p1) + (p2 + p3));
+  m = mn;
+  const unsigned pa = qrow ? pack2(p0, p1) : 0u, pb = qrow ? pack2(p2, p3) : 0u;   // A's k columns 2 tq (+8), + 1
+  // V's B fragments by ldmatrix.trans: lanes 0-7 / 8-15 address rows 0-7 / 8-15 of n-tile 2q, lanes 16-31 n-tile 2q + 1
+  const int vr = (lane & 7) + ((lane >> 3) & 1) * 8, vc = lane >> 4;
+#pragma unroll
+  for (int q = 0; q < AM_NT / 2; ++q) {
+    unsigned vb[4];
+    ldmatrix_x4_trans(vb, am_addr(vt, vr, 2 * q + vc));
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      o[2 * q + u][0] *= corr;
+      o[2 * q + u][1] *= corr;
+      mma_16816_top(o[2 * q + u][0], o[2 * q + u][1], pa, pb, vb[2 * u], vb[2 * u + 1]);
     }
   }
 }
@@ -215,6 +284,24 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
     const AttSlot a = att_slot_wait(S, P, it, lo, hi, si);
     const int sb = a.sb, s_lo = a.s_lo, s_hi = a.s_hi;
     bool patched = false;
+#if AM_BLOCK_PP
+    // the task's block u = si * ATT_TMA_BPS + bi goes to warp u % CONSUMER_WARPS (ATT_TMA_BPS is 4 at D = 128)
+    for (int bi = ((warp - si * ATT_TMA_BPS) % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS; bi < ATT_TMA_BPS;
+         bi += CONSUMER_WARPS) {
+      const int t0 = (sb + bi) * ATT_TMA_ROWS;
+      if (t0 + ATT_TMA_ROWS <= s_lo || t0 >= s_hi) continue;   // warp-uniform: no token of the range
+      const unsigned kt = att_tiles(S, slot) + (unsigned)(bi * 2 * ATT_TILE_BYTES), vt = kt + ATT_TILE_BYTES;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int th = t0 + 8 * h;
+        if (th < s_lo || th + 8 > s_hi || (newest >= th && newest < th + 8)) {
+          am_patch(S, P, t, kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);
+          patched = true;
+        }
+      }
+      am_block(qa, kt, vt, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);
+    }
+#else
     for (int gi = warp; gi < AM_GROUPS; gi += CONSUMER_WARPS) {
       const int t0 = sb * ATT_TMA_ROWS + gi * 8;
       if (t0 + 8 <= s_lo || t0 >= s_hi) continue;   // warp-uniform: no token of the range
@@ -226,6 +313,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       }
       am_group(qa, kt, vt, r0, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);
     }
+#endif
     if (patched) fence_proxy_async_smem();
     if (a.ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread frees its own reads
     ++it;

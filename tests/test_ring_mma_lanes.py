@@ -73,12 +73,69 @@ def mma_1688(c, a, b):
         c[t] += [C[g, 2 * q], C[g, 2 * q + 1], C[g + 8, 2 * q], C[g + 8, 2 * q + 1]]
 
 
+def am_patch(mem, kt: int, vt: int, r0: int, t0: int, s_lo: int, s_hi: int, newest: int, k, v) -> None:
+    """The kernel's am_patch on 8 tile rows: V of tokens outside [s_lo, s_hi) zeroed, the newest token's K and V
+    rows written from the context."""
+    d = k.shape[1]
+    for rr in range(8):
+        tok = t0 + rr
+        valid = s_lo <= tok < s_hi
+        for ch in range(d // 8):
+            if valid and tok == newest:
+                mem[am_addr(kt, r0 + rr, ch) // 2: am_addr(kt, r0 + rr, ch) // 2 + 8] = k[tok, ch * 8:ch * 8 + 8]
+                mem[am_addr(vt, r0 + rr, ch) // 2: am_addr(vt, r0 + rr, ch) // 2 + 8] = v[tok, ch * 8:ch * 8 + 8]
+            elif not valid:
+                mem[am_addr(vt, r0 + rr, ch) // 2: am_addr(vt, r0 + rr, ch) // 2 + 8] = 0.0
+
+
+def am_block(mem, w: dict, qa, kt: int, vt: int, t0: int, s_lo: int, s_hi: int, G: int, D: int, qscale: float,
+             round_p) -> None:
+    """MK_AM_BLOCK's am_block on warp state w: the two 8-token halves' scores (m16n8k16 with A's rows gid + 8 zero),
+    one online-softmax update over 16 columns, O += P V by m16n8k16 with V's B fragments from ldmatrix.x4.trans
+    (lanes 0-7 / 8-15: rows 0-7 / 8-15 of n-tile 2q, lanes 16-31: n-tile 2q + 1)."""
+    s = [np.zeros((32, 4)), np.zeros((32, 4))]
+    for qq in range(D // 32):
+        for h in range(2):
+            kb = ldmatrix_x4(mem, [am_addr(kt, 8 * h + (ln & 7), 4 * qq + (ln >> 3)) for ln in range(32)], False)
+            a0 = [[qa[t, 2 * qq, 0], (0, 0), qa[t, 2 * qq, 1], (0, 0)] for t in range(32)]
+            a1 = [[qa[t, 2 * qq + 1, 0], (0, 0), qa[t, 2 * qq + 1, 1], (0, 0)] for t in range(32)]
+            mma_16816(s[h], a0, [[kb[t, 0], kb[t, 1]] for t in range(32)])
+            mma_16816(s[h], a1, [[kb[t, 2], kb[t, 3]] for t in range(32)])
+
+    def xs(u: int) -> list[float]:   # lane u's 4 scaled scores, -inf outside the range
+        ta = t0 + 2 * (u % 4)
+        return [s[h][u, j] * qscale if s_lo <= ta + 8 * h + j < s_hi else -np.inf for h in range(2) for j in range(2)]
+
+    pa, pb, corr = np.zeros((32, 2)), np.zeros((32, 2)), np.zeros(32)
+    for t in range(32):
+        x = xs(t)
+        mx = max(max(xs(u)) for u in range(32) if u // 4 == t // 4)
+        mn = max(w["m"][t], mx)
+        corr[t] = np.exp2(w["m"][t] - mn)
+        p = np.exp2(np.array(x) - mn)
+        w["l"][t] = w["l"][t] * corr[t] + p.sum()
+        w["m"][t] = mn
+        if t // 4 < G:
+            pa[t], pb[t] = round_p(p[0:2]), round_p(p[2:4])
+    for qq in range(D // 16):
+        vb = ldmatrix_x4(mem, [am_addr(vt, (ln & 7) + ((ln >> 3) & 1) * 8, 2 * qq + (ln >> 4)) for ln in range(32)],
+                         True)
+        for u in range(2):
+            n = 2 * qq + u
+            c = np.zeros((32, 4))
+            c[:, 0], c[:, 1] = w["o"][:, n, 0] * corr, w["o"][:, n, 1] * corr
+            mma_16816(c, [[pa[t], (0, 0), pb[t], (0, 0)] for t in range(32)],
+                      [[vb[t, 2 * u], vb[t, 2 * u + 1]] for t in range(32)])
+            w["o"][:, n, 0], w["o"][:, n, 1] = c[:, 0], c[:, 1]
+
+
 def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newest: int, base: int, rng,
-            round_p=lambda p: p) -> tuple:
+            round_p=lambda p: p, unit: int = 8) -> tuple:
     """One task's tokens [lo, hi) of one kv group through the kernel's steps, one ring slot of 4 blocks at `base`
-    per 64 tokens, 8 warps x one 8-token group each; K / V rows the kernel must not trust hold garbage (NaN for the
-    rows past the range, random for the newest token's stale tile). Returns per-head (m, l, o) merged over warps
-    (exp2 units), as attn_warps_store would. round_p: what packing P into 16-bit A fragments does (pack2)."""
+    per 64 tokens, 8 warps x one 8-token group each (unit 16: MK_AM_BLOCK, the task's 16-token block u to warp
+    u % 8); K / V rows the kernel must not trust hold garbage (NaN for the rows past the range, random for the newest
+    token's stale tile). Returns per-head (m, l, o) merged over warps (exp2 units), as attn_warps_store would.
+    round_p: what packing P into 16-bit A fragments does (pack2)."""
     G, D = q.shape
     qscale = 1.0 / np.sqrt(D) * np.log2(np.e)
     bps = 32768 // (2 * ROWS * D * 2)
@@ -107,6 +164,17 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
                 vr[newest % ROWS] = rng.standard_normal(D) * 50
             tma_tile(mem, base + bi * 2 * tile_bytes, kr)
             tma_tile(mem, base + bi * 2 * tile_bytes + tile_bytes, vr)
+        if unit == 16:
+            for bi in range(bps):
+                t0 = (sb + bi) * ROWS
+                if t0 + ROWS <= s_lo or t0 >= s_hi:
+                    continue
+                kt = base + bi * 2 * tile_bytes
+                for h in range(2):
+                    am_patch(mem, kt, kt + tile_bytes, 8 * h, t0 + 8 * h, s_lo, s_hi, newest, k, v)
+                am_block(mem, warps[(si * bps + bi) % 8], qa, kt, kt + tile_bytes, t0, s_lo, s_hi, G, D, qscale,
+                         round_p)
+            continue
         for gi in range(bps * ROWS // 8):
             w = warps[gi % 8]
             t0 = sb * ROWS + gi * 8
@@ -115,15 +183,7 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
             kt = base + (gi >> 1) * 2 * tile_bytes
             vt = kt + tile_bytes
             r0 = (gi & 1) * 8
-            for rr in range(8):   # am_patch
-                tok = t0 + rr
-                valid = s_lo <= tok < s_hi
-                for ch in range(D // 8):
-                    if valid and tok == newest:
-                        mem[am_addr(kt, r0 + rr, ch) // 2: am_addr(kt, r0 + rr, ch) // 2 + 8] = k[tok, ch * 8:ch * 8 + 8]
-                        mem[am_addr(vt, r0 + rr, ch) // 2: am_addr(vt, r0 + rr, ch) // 2 + 8] = v[tok, ch * 8:ch * 8 + 8]
-                    elif not valid:
-                        mem[am_addr(vt, r0 + rr, ch) // 2: am_addr(vt, r0 + rr, ch) // 2 + 8] = 0.0
+            am_patch(mem, kt, vt, r0, t0, s_lo, s_hi, newest, k, v)
             s = np.zeros((32, 4))
             for qq in range(D // 32):   # am_group: scores
                 kb = ldmatrix_x4(mem, [am_addr(kt, r0 + (ln & 7), 4 * qq + (ln >> 3)) for ln in range(32)], False)
@@ -176,13 +236,16 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
     (128, 4, 5, 71, 70),        # a range starting and ending inside 8-token groups, over two slots
     (64, 4, 16, 150, 149),      # D = 64: 8 blocks a slot, two groups a warp
     (128, 2, 40, 100, 99),      # 2 heads a kv group
+    (64, 4, 5, 331, 330),       # D = 64 over 3 slots, a range starting and ending inside blocks
 ])
-def test_lane_mapping_computes_attention(d, g, lo, hi, newest):
+@pytest.mark.parametrize("unit", [8, 16])
+def test_lane_mapping_computes_attention(d, g, lo, hi, newest, unit):
+    """unit 16: MK_AM_BLOCK's 16-token blocks (the kernel builds them at head_dim <= 64; the mapping holds at 128)."""
     rng = np.random.default_rng(d + g + hi)
     q = rng.standard_normal((g, d))
     k = rng.standard_normal((hi + 64, d))
     v = rng.standard_normal((hi + 64, d))
-    ls, os = emulate(q, k, v, lo, hi, newest, base=512 * 3, rng=rng)   # att_tiles: 512-aligned, not 1024
+    ls, os = emulate(q, k, v, lo, hi, newest, base=512 * 3, rng=rng, unit=unit)   # att_tiles: 512-aligned, not 1024
     sc = q @ k[lo:hi].T / np.sqrt(d)
     p = np.exp(sc - sc.max(axis=1, keepdims=True))
     want = (p @ v[lo:hi]) / p.sum(axis=1, keepdims=True)
@@ -206,12 +269,27 @@ def test_the_emulated_steps_are_the_kernels():
                  "qa[j][1] = qrow ? ld_cg_u32(qp + 16 * j + 8) : 0u;",
                  ("const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + "
                   "ATT_TILE_BYTES;"),
-                 "const int r0 = (gi & 1) * 8;"):
+                 "const int r0 = (gi & 1) * 8;",
+                 # MK_AM_BLOCK (am_block and its loop)
+                 "ldmatrix_x4(kb, am_addr(kt, 8 * h + lr, 4 * q + mi));",
+                 "mma_16816_top(sh[0], sh[1], qa[2 * q][0], qa[2 * q][1], kb[0], kb[1]);",
+                 "mma_16816_top(sh[0], sh[1], qa[2 * q + 1][0], qa[2 * q + 1][1], kb[2], kb[3]);",
+                 "const unsigned pa = qrow ? pack2(p0, p1) : 0u, pb = qrow ? pack2(p2, p3) : 0u;",
+                 "const int vr = (lane & 7) + ((lane >> 3) & 1) * 8, vc = lane >> 4;",
+                 "ldmatrix_x4_trans(vb, am_addr(vt, vr, 2 * q + vc));",
+                 "mma_16816_top(o[2 * q + u][0], o[2 * q + u][1], pa, pb, vb[2 * u], vb[2 * u + 1]);",
+                 ("for (int bi = ((warp - si * ATT_TMA_BPS) % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS; bi < "
+                  "ATT_TMA_BPS;"),
+                 "const unsigned kt = att_tiles(S, slot) + (unsigned)(bi * 2 * ATT_TILE_BYTES), vt = kt + ATT_TILE_BYTES;",
+                 "am_patch(S, P, t, kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);",
+                 "if (AM_BLOCK) return rel % CONSUMER_WARPS;"):
         assert line in src, line
 
 
-@pytest.mark.parametrize("d,g,lo,hi", [(128, 4, 5, 300), (64, 4, 16, 531), (64, 2, 0, 7), (128, 3, 129, 130)])
-def test_the_vm_models_the_kernels_p_rounding(d, g, lo, hi):
+@pytest.mark.parametrize("d,g,lo,hi,unit", [(128, 4, 5, 300, 8), (64, 4, 16, 531, 8), (64, 2, 0, 7, 8),
+                                            (128, 3, 129, 130, 8), (64, 4, 16, 531, 16), (64, 4, 5, 300, 16),
+                                            (64, 2, 0, 7, 16), (128, 4, 5, 300, 16)])
+def test_the_vm_models_the_kernels_p_rounding(d, g, lo, hi, unit):
     """vm.ring_pv_weights (the VM's ring attention tasks) against this emulation of the kernel's warps with P rounded
     to bf16 as pack2 does: the same output to fp64 precision, and a visibly different one from exact softmax."""
     import torch
@@ -222,9 +300,9 @@ def test_the_vm_models_the_kernels_p_rounding(d, g, lo, hi):
     k = rng.standard_normal((hi + 64, d))
     v = rng.standard_normal((hi + 64, d))
     bf16 = lambda p: torch.from_numpy(np.asarray(p)).to(torch.bfloat16).double().numpy()
-    ls, os = emulate(q, k, v, lo, hi, newest=hi - 1, base=512, rng=rng, round_p=bf16)
+    ls, os = emulate(q, k, v, lo, hi, newest=hi - 1, base=512, rng=rng, round_p=bf16, unit=unit)
     s = torch.from_numpy(q @ k[lo:hi].T / np.sqrt(d))                   # [G, T] natural units
-    w = ring_pv_weights(s, lo, torch.bfloat16).double()
+    w = ring_pv_weights(s, lo, torch.bfloat16, unit).double()
     l_ = torch.exp(s - s.max(-1, keepdim=True).values).sum(-1)
     got = (w @ torch.from_numpy(v[lo:hi])) / l_[:, None]
     np.testing.assert_allclose(got.numpy(), os / ls[:, None], rtol=1e-9, atol=1e-12)

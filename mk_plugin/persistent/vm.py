@@ -285,24 +285,32 @@ def _chunk(L: int, C: int, c: int) -> tuple[int, int]:
 
 RING_ROWS = 16   # csrc/attention_tma.cuh ATT_TMA_ROWS: a ring slot holds whole 16-token blocks from the task's first
 RING_GROUP = 8   # csrc/attention_ring_mma.cuh: tokens per group, groups g of a slot go to warp g % 8 (CONSUMER_WARPS)
+RING_BLOCK = 16  # MK_AM_BLOCK (head_dim <= 64): tokens per unit, the task's block u to warp u % 8
+RING_WARPS = 8   # CONSUMER_WARPS
 
 
-def ring_pv_weights(s: torch.Tensor, lo: int, dt: torch.dtype) -> torch.Tensor:
+def ring_unit(variant: KernelVariant, head_dim: int) -> int:
+    """Tokens a warp of the ring-fed attention takes at a time: csrc/attention_ring_mma.cuh AM_BLOCK."""
+    return RING_BLOCK if variant.am_block and head_dim <= 64 else RING_GROUP
+
+
+def ring_pv_weights(s: torch.Tensor, lo: int, dt: torch.dtype, unit: int = RING_GROUP) -> torch.Tensor:
     """The weights P V uses on the ring's tensor cores (csrc/attention_ring_mma.cuh), scaled to the task's maximum:
     round_dt(exp(s_j - m_n)) * exp(m_n - max(s)), where m_n is the running maximum of the warp that takes token j's
-    8-token group, up to and including that group. s: [G, T] scores of tokens lo .. lo + T - 1.
+    unit (8-token group, or 16-token block under MK_AM_BLOCK), up to and including that unit. s: [G, T] scores of
+    tokens lo .. lo + T - 1.
 
-    The kernel's warps each keep an online softmax over their groups (8-token windows counted from the task's first
-    16-token block; every slot is a multiple of 8 groups, so group n goes to warp n % 8 and warp w's groups come in
-    order n = w, w + 8, ...) and round P to 16 bits for the m16n8k8 MMA relative to that warp's running maximum; the
-    row sums l use the unrounded P, so only O differs from exp(s - max) V."""
+    The kernel's warps each keep an online softmax over their units (windows of `unit` tokens counted from the task's
+    first 16-token block; unit n goes to warp n % 8, and warp w's units come in order n = w, w + 8, ...: every slot is
+    a multiple of 8 groups, and MK_AM_BLOCK counts blocks across slots) and round P to 16 bits for the MMA relative to
+    that warp's running maximum; the row sums l use the unrounded P, so only O differs from exp(s - max) V."""
     G, T = s.shape
     tok = torch.arange(lo, lo + T, device=s.device)
-    gidx = (tok - lo // RING_ROWS * RING_ROWS) // RING_GROUP   # [T]
-    ng = -(-(int(gidx[-1]) + 1) // RING_GROUP) * RING_GROUP   # padded to whole rows of 8 warps
+    gidx = (tok - lo // RING_ROWS * RING_ROWS) // unit   # [T]
+    ng = -(-(int(gidx[-1]) + 1) // RING_WARPS) * RING_WARPS   # padded to whole rows of 8 warps
     gm = torch.full((G, ng), float("-inf"), dtype=s.dtype, device=s.device).scatter_reduce(
         1, gidx.expand(G, T), s, "amax")
-    run = gm.view(G, ng // RING_GROUP, RING_GROUP).cummax(1).values.reshape(G, ng)   # per warp, in group order
+    run = gm.view(G, ng // RING_WARPS, RING_WARPS).cummax(1).values.reshape(G, ng)   # per warp, in unit order
     mt = run[:, gidx]                                                            # [G, T]
     top = s.max(-1, keepdim=True).values
     return _rnd(torch.exp(s - mt), dt) * torch.exp(mt - top)
@@ -335,7 +343,7 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         if ring:
             # a slot of 32 KB holds 1024 / d groups: a multiple of 8 (warp = group % 8) for d in 32, 64, 128
             assert d in (32, 64, 128), f"the VM's ring model assumes head_dim 32, 64 or 128, not {d}"
-            o = ring_pv_weights(s, lo, st.dtype) @ v
+            o = ring_pv_weights(s, lo, st.dtype, ring_unit(st.variant, d)) @ v
         else:
             o = p @ v
     else:
