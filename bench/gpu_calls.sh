@@ -78,6 +78,7 @@
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
 #   att_b1         the ring-fed attention at 1B b1 (MK_ATT_NEWEST, MK_AM_BLOCK, 16 / 4 / 2 / 1 chunks), after its GPU tests
+#   att_one        att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1) and att_newest's 1B half in one call
 #   att_newest     MK_ATT_NEWEST / MK_AM_BLOCK where the tables take the ring (1B b4 / 8 / 16, 8B b8 / 16), 8B b1 with
 #                  the ring at 16 / 4 / 1 chunks
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
