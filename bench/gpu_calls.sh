@@ -417,10 +417,11 @@ for e in d["entries"]:
       --build $A,MK_AM_BLOCK=1,chunks=4 --build $A,MK_AM_BLOCK=1,chunks=2 --build $A,MK_AM_BLOCK=1,chunks=1 ;;
   att_one)   # session 51, one call for a scarce device: att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1), then att_newest's
     # 1B half (~450 s)
-    timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py -k newest 2>&1 | tail -4
+    # the A/B first (mk_ab compares every build's step with the first build's before timing), then the GPU tests
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
     ab 140 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
       --build $A,MK_AM_BLOCK=1,chunks=4 --build $A,MK_AM_BLOCK=1,chunks=1
+    timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py -k newest 2>&1 | tail -4
     ab 110 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1 ;;
   att_newest)   # session 51: MK_ATT_NEWEST (+ MK_AM_BLOCK) where the tables' programs take the ring (att_tma 128: 1B b4 /
     # b8 / b16 at ctx 512 with 4 / 2 / 1 chunks, 8B b8 / b16 with 2 / 1), and 8B b1 with the ring at 16 / 4 / 1 chunks
