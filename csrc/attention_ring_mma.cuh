@@ -23,9 +23,10 @@
 //     columns 2 (lane % 4), + 1: the same places), V by ldmatrix.trans as the B operand, D / 8 n-tiles.
 // Tokens outside the task's range get score -inf (p = 0) and their V rows zeroed in the tile first (0 x garbage
 // must not be NaN); the newest token (written by this launch's qkv_rope, its tile may predate the store) has its
-// K and V rows rewritten from global memory (loaded at the task's start beside q, from the request's slot_mapping
-// entry: attention_tma.cuh att_newest_row). Both only by the warp that reads those rows, before it reads them
-// (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor copy.
+// K and V rows rewritten from global memory (under MK_ATT_NEWEST loaded at the task's start beside q, from the
+// request's slot_mapping entry: attention_tma.cuh att_newest_row). Both only by the warp that reads those rows,
+// before it reads them (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor
+// copy.
 // Results: the default loop's (attention.cuh) up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
 // FlashAttention's); the warps' states are merged and stored by attn_warps_store like the other loops'.
 #pragma once
@@ -73,8 +74,8 @@ __device__ __forceinline__ void mma_1688_top(float& c0, float& c1, unsigned a0, 
 #undef MK_MMA_1688
 }
 
-// (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: MK_AM_BLOCK's P V step over a 16-token
-// block, A's rows gid + 8 zero (a1 = a3 = 0) as in mma_1688_top, A's k columns 0..7 in a0, 8..15 in a2.
+// (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: MK_AM_BLOCK's steps over a
+// 16-token block, A's rows gid + 8 zero (a1 = a3 = 0) as in mma_1688_top, A's k columns 0..7 in a0, 8..15 in a2.
 __device__ __forceinline__ void mma_16816_top(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
 #if MK_DTYPE_BF16
 #define MK_MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -273,7 +274,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
     am_newest_rows(wo)[lane] = kr;
     am_newest_rows(wo)[AM_CHUNKS + lane] = vr;
   }
-  __syncwarp();   // am_patch's lanes read chunks that other lanes of this warp staged
+  if (MK_ATT_NEWEST) __syncwarp();   // am_patch's lanes read chunks that other lanes of this warp staged
   if (ph_on) phase_lap(ph_t, ph_stage);
   float m = NEG_INF, l = 0.f, o[AM_NT][2];   // O's rows gid (its rows gid + 8 are zero: mma_1688_top)
 #pragma unroll
@@ -285,7 +286,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
     const int sb = a.sb, s_lo = a.s_lo, s_hi = a.s_hi;
     bool patched = false;
 #if AM_BLOCK_PP
-    // the task's block u = si * ATT_TMA_BPS + bi goes to warp u % CONSUMER_WARPS (ATT_TMA_BPS is 4 at D = 128)
+    // the task's block u = si * ATT_TMA_BPS + bi goes to warp u % CONSUMER_WARPS (8 blocks a slot at D = 64: bi = warp)
     for (int bi = ((warp - si * ATT_TMA_BPS) % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS; bi < ATT_TMA_BPS;
          bi += CONSUMER_WARPS) {
       const int t0 = (sb + bi) * ATT_TMA_ROWS;

@@ -162,9 +162,10 @@ class KernelVariant:
     # since the launch), and stages them in shared memory for the group that holds them; off, the warp of that group
     # loads them when its slot lands, after a block-table round trip (csrc/attention_ring_mma.cuh am_patch).
     att_newest: bool = False
-    # MK_AM_BLOCK (A/B switch, session 51; off): the ring-fed attention's warps take 16-token blocks (warp = the task's
-    # block index % 8) instead of 8-token groups: two score chains side by side, one softmax update and m16n8k16 P V
-    # (csrc/attention_ring_mma.cuh am_block); P rounded relative to the running maximum per block (vm.ring_pv_weights).
+    # MK_AM_BLOCK (A/B switch, session 51; off; compiled in at head_dim <= 64: at 128 it spilled): the ring-fed
+    # attention's warps take 16-token blocks (warp = the task's block index % 8) instead of 8-token groups: two score
+    # chains side by side, one softmax update and m16n8k16 P V (csrc/attention_ring_mma.cuh am_block); P rounded
+    # relative to the running maximum per block (vm.ring_pv_weights, vm.ring_unit).
     am_block: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
