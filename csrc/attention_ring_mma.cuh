@@ -76,7 +76,8 @@ __device__ __forceinline__ void mma_1688_top(float& c0, float& c1, unsigned a0, 
 
 // (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: MK_AM_BLOCK's steps over a
 // 16-token block, A's rows gid + 8 zero (a1 = a3 = 0) as in mma_1688_top, A's k columns 0..7 in a0, 8..15 in a2.
-__device__ __forceinline__ void mma_16816_top(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+__device__ __forceinline__ void mma_16816_top(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
+                                              unsigned b1) {
 #if MK_DTYPE_BF16
 #define MK_MMA_16816 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #else
