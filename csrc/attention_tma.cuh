@@ -109,19 +109,16 @@ __device__ __forceinline__ AttSlot att_slot_wait(const Smem& S, const Params& P,
 // slot); a request without a slot (< 0: padding, nothing stored) reads its block-table slot, as the other tokens.
 __device__ __forceinline__ void att_newest_row(const Smem& S, const Params& P, const Task& t, int tok, int e, uint4& kr,
                                                uint4& vr) {
-  const int bs = P.block_size;
-  const long long slot = S.slot()[t.arg0];
-  long long blk;
-  int off;
-  if (MK_ATT_NEWEST && slot >= 0) {   // block_size is ATT_TMA_ROWS (tensormap.py refuses another): no 64-bit division
-    blk = slot / ATT_TMA_ROWS;
-    off = (int)(slot % ATT_TMA_ROWS);
-  } else {
-    const int bi = tok / bs;
-    blk = ld_nc_s32(P.block_table + (size_t)t.arg0 * P.bt_stride + bi);
-    off = tok - bi * bs;
+  const long long slot = MK_ATT_NEWEST ? S.slot()[t.arg0] : -1;
+  if (slot >= 0) {   // block_size is ATT_TMA_ROWS (tensormap.py refuses another): no 64-bit division
+    attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), slot / ATT_TMA_ROWS, (int)(slot % ATT_TMA_ROWS),
+                P.block_size, t.arg1, e, kr, vr);
+    return;
   }
-  attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), blk, off, bs, t.arg1, e, kr, vr);
+  const int bi = tok / P.block_size;
+  const long long blk = ld_nc_s32(P.block_table + (size_t)t.arg0 * P.bt_stride + bi);
+  attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), blk, tok - bi * P.block_size, P.block_size, t.arg1,
+              e, kr, vr);
 }
 
 }  // namespace mk
