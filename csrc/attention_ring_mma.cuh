@@ -50,8 +50,7 @@ static_assert(2 * D * (int)sizeof(elem_t) <= ATT_HG * D * 4 &&
               "MK_ATT_TMA: newest-row staging");
 // MK_AM_BLOCK's 16-token blocks at head_dim <= 64 only: at 128 (8B) its P V step spilled 64 / 80 bytes in mk_decode
 // around this function's call (the 8-token groups stay there)
-#define AM_BLOCK_PP (MK_AM_BLOCK && MK_HEAD_DIM <= 64)
-constexpr bool AM_BLOCK = AM_BLOCK_PP;
+#define AM_BLOCK (MK_AM_BLOCK && MK_HEAD_DIM <= 64)
 static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_TMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
@@ -286,7 +285,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
     const AttSlot a = att_slot_wait(S, P, it, lo, hi, si);
     const int sb = a.sb, s_lo = a.s_lo, s_hi = a.s_hi;
     bool patched = false;
-#if AM_BLOCK_PP
+#if AM_BLOCK
     // the task's block u = si * ATT_TMA_BPS + bi goes to warp u % CONSUMER_WARPS (8 blocks a slot at D = 64: bi = warp)
     for (int bi = ((warp - si * ATT_TMA_BPS) % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS; bi < ATT_TMA_BPS;
          bi += CONSUMER_WARPS) {
