@@ -414,13 +414,14 @@ for e in d["entries"]:
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
     ab 180 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
-      --build $A,MK_AM_BLOCK=1,chunks=4 --build $A,MK_AM_BLOCK=1,chunks=2 --build $A,MK_AM_BLOCK=1,chunks=1 ;;
+      --build $A,MK_AM_BLOCK=1,chunks=4,on_table --build $A,MK_AM_BLOCK=1,chunks=2,on_table --build $A,MK_AM_BLOCK=1,chunks=1,on_table ;;
   att_one)   # session 51, one call for a scarce device: att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1), then att_newest's
     # 1B half (~450 s)
     # the A/B first (mk_ab compares every build's step with the first build's before timing), then the GPU tests
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
+    # (on_table: chunks=N on the b1 entry's tuning; without it the gate pair 48 + ahead 2 would drop out, session 52)
     ab 140 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
-      --build $A,MK_AM_BLOCK=1,chunks=4 --build $A,MK_AM_BLOCK=1,chunks=1
+      --build $A,MK_AM_BLOCK=1,chunks=4,on_table --build $A,MK_AM_BLOCK=1,chunks=1,on_table
     timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py -k newest 2>&1 | tail -4
     ab 110 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1 ;;
   att_newest)   # session 51: MK_ATT_NEWEST (+ MK_AM_BLOCK) where the tables' programs take the ring (att_tma 128: 1B b4 /
@@ -429,7 +430,8 @@ for e in d["entries"]:
     ab 150 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 \
       --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1
     A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 180 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4 --build $A,chunks=1
+    ab 180 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4,on_table \
+      --build $A,chunks=1,on_table
     ab 120 llama-3.1-8b --batch 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 ;;
   *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac

@@ -12,7 +12,10 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
 A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and program items:
 ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
 (tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
-ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only), and the decoder item
+ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only); these replace the configured
+tuning on every batch size (its table entry's other knobs, a release gate say, dropped), unless the item on_table
+is given too: then they change only those knobs of each batch size's configured tuning (session 52: chunks=4 on the
+1B b1 entry keeps its gate pair). And the decoder item
 class_builds=0 (MegakernelDecoder(class_builds=False): every batch size on the build of both batch classes, the
 default before session 50; since, a batch size whose every task takes one matvec path runs its class's build without
 the others: tasks.class_build). A/B rows are
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,6 +55,14 @@ class Build(NamedTuple):
     variant: KernelVariant
     tuning: ScheduleTuning | None = None
     class_builds: bool = True
+    on_table: bool = False   # the tuning's program items change the configured tuning's, per batch size
+
+
+def on_table(base: ScheduleTuning, items: ScheduleTuning) -> ScheduleTuning:
+    """`base` (a batch size's configured tuning) with the knobs a build's program items set (chunks, ksplit,
+    piece_deps) taken from `items`; the rest of `base` kept."""
+    return replace(base, attn_chunks=items.attn_chunks or base.attn_chunks, ksplit=items.ksplit or base.ksplit,
+                   piece_deps=items.piece_deps or base.piece_deps)
 
 
 def parse_build(text: str) -> Build:
@@ -69,8 +81,13 @@ def parse_build(text: str) -> Build:
     tuning = None
     if ks or chunks or pieces:   # validates op, parts and chunk count
         tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0, piece_deps=pieces)
-    rest = [i for i in items if not i.startswith(("ksplit.", "chunks=", "class_builds=")) and i != "piece_deps"]
-    return Build(KernelVariant.parse(rest), tuning, cb != ["0"])
+    table = "on_table" in items
+    if table and tuning is None:
+        raise ValueError(f"build {text!r}: on_table changes the configured tuning by program items (chunks=N, "
+                         "ksplit.OP=N, piece_deps); give one")
+    rest = [i for i in items if not i.startswith(("ksplit.", "chunks=", "class_builds="))
+            and i not in ("piece_deps", "on_table")]
+    return Build(KernelVariant.parse(rest), tuning, cb != ["0"], table)
 
 
 def build_label(build: Build) -> str:
@@ -78,7 +95,7 @@ def build_label(build: Build) -> str:
     then a forced tuning's label and class_builds=0 where it is off."""
     words = [f"--define {x.removeprefix('-D')}" for x in build.variant.defines()]
     if build.tuning is not None:
-        words.append(f"tuning {build.tuning.label()}")
+        words.append(f"tuning {build.tuning.label()}{' on_table' if build.on_table else ''}")
     if not build.class_builds:
         words.append("class_builds=0")
     return " ".join(words) or "default"
@@ -133,15 +150,21 @@ def main() -> None:
 
     from mk_plugin.config import get_config
     from mk_plugin.persistent.backend import MegakernelDecoder
+    from mk_plugin.persistent.tuning_table import resolve, spec_tuning_key
 
     spec = LlamaSpec.from_json_file(args.model)
     group = args.group or spec.name
     cfg = get_config()
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
+    sizes = range(1, max(args.batch) + 1)
+    keys = [spec_tuning_key(spec, b, torch.cuda.get_device_properties(0).multi_processor_count, False) for b in sizes]
+    configured = [t for t, _ in resolve(cfg.tuning, torch.cuda.get_device_name(), keys)]   # as the decoder's
     decs = []
     for bd in builds:   # compile and prepare every build before the first timed row
-        tun = cfg.tuning if bd.tuning is None else {b: bd.tuning for b in range(1, max(args.batch) + 1)}
+        tun = cfg.tuning if bd.tuning is None else {b: bd.tuning for b in sizes}
+        if bd.on_table:
+            tun = {b: on_table(t, bd.tuning) for b, t in zip(sizes, configured)}
         dec = MegakernelDecoder(spec, w, max(args.batch), "cuda", variant=bd.variant, tuning=tun,
                                 watchdog_ms=cfg.watchdog_ms, class_builds=bd.class_builds)
         dec.prepare(args.batch)

@@ -97,6 +97,16 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
     c = mk_ab.parse_build("MK_ATT_TMA=128,chunks=4")   # a program item: tuning.attn_chunks
     assert c.variant.att_tma == 128 and c.tuning.attn_chunks == 4 and c.tuning.ksplit == ()
     assert mk_ab.build_label(c).endswith("tuning chunks4")
+    assert not c.on_table
+    t = mk_ab.parse_build("MK_ATT_TMA=1,chunks=4,on_table")   # the items change the configured tuning's knobs only
+    assert t.on_table and t.variant.att_tma == 1 and mk_ab.build_label(t).endswith("tuning chunks4 on_table")
+    from mk_plugin.persistent.tuning import ScheduleTuning
+    entry = ScheduleTuning(release_gate=48, gate_ahead=2, ksplit=(("down", 4),))
+    kept = mk_ab.on_table(entry, t.tuning)
+    assert kept.attn_chunks == 4 and kept.release_gate == 48 and kept.gate_ahead == 2 and kept.ksplit == (("down", 4),)
+    assert mk_ab.on_table(entry, mk_ab.parse_build("ksplit.down=2,on_table").tuning).ksplit == (("down", 2),)
+    with pytest.raises(ValueError, match="on_table changes the configured tuning"):
+        mk_ab.parse_build("MK_ATT_TMA=1,on_table")
     with pytest.raises(ValueError, match="give one chunks=N"):
         mk_ab.parse_build("chunks=x")
     q = mk_ab.parse_build("ksplit.down=4,piece_deps")   # a program item: tuning.piece_deps
