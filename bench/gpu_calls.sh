@@ -80,8 +80,6 @@
 #   att_b1         the ring-fed attention at 1B b1 (MK_ATT_NEWEST, MK_AM_BLOCK, 16 / 4 / 2 / 1 chunks), after its GPU tests
 #   att_one        att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1) and att_newest's 1B half in one call
 #   att_newest     MK_ATT_NEWEST / MK_AM_BLOCK where the tables take the ring (1B b4 / 8 / 16, 8B b8 / 16), 8B b1 with
-#   oproj_b1       session 52's merge_in_oproj (MK_OPROJ_MERGE: o_proj merges the attention chunks in its staging) at 1B b1
-#                  with 16 / 4 chunks on both attention loops, its GPU test, then 8B b1 (~330 s)
 #                  the ring at 16 / 4 / 1 chunks
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
 #   serve_1b       issue 12: bench/serve.py 1B, stock against auto, concurrency 1 / 8 / 16, 2 rounds
@@ -435,14 +433,6 @@ for e in d["entries"]:
     ab 180 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4,on_table \
       --build $A,chunks=1,on_table
     ab 120 llama-3.1-8b --batch 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 ;;
-  oproj_b1)   # session 52: the chunk merge moved into o_proj's x staging (tuning.merge_in_oproj), against the b1 entry
-    # (on_table keeps its gate pair); then its GPU test; then 8B b1 on its entry (w_tma, inflight 2, att_tma 128, rstd_epi)
-    R=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 170 llama-3.2-1b --batch 1 --rounds 2 --build default --build merge_in_oproj,on_table \
-      --build chunks=4,on_table --build chunks=4,merge_in_oproj,on_table --build $R,chunks=4,merge_in_oproj,on_table
-    timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_persistent_gpu.py -k oproj 2>&1 | tail -4
-    ab 130 llama-3.1-8b --batch 1 --rounds 2 --build default --build merge_in_oproj,on_table \
-      --build chunks=4,merge_in_oproj,on_table ;;
   *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

@@ -12,8 +12,7 @@ replays. The output is the log format of bench/ab_table.py (`== round R GROUP: L
 A build is "default" or comma-separated NAME=VALUE kernel variants (variant.KernelVariant) and program items:
 ksplit.OP=N (tuning.ksplit for every batch size, e.g. --build ksplit.down=4,ksplit.o_proj=2) and chunks=N
 (tuning.attn_chunks: attention KV chunks per request and kv head) and piece_deps (tuning.piece_deps: with
-ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only) and merge_in_oproj
-(tuning.merge_in_oproj: o_proj merges the attention chunks as it stages x); these replace the configured
+ksplit.down, gate_up's pieces at down's parts, each part waiting for its piece only); these replace the configured
 tuning on every batch size (its table entry's other knobs, a release gate say, dropped), unless the item on_table
 is given too: then they change only those knobs of each batch size's configured tuning (session 52: chunks=4 on the
 1B b1 entry keeps its gate pair). And the decoder item
@@ -63,8 +62,7 @@ def on_table(base: ScheduleTuning, items: ScheduleTuning) -> ScheduleTuning:
     """`base` (a batch size's configured tuning) with the knobs a build's program items set (chunks, ksplit,
     piece_deps) taken from `items`; the rest of `base` kept."""
     return replace(base, attn_chunks=items.attn_chunks or base.attn_chunks, ksplit=items.ksplit or base.ksplit,
-                   piece_deps=items.piece_deps or base.piece_deps,
-                   merge_in_oproj=items.merge_in_oproj or base.merge_in_oproj)
+                   piece_deps=items.piece_deps or base.piece_deps)
 
 
 def parse_build(text: str) -> Build:
@@ -80,17 +78,15 @@ def parse_build(text: str) -> Build:
     if len(cb) > 1 or (cb and cb[0] not in ("0", "1")):
         raise ValueError(f"build {text!r}: class_builds takes 0 or 1, once")
     pieces = "piece_deps" in items
-    oproj = "merge_in_oproj" in items
     tuning = None
-    if ks or chunks or pieces or oproj:   # validates op, parts and chunk count
-        tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0, piece_deps=pieces,
-                                merge_in_oproj=oproj)
+    if ks or chunks or pieces:   # validates op, parts and chunk count
+        tuning = ScheduleTuning(ksplit=ks, attn_chunks=int(chunks[0]) if chunks else 0, piece_deps=pieces)
     table = "on_table" in items
     if table and tuning is None:
         raise ValueError(f"build {text!r}: on_table changes the configured tuning by program items (chunks=N, "
-                         "ksplit.OP=N, piece_deps, merge_in_oproj); give one")
+                         "ksplit.OP=N, piece_deps); give one")
     rest = [i for i in items if not i.startswith(("ksplit.", "chunks=", "class_builds="))
-            and i not in ("piece_deps", "on_table", "merge_in_oproj")]
+            and i not in ("piece_deps", "on_table")]
     return Build(KernelVariant.parse(rest), tuning, cb != ["0"], table)
 
 

@@ -25,9 +25,6 @@
 #include "matvec_plan.cuh"
 #include "producer.cuh"
 #include "x_frags.cuh"
-#if MK_OPROJ_MERGE
-#include "oproj_merge.cuh"
-#endif
 
 namespace mk {
 
@@ -211,9 +208,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
     // Activations: staged whole once per pass in shared memory when they fit (one L2 round trip per
     // pass, norm statistics included); else one column group at a time (group_issue / group_frags),
     // the next group's copies in flight during this one's MMAs, with rstd from rows_rstd above.
-#if MK_OPROJ_MERGE   // o_proj on the attention partials (tuning.merge_in_oproj): merged as they are staged
-    if (staged && xload && t.in_buf == BUF_PART_O) stage_x_merged(xs, P, B); else
-#endif
     if (staged && xload) stage_x(xs, x, nw, S.rstd(), wp.K, wp.ldx, B, warp, lane);
     if (ph_on) phase_lap(ph_mark, ph_stage);
     if constexpr (NH == 2) {

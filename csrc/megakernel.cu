@@ -90,19 +90,6 @@ __device__ __forceinline__ void matvec_dispatch(const Smem& S, const Params& P, 
     wp.K = hi - lo;
   }
   const bool staged = staged_fits(wp.K, P.batch, nw != nullptr);
-#if MK_OPROJ_MERGE
-  // An o_proj task on the attention partials (tuning.merge_in_oproj) merges them in its whole-x staging only; the host
-  // builds such programs only where every o_proj task stages whole (tasks.class_build). A last guard, like the
-  // header's checks: record, and leave the task's output alone (the host raises on the record).
-  bool om_bad = t.in_buf == BUF_PART_O && (!staged || is_ksplit(t));
-#if MK_WGMMA_A
-  om_bad = om_bad || (t.in_buf == BUF_PART_O && wga_takes(wp.K, P.batch));
-#endif
-  if (om_bad) {
-    if (threadIdx.x == 0) watchdog_record(P, ERR_BAD_PROGRAM, *S.cur_task(), -1, 0, HDRCHK_OPROJ_MERGE, 0);
-    return;
-  }
-#endif
 #if MK_WGMMA_A   // A/B switch: batch 9..16, whole 256-column chunks: the task on the warpgroup MMA, inline
   if (wga_takes(wp.K, P.batch)) {
     it = wga_task(S, P, t, wp, x, nw, it, warp, lane, wait_cycles);

@@ -80,8 +80,7 @@ enum HeaderCheck : int {
   HDRCHK_NUM_QUEUES = 8,
   HDRCHK_BATCH = 16,
   HDRCHK_BLOCK = 32,
-  HDRCHK_SMEM_ALIGN = 64,
-  HDRCHK_OPROJ_MERGE = 128
+  HDRCHK_SMEM_ALIGN = 64
 };
 
 constexpr int ERROR_WORDS = 16;
@@ -231,9 +230,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_AM_BLOCK
 #define MK_AM_BLOCK 0
 #endif
-#ifndef MK_OPROJ_MERGE
-#define MK_OPROJ_MERGE 0
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;
@@ -249,7 +245,6 @@ static_assert(SLOT_BYTES % 128 == 0 && UNION_BYTES % 128 == 0, "128-byte aligned
 static_assert(SLOT_BYTES == 16 * ROW_BYTES && ROW_BYTES == 2 * CHUNK_COLS + 16, "slot");
 static_assert((ROW_BYTES / 16) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
 constexpr int TRACE_WORDS = 13;
-constexpr int OPROJ_MERGE_MAX_CHUNKS = 16;  // tuning.merge_in_oproj's most chunks
 constexpr int TR_START = 0;
 constexpr int TR_READY = 1;
 constexpr int TR_END = 2;

@@ -105,9 +105,6 @@ def test_mk_ab_builds_and_labels_read_back_by_the_table():
     kept = mk_ab.on_table(entry, t.tuning)
     assert kept.attn_chunks == 4 and kept.release_gate == 48 and kept.gate_ahead == 2 and kept.ksplit == (("down", 4),)
     assert mk_ab.on_table(entry, mk_ab.parse_build("ksplit.down=2,on_table").tuning).ksplit == (("down", 2),)
-    mo = mk_ab.parse_build("chunks=4,merge_in_oproj,on_table")
-    assert mo.variant == mk_ab.parse_build("default").variant and mk_ab.on_table(entry, mo.tuning).merge_in_oproj
-    assert mk_ab.build_label(mo).endswith("tuning chunks4,oproj_merge on_table")
     with pytest.raises(ValueError, match="on_table changes the configured tuning"):
         mk_ab.parse_build("MK_ATT_TMA=1,on_table")
     with pytest.raises(ValueError, match="give one chunks=N"):

@@ -81,12 +81,7 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             # session 49's MK_NTILES (one batch class a build), on the default build and the wgmma path's
             ("-DMK_NTILES=1",), ("-DMK_NTILES=2",), ("-DMK_NTILES=2", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2"),
             ("-DMK_NTILES=2", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_WGA_ONLY=1"),
-            ("-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
-            # session 52's MK_OPROJ_MERGE (o_proj merges the attention chunks in its staging): the 1B b1 entry's class
-            # build with the ring-fed attention, and beside the wgmma path (its guard asks wga_takes)
-            ("-DMK_OPROJ_MERGE=1", "-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2",
-             "-DMK_ATT_TMA=1", "-DMK_ATT_NEWEST=1"),
-            ("-DMK_OPROJ_MERGE=1", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2")]
+            ("-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. MK_WGMMA_A=4 at

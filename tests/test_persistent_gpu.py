@@ -251,30 +251,6 @@ def test_merge_in_partial_is_bitwise_the_combine_tasks(models, mk_variant, bsz):
         assert all(torch.equal(a, b) for a, b in zip(caches, ref_out[2]))
 
 
-@pytest.mark.parametrize("bsz,chunks,att_tma", [(1, 16, 0), (1, 4, 0), (3, 5, 0), (1, 4, 1), (1, 16, 1)])
-def test_merge_in_oproj_is_bitwise_the_combine_tasks(models, mk_variant, bsz, chunks, att_tma):
-    """tuning.merge_in_oproj on the GPU (MK_OPROJ_MERGE, session 52): the partials signal o_proj, whose tasks merge
-    every chunk while staging x; the step equals the combine-task program's bit for bit (same chunks), on the default
-    attention loop and the ring-fed one, over repeated runs."""
-    from mk_plugin.persistent.tuning import ScheduleTuning
-    spec, w = models("llama-3.2-1b", 3)
-    seq_lens = [1, 0, 4095][:bsz] if bsz > 1 else [777]
-    batch = gpu_batch(spec, seq_lens, seed=17)
-    cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
-    var = replace(mk_variant, att_tma=att_tma) if att_tma else mk_variant
-    tasks = ScheduleTuning(attn_chunks=chunks, merge_in_partial=False)   # combine tasks
-    ref_out = run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=var, tuning={bsz: tasks}),
-                     spec, w, batch, cs)
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, variant=var,
-                            tuning={bsz: replace(tasks, merge_in_oproj=True)})
-    assert dec.variant_for(bsz).oproj_merge
-    assert all(t.ticket is None for t in dec.program(bsz).taskset.tasks)
-    for _ in range(3):
-        out, logits, caches = run_mk(dec, spec, w, batch, cs)
-        assert torch.equal(out, ref_out[0]) and torch.equal(logits, ref_out[1])
-        assert all(torch.equal(a, b) for a, b in zip(caches, ref_out[2]))
-
-
 @pytest.mark.parametrize("name,layers,seq_lens,ksplit", [
     ("llama-3.2-1b", 2, [1, 0, 300], (("down", 4), ("o_proj", 2))),
     ("llama-3.2-1b", 1, [7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2],

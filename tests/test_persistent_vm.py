@@ -131,46 +131,6 @@ def test_merge_in_partial_random_specs(spec, seq_lens, sms, chunks, seed):
     assert all(torch.equal(x, y) for x, y in zip(ca, cb))
 
 
-@settings(max_examples=6, deadline=None)
-@given(small_specs(), st.lists(st.integers(0, 70), min_size=1, max_size=5), st.integers(1, 9), st.integers(2, 5),
-       st.integers(0, 50))
-def test_merge_in_oproj_gives_the_combine_tasks_bits(spec, seq_lens, sms, chunks, seed):
-    """tuning.merge_in_oproj: no attention task merges; the partials signal o_proj's counter and every o_proj task
-    merges all chunks as it stages x (csrc/oproj_merge.cuh). Odd shapes, empty requests, random interleavings: the
-    step's bits are the combine tasks'; the program has no ticket and passes the ordering and deadlock checks."""
-    w, batch, cs, hidden = _setup(spec, seq_lens, torch.bfloat16, seed=seed % 7)
-    t = ScheduleTuning(attn_chunks=chunks, merge_in_partial=False)
-    _, a, ca = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=t)
-    oproj = replace(t, merge_in_oproj=True)
-    p, b, cb = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=oproj, order="random", seed=seed)
-    assert torch.equal(a.bufs[Buf.OUT], b.bufs[Buf.OUT]) and torch.equal(a.bufs[Buf.LOGITS], b.bufs[Buf.LOGITS])
-    assert all(torch.equal(x, y) for x, y in zip(ca, cb))
-    tasks = p.taskset.tasks
-    assert {t_.opcode.name for t_ in tasks}.isdisjoint({"ATTN_COMBINE"}) and all(t_.ticket is None for t_ in tasks)
-    assert all(t_.in_buf == Buf.PART_O for t_ in tasks if t_.opcode.name == "O_PROJ")
-    assert all(t_.out_buf == Buf.PART_O for t_ in tasks if t_.opcode.name == "ATTN_PARTIAL")
-    check_ordering(p)
-    vm.check_deadlock_free(p)
-    # the same with merge_in_partial left on (merge_in_oproj takes precedence), and with o_proj or attention falling
-    # back to the op-by-op path (ATTN_O between them: the attention tasks merge again)
-    _, c, _ = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=replace(oproj, merge_in_partial=True))
-    assert torch.equal(a.bufs[Buf.OUT], c.bufs[Buf.OUT])
-    for fb in ("o_proj", "attention"):
-        pf, f, _ = _vm_step(spec, w, batch, cs, hidden, sms=sms, tuning=oproj, fallback=frozenset({fb}))
-        assert torch.equal(a.bufs[Buf.OUT], f.bufs[Buf.OUT]), fb
-        assert all(t_.in_buf != Buf.PART_O for t_ in pf.taskset.tasks if t_.opcode.name == "O_PROJ")
-        check_ordering(pf)
-
-
-def test_merge_in_oproj_with_one_chunk_is_the_direct_program():
-    """One chunk: the partials store ATTN_O directly, so merge_in_oproj changes nothing in the program."""
-    spec = LlamaSpec.tiny()
-    one = ScheduleTuning(attn_chunks=1)
-    a = build_program(spec, 2, 5, tuning=one)
-    b = build_program(spec, 2, 5, tuning=replace(one, merge_in_oproj=True))
-    assert all((x.encoded == y.encoded).all() for x, y in zip(a.segments, b.segments))
-
-
 def test_merge_in_partial_with_one_chunk_is_the_default_program():
     spec = LlamaSpec.tiny()
     one = ScheduleTuning(attn_chunks=1, merge_in_partial=False)

@@ -503,35 +503,3 @@ def test_class_builds_give_batch_one_its_class_build_with_x_whole():
     assert mixed.variant_for(12) == replace(wg, ntiles=2, wga_only=True)
     assert mixed.variant_for(13) == replace(wg, ntiles=2, x_whole=True)   # the parts fit: staged whole instead
     assert mixed.variant_for(4) == replace(wg, ntiles=1, x_whole=True)
-
-
-def test_merge_in_oproj_is_a_per_batch_knob_where_o_proj_stages_x_whole():
-    """Session 52's merge_in_oproj (o_proj merges the attention chunks as it stages its x: csrc/oproj_merge.cuh):
-    round-trips through JSON, reaches the batch's variant as MK_OPROJ_MERGE, and is refused, naming the values, where
-    o_proj's x is not staged whole (x_groups, an o_proj K-split, the wgmma path, a scratch too small) or with more
-    chunks than the staging merges."""
-    from mk_plugin.persistent.tasks import class_build
-    from mk_plugin.persistent.tuning import OPROJ_MERGE_MAX_CHUNKS, tuned_variant
-    from mk_plugin.persistent.variant import KernelVariant
-
-    om = ScheduleTuning(attn_chunks=4, merge_in_oproj=True)
-    assert ScheduleTuning.from_json(om.to_json()) == om and "oproj_merge" in om.label() and not om.is_default
-    assert "merge_in_oproj" not in ScheduleTuning().to_json()
-    assert tuned_variant(KernelVariant(), om).oproj_merge and not tuned_variant(KernelVariant(), ScheduleTuning()).oproj_merge
-    assert "-DMK_OPROJ_MERGE=1" in KernelVariant(oproj_merge=True).defines()
-    for kw, msg in (({"merge_in_oproj": 1}, "merge_in_oproj=1 must be true or false"),
-                    ({"x_groups": True}, "x_groups"), ({"ksplit": (("o_proj", 2),)}, "o_proj K-split"),
-                    ({"attn_chunks": OPROJ_MERGE_MAX_CHUNKS + 1}, f"more than {OPROJ_MERGE_MAX_CHUNKS} chunks")):
-        with pytest.raises(ValueError, match=msg):
-            ScheduleTuning(**{"merge_in_oproj": True, **kw})
-    models = Path(__file__).resolve().parents[1] / "bench" / "models"
-    one = LlamaSpec.from_json_file(models / "llama-3.2-1b")
-    assert class_build(KernelVariant(), one, om, 1, lm_head=False).oproj_merge   # 1B b1: o_proj's x staged whole
-    with pytest.raises(ValueError, match="does not stage o_proj's x"):   # batch 8 at 6 slots: by column groups
-        class_build(KernelVariant(), one, om, 8, lm_head=False)
-    wg = ScheduleTuning(attn_chunks=4, merge_in_oproj=True, w_tma=True, wgmma_a=4)
-    with pytest.raises(ValueError, match="does not stage o_proj's x"):   # batch 12 on the wgmma path
-        class_build(KernelVariant(), one, wg, 12, lm_head=False)
-    # the chunk count the program takes by default is checked when the program is built
-    with pytest.raises(ValueError, match="merges at most 16 attention chunks"):
-        build_program(SPEC, 1, 132, tuning=ScheduleTuning(merge_in_oproj=True))

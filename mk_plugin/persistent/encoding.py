@@ -165,7 +165,6 @@ class HeaderCheck(enum.IntFlag):
     BATCH = 16          # not in 1..MAX_BATCH, or not the batch class of an MK_NTILES build
     BLOCK = 32          # blockDim.x != NUM_THREADS
     SMEM_ALIGN = 64     # MK_W_TMA: dynamic shared memory not 1024-byte aligned (the 128-byte swizzle's unit)
-    OPROJ_MERGE = 128   # MK_OPROJ_MERGE: an o_proj task on the attention partials whose x is not staged whole (a task's)
 
 
 # `counter` of an MBAR_TIMEOUT record = tag + ring slot: which side waited for what.

@@ -43,7 +43,6 @@ from .encoding import (
     Opcode,
     Rounding,
 )
-from .tuning import OPROJ_MERGE_MAX_CHUNKS
 from .variant import VARIANT_DEFINES, KernelVariant
 
 
@@ -150,7 +149,6 @@ def generate_header() -> str:
         "static_assert(SLOT_BYTES == 16 * ROW_BYTES && ROW_BYTES == 2 * CHUNK_COLS + 16, \"slot\");",
         "static_assert((ROW_BYTES / 16) % 2 == 1, \"odd 16-byte units per row: conflict-free ldmatrix\");",
         f"constexpr int TRACE_WORDS = {TRACE_WORDS};",
-        f"constexpr int OPROJ_MERGE_MAX_CHUNKS = {OPROJ_MERGE_MAX_CHUNKS};  // tuning.merge_in_oproj's most chunks",
     ]
     lines += [f"constexpr int TR_{k.upper()} = {i};" for i, k in enumerate(TRACE_FIELDS)]
     lines += [

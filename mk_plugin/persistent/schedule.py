@@ -165,12 +165,7 @@ def build_program(spec: LlamaSpec, batch: int, num_sms: int, *, lm_head: bool = 
 
 def _build_program(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool, fallback: frozenset[str],
                    tuning: ScheduleTuning) -> Program:
-    # merge_in_oproj hands the attention partials to o_proj's tasks: an op-by-op attention writes, and an op-by-op
-    # o_proj reads, ATTN_O, so with either one falling back the attention tasks merge as the tuning's other knobs say
-    task_tuning = tuning
-    if tuning.merge_in_oproj and fallback & {"attention", "o_proj"}:
-        task_tuning = replace(tuning, merge_in_oproj=False)
-    ts = build_tasks(spec, batch, num_sms, lm_head, task_tuning)
+    ts = build_tasks(spec, batch, num_sms, lm_head, tuning)
     steps: list[Segment | FallbackStep] = []
     for part in split_segments(ts.ops, fallback):
         if isinstance(part, FusedOp):

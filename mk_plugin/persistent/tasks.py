@@ -19,9 +19,7 @@ tuning.merge_in_partial there is no combine task: each partial, once its chunk i
 ticket counter of (b, g) (counters[ticket] is never waited on), and the one that brings it to C merges
 the C chunks in fixed order into ATTN_O before it signals attn[l] (target B * nkv * C): the counter's
 final value then implies every merge is done. The merge is the combine task's arithmetic, so the output
-is the same bit for bit whichever chunk is last. With tuning.merge_in_oproj (and C > 1) no attention task merges:
-each partial stores its chunk and signals attn[l] (target B * nkv * C), and every o_proj task reads all the
-partials (in_buf PART_O) and merges them, with the same arithmetic, as it stages its x (csrc/oproj_merge.cuh).
+is the same bit for bit whichever chunk is last.
 
 Dependencies are monotonic uint32 counters in global memory. A task waits until counter >= target
 and, once its stores are visible, adds signal_add to its signal counter. Every target equals the
@@ -48,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from ..spec import LlamaSpec
 from .encoding import NUM_WAITS, TASK_WORDS, UNIT, Buf, Opcode, ksplit_arg, ksplit_range, wga_takes
 from .graph import FusedOp, decode_graph, residual_source
-from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, OPROJ_MERGE_MAX_CHUNKS, ScheduleTuning, tuned_variant
+from .tuning import DEFAULT_TUNING, MAX_ATTN_CHUNKS, ScheduleTuning, tuned_variant
 from .variant import KernelVariant, batch_class
 
 # Scheduling time model (ns), fitted to the first H200 trace (2026-11-30, bench/NOTES.md v1, 1B
@@ -225,11 +223,6 @@ def class_build(base: KernelVariant, spec: LlamaSpec, tuning: ScheduleTuning, ba
     staged_fits) or MK_WGA_ONLY where every task takes the wgmma path (encoding.wga_takes): the same program bit for
     bit, with the path no task takes compiled out."""
     v = tuned_variant(base, tuning, att_tma_ok=att_tma_ok).for_batch(batch)
-    if tuning.merge_in_oproj and (not v.stages_x_whole(spec.q_size, batch, False)
-                                  or (v.wgmma_a and wga_takes(spec.q_size, batch))):
-        raise ValueError(f"merge_in_oproj: o_proj merges the attention chunks as it stages its x whole, and at batch "
-                         f"{batch} this build ({v.label()}) does not stage o_proj's x [{batch}, {spec.q_size}] whole "
-                         "(x_groups, the wgmma path or a scratch too small): turn merge_in_oproj off for this batch size")
     auto = auto and not (v.ntiles or v.x_groups)
     if not (v.wga_only or v.x_whole or auto):
         return v
@@ -365,11 +358,9 @@ def _qkv_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, unit_cols: li
 def _attention_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int) -> None:
     spec, B, L = bld.spec, bld.batch, op.layer
     G, d, nkv = spec.gqa_group, spec.head_dim, spec.num_kv_heads
-    in_oproj = oproj_merges(tuning, C)
-    merge = C > 1 and tuning.merge_in_partial and not in_oproj
+    merge = C > 1 and tuning.merge_in_partial
     # C == 1 and merge-in-partial write ATTN_O (the latter: whichever chunk finishes last, after reading
-    # every chunk's partial) and signal attn[l]; merge_in_oproj writes PART and signals attn[l] (o_proj merges);
-    # else PART and part[l][b][g]
+    # every chunk's partial) and signal attn[l]; else PART and part[l][b][g]
     to_o = C == 1 or merge
     out_buf = Buf.ATTN_O if to_o else Buf.PART_O
     cost = ATTN_PARTIAL_NS + (ATTN_MERGE_NS if merge else 0.0)
@@ -377,7 +368,7 @@ def _attention_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int)
     for b in range(B):
         for g in range(nkv):
             ticket = bld.counter(f"L{L}.ticket.b{b}.g{g}", op.key) if merge else None
-            sig = (bld.counter(f"L{L}.attn" if to_o or in_oproj else f"L{L}.part.b{b}.g{g}", op.key), 1)
+            sig = (bld.counter(f"L{L}.attn" if to_o else f"L{L}.part.b{b}.g{g}", op.key), 1)
             o_region = ("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)
             reads = [("Q", b, b + 1, g * G * d, (g + 1) * G * d), (kv, b, b + 1, g * d, (g + 1) * d),
                      (kv, b, b + 1, spec.kv_size + g * d, spec.kv_size + (g + 1) * d)]
@@ -390,7 +381,7 @@ def _attention_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int)
                     w.append(o_region)
                 bld.add(Task(0, Opcode.ATTN_PARTIAL, op, (b, g, c), Buf.Q, Buf.NONE, out_buf, [], sig, cost,
                              list(reads), w, [], [], 0, ticket), waits_on)
-    if C > 1 and not merge and not in_oproj:
+    if C > 1 and not merge:
         for b in range(B):
             for g in range(nkv):
                 bld.add(Task(0, Opcode.ATTN_COMBINE, op, (b, g, 0), Buf.PART_O, Buf.NONE, Buf.ATTN_O, [],
@@ -399,19 +390,9 @@ def _attention_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int)
                              [("ATTN_O", b, b + 1, g * G * d, (g + 1) * G * d)], [], [], 1), bld.ids(f"L{L}.part.b{b}.g{g}"))
 
 
-def oproj_merges(tuning: ScheduleTuning, C: int) -> bool:
-    """Whether o_proj merges the attention chunks as it stages its x (tuning.merge_in_oproj, with C > 1 chunks): its
-    tasks read PART_O / PART_ML, and no attention task merges."""
-    return tuning.merge_in_oproj and C > 1
-
-
-def _row_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int) -> None:
+def _row_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning) -> None:
     spec, B, L, name = bld.spec, bld.batch, op.layer, op.name
     in_buf, in_width, res_buf, out_buf, dep = _row_op(spec, op)
-    # o_proj on the partials: every (request, kv head, chunk) partial, merged in its staging (csrc/oproj_merge.cuh)
-    part_in = name == "o_proj" and oproj_merges(tuning, C)
-    if part_in:
-        in_buf = Buf.PART_O
     units = op_units(spec, name)
     parts = bld.num_sms if name == "final_norm" else tuning.tasks_for(name, bld.num_sms)
     ks = tuning.ksplit_for(name)   # > 1: each unit range cut into ks tasks over K (KSPLIT_OPS only)
@@ -439,7 +420,7 @@ def _row_tasks(bld: _Builder, op: FusedOp, tuning: ScheduleTuning, C: int) -> No
             cost = TASK_FIXED_NS + (cost - TASK_FIXED_NS) / ks + KSPLIT_MERGE_NS
             merge_read = ("PART_K", 0, ks, c0, c1)
         for p in range(ks):
-            read = ("PART", 0, B, 0, spec.num_kv_heads * C) if part_in else (in_name, 0, B, *kranges[p])
+            read = (in_name, 0, B, *kranges[p])
             if ks > 1:
                 t = Task(0, opcode, op, (u0, n, ksplit_arg(p, ks)), in_buf, res_buf, out_buf, [], (ctr, n), cost,
                          [read], [("PART_K", p, p + 1, c0, c1)],
@@ -463,9 +444,6 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
     bld = _Builder(spec, batch, num_sms)
     ops = decode_graph(spec, lm_head)
     C = tuning.attn_chunks or attention_chunks(batch, spec.num_kv_heads, num_sms)
-    if oproj_merges(tuning, C) and C > OPROJ_MERGE_MAX_CHUNKS:
-        raise ValueError(f"merge_in_oproj merges at most {OPROJ_MERGE_MAX_CHUNKS} attention chunks in o_proj's staging; "
-                         f"batch {batch} on {num_sms} SMs takes {C} (set attn_chunks <= {OPROJ_MERGE_MAX_CHUNKS})")
     unit_cols = _qkv_unit_cols(spec)
     op_ranges: dict[str, tuple[int, int]] = {}
     for op in ops:
@@ -475,7 +453,7 @@ def build_tasks(spec: LlamaSpec, batch: int, num_sms: int, lm_head: bool = False
         elif op.name == "attention":
             _attention_tasks(bld, op, tuning, C)
         else:
-            _row_tasks(bld, op, tuning, C)
+            _row_tasks(bld, op, tuning)
         op_ranges[op.key] = (first, len(bld.tasks))
     bld.finish()
     return TaskSet(spec, batch, num_sms, C, ops, bld.tasks, bld.counters, op_ranges)

@@ -47,7 +47,6 @@ SPLIT_MIN, SPLIT_MAX = 0.125, 8.0
 KSPLIT_OPS = ("o_proj", "down")
 KSPLIT_MAX = 4
 MAX_ATTN_CHUNKS = 32    # = tasks.MAX_ATTN_CHUNKS (tasks imports this one)
-OPROJ_MERGE_MAX_CHUNKS = 16   # merge_in_oproj's most chunks (csrc/oproj_merge.cuh OM_MAXC: every chunk's (m, l) at once)
 # A tuning's explicit "no ring-fed attention": 0 means "the decoder's variant", which the base a table was
 # measured from may have turned on (UNTUNED_TUNING), so turning the ring off needs a value of its own.
 ATT_TMA_OFF = -1
@@ -142,12 +141,6 @@ class ScheduleTuning:
       program from a smaller build (the whole-x paths compiled out). Session 48 (H100, ctx 512, the H200 table's
       programs): -5..-8% at 1B batch 4..6, -2.1% at 8B batch 2, -1.4% at 8B batch 1 and at 1B batch 8 (the same
       program), +4% at 1B batch 1 (its entry has no rstd_epi): a per-batch choice.
-    merge_in_oproj: with more than one KV chunk, no attention task merges: the partials signal o_proj's counter
-      themselves and every o_proj task merges the chunks while it stages its x whole (variant.KernelVariant.oproj_merge,
-      csrc/oproj_merge.cuh; the same answer bit for bit), so neither a ticket round trip nor a merge is on the layer's
-      chain. Takes precedence over merge_in_partial. Needs o_proj's x staged whole at the batch size (tasks.class_build
-      checks it: not with x_groups, an o_proj K-split or the wgmma path) and at most OPROJ_MERGE_MAX_CHUNKS chunks.
-      Session 52 (an A/B waiting for its GPU measurement, bench/NOTES.md).
     release_gate: the opcode mask of MK_RELEASE_GATE for this batch size (variant.KernelVariant.release_gate: the
       task after one of these ops gets its weights only once that op's release is out); 0 = the decoder's variant
       (gate_up's by default), RELEASE_GATE_OFF = no gate. A base variant that sets its own mask keeps it.
@@ -171,7 +164,6 @@ class ScheduleTuning:
     gate_ahead: int = 0
     wga_nws: bool = False
     x_groups: bool = False
-    merge_in_oproj: bool = False
 
     def __post_init__(self) -> None:
         _check_op_pairs("split", self.split, "factor", SPLIT_OPS, "is not tunable; tunable ops: " + ", ".join(SPLIT_OPS),
@@ -183,7 +175,7 @@ class ScheduleTuning:
         if not int_in(self.attn_chunks, 0, MAX_ATTN_CHUNKS):
             raise ValueError(f"attn_chunks={self.attn_chunks!r} must be an int in 0..{MAX_ATTN_CHUNKS} "
                              "(0 = one wave of partial tasks)")
-        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi", "wga_nws", "x_groups", "merge_in_oproj"):
+        for name in ("merge_in_partial", "w_tma", "piece_deps", "rstd_epi", "wga_nws", "x_groups"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004
         if not int_in(self.att_tma, ATT_TMA_OFF, ATT_TMA_MAX_TOKENS):
@@ -218,11 +210,6 @@ class ScheduleTuning:
         if self.gate_ahead and self.release_gate == RELEASE_GATE_OFF:
             raise ValueError(f"gate_ahead={self.gate_ahead} moves the release gate's wait, and release_gate="
                              f"{RELEASE_GATE_OFF} turns the gate off: choose one")
-        if self.merge_in_oproj and (self.ksplit_for("o_proj") > 1 or self.x_groups
-                                    or self.attn_chunks > OPROJ_MERGE_MAX_CHUNKS):
-            raise ValueError(f"merge_in_oproj=True merges the attention chunks in o_proj's whole-x staging: not with an "
-                             f"o_proj K-split (ksplit o_proj={self.ksplit_for('o_proj')}), x_groups (={self.x_groups}) or "
-                             f"more than {OPROJ_MERGE_MAX_CHUNKS} chunks (attn_chunks={self.attn_chunks})")
         if isinstance(self.num_stages, bool) or self.num_stages not in (0, *STAGE_CHOICES):
             raise ValueError(f"num_stages={self.num_stages!r}: choose 0 (the default ring) or one of "
                              f"{', '.join(map(str, STAGE_CHOICES))}")
@@ -305,7 +292,7 @@ class ScheduleTuning:
                 and not self.ksplit and self.att_tma == 0 and self.inflight == 0
                 and not self.w_tma and not self.piece_deps and not self.rstd_epi and not self.wgmma_a
                 and not self.wga_x and not self.release_gate and not self.gate_ahead and not self.wga_nws
-                and not self.x_groups and not self.merge_in_oproj)
+                and not self.x_groups)
 
     def label(self) -> str:
         parts = [f"{op}x{f:g}" for op, f in self.split]
@@ -336,8 +323,6 @@ class ScheduleTuning:
             parts.append("wga_nws")
         if self.x_groups:
             parts.append("x_groups")
-        if self.merge_in_oproj:
-            parts.append("oproj_merge")
         if self.release_gate == RELEASE_GATE_OFF:
             parts.append("gate_off")
         elif self.release_gate:
@@ -371,8 +356,6 @@ class ScheduleTuning:
             d["wga_nws"] = True
         if self.x_groups:               # absent = the decoder's variant
             d["x_groups"] = True
-        if self.merge_in_oproj:         # absent = the attention tasks merge (merge_in_partial)
-            d["merge_in_oproj"] = True
         if self.release_gate:           # absent = the decoder's variant; RELEASE_GATE_OFF = no gate
             d["release_gate"] = self.release_gate
         if self.gate_ahead:             # absent = the decoder's variant
@@ -383,7 +366,7 @@ class ScheduleTuning:
     def from_json(cls, d: Mapping) -> ScheduleTuning:
         known = ("split", "attn_chunks", "num_stages", "merge_in_partial", "ksplit", "att_tma", "inflight", "w_tma",
                  "piece_deps", "rstd_epi", "wgmma_a", "wga_x", "release_gate", "gate_ahead", "wga_nws",
-                 "x_groups", "merge_in_oproj")
+                 "x_groups")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown tuning field(s) {sorted(unknown)}; known: {', '.join(known)}")
@@ -393,8 +376,7 @@ class ScheduleTuning:
                    d.get("merge_in_partial", True), ksplit, int(d.get("att_tma", 0)), int(d.get("inflight", 0)),
                    d.get("w_tma", False), d.get("piece_deps", False), d.get("rstd_epi", False),
                    int(d.get("wgmma_a", 0)), int(d.get("wga_x", 0)), int(d.get("release_gate", 0)),
-                   int(d.get("gate_ahead", 0)), d.get("wga_nws", False), d.get("x_groups", False),
-                   d.get("merge_in_oproj", False))
+                   int(d.get("gate_ahead", 0)), d.get("wga_nws", False), d.get("x_groups", False))
 
 
 DEFAULT_TUNING = ScheduleTuning()
@@ -449,8 +431,6 @@ def tuned_variant(base: KernelVariant, t: ScheduleTuning, *, att_tma_ok: bool = 
         v = replace(v, wga_nws=True)
     if t.x_groups:   # x by column groups at every batch size (where it already comes by groups: a smaller build)
         v = replace(v, x_groups=True)
-    if t.merge_in_oproj:   # o_proj's staging merges the attention chunks (csrc/oproj_merge.cuh)
-        v = replace(v, oproj_merge=True)
     # the gate: a base with a mask of its own (an A/B build) keeps it; no gate only where nothing moves its wait
     if t.release_gate and v.release_gate == RELEASE_GATE_DEFAULT:
         if t.release_gate > 0:

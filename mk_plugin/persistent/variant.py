@@ -46,8 +46,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
                    ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"),
                    ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"),
-                   ("MK_ATT_NEWEST", "att_newest", "att_newest"), ("MK_AM_BLOCK", "am_block", "am_block"),
-                   ("MK_OPROJ_MERGE", "oproj_merge", "oproj_merge"))
+                   ("MK_ATT_NEWEST", "att_newest", "att_newest"), ("MK_AM_BLOCK", "am_block", "am_block"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -168,10 +167,6 @@ class KernelVariant:
     # chains side by side, one softmax update and m16n8k16 P V (csrc/attention_ring_mma.cuh am_block); P rounded
     # relative to the running maximum per block (vm.ring_pv_weights, vm.ring_unit).
     am_block: bool = False
-    # MK_OPROJ_MERGE (A/B switch, session 52; off; a program with tuning.merge_in_oproj runs on it: tuned_variant): an
-    # o_proj task whose input is the attention partials (PART_O) merges the chunks as it stages its x whole (csrc/
-    # oproj_merge.cuh), so no attention task takes a ticket or merges; the same answer bit for bit.
-    oproj_merge: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -201,7 +196,7 @@ class KernelVariant:
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
         for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole",
-                     "att_newest", "am_block", "oproj_merge"):
+                     "att_newest", "am_block"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):

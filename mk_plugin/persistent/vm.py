@@ -367,12 +367,6 @@ def op_attn_combine(st: VMState, t: dict[str, int]) -> None:
     spec = st.spec
     b, g = t["arg0"], t["arg1"]
     G, d = spec.gqa_group, spec.head_dim
-    st.bufs[Buf.ATTN_O][b, g * G * d:(g + 1) * G * d] = _merged(st, b, g)
-
-
-def _merged(st: VMState, b: int, g: int) -> torch.Tensor:
-    """The attention output of request b's kv group g merged from its chunks' partials, in the model dtype: what
-    the combine task (and merge-in-partial, and merge_in_oproj's o_proj staging) computes."""
     m = st.bufs[Buf.PART_ML][b, g, :, :, 0]      # [C, G]
     l_ = st.bufs[Buf.PART_ML][b, g, :, :, 1]
     o = st.bufs[Buf.PART_O][b, g]                # [C, G, d]
@@ -381,7 +375,7 @@ def _merged(st: VMState, b: int, g: int) -> torch.Tensor:
     L = (l_ * w).sum(0)
     num = (o * w[:, :, None]).sum(0)
     res = torch.where(L[:, None] > 0, num / L.clamp_min(1e-30)[:, None], torch.zeros_like(num))
-    return res.reshape(-1).to(st.dtype)
+    st.bufs[Buf.ATTN_O][b, g * G * d:(g + 1) * G * d] = res.reshape(-1).to(st.dtype)
 
 
 def _rows(t: dict[str, int], limit: int) -> slice:
@@ -411,11 +405,7 @@ def _residual_linear(st: VMState, t: dict[str, int], x: torch.Tensor, w: torch.T
 
 
 def op_o_proj(st: VMState, t: dict[str, int]) -> None:
-    x = st.bufs[Buf.ATTN_O]
-    if t["in_buf"] == Buf.PART_O:   # merge_in_oproj: the task merges every chunk's partial as it stages x
-        nkv = st.spec.num_kv_heads
-        x = torch.stack([torch.cat([_merged(st, b, g) for g in range(nkv)]) for b in range(x.shape[0])])
-    _residual_linear(st, t, x, st.weights.layers[t["layer"]].o)
+    _residual_linear(st, t, st.bufs[Buf.ATTN_O], st.weights.layers[t["layer"]].o)
 
 
 def op_gate_up(st: VMState, t: dict[str, int]) -> None:
