@@ -77,10 +77,6 @@
 #                  (the H100 paths table has kernel-only rows at ctx 512; the H200 chose stock at 8B b16 from such rows)
 #   part0 part1    copy a vLLM bundle part to /root/parts
 #   tbt_8b         issue 11 in vLLM: 8B TBT, stock alternated with the megakernel (and its LM head), b1 / b8, 2 rounds
-#   att_b1         the ring-fed attention at 1B b1 (MK_ATT_NEWEST, MK_AM_BLOCK, 16 / 4 / 2 / 1 chunks), after its GPU tests
-#   att_one        att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1) and att_newest's 1B half in one call
-#   att_newest     MK_ATT_NEWEST / MK_AM_BLOCK where the tables take the ring (1B b4 / 8 / 16, 8B b8 / 16), 8B b1 with
-#                  the ring at 16 / 4 / 1 chunks
 #   correctness    vLLM correctness (greedy with CUDA graphs; eager against the fp32 truth), 1B, MK_LM_HEAD=megakernel
 #   serve_1b       issue 12: bench/serve.py 1B, stock against auto, concurrency 1 / 8 / 16, 2 rounds
 #   serve_8b       issue 12: bench/serve.py 8B, stock against auto, concurrency 1 / 8 / 16
@@ -407,32 +403,6 @@ for e in d["entries"]:
   tbt_1layer) vllm_env && tbt_1layer_profiled tbt_1layer ;;
   soak_engines) vllm_env && soak megakernel --engines-only ;;
   soak) vllm_env && soak megakernel ;;
-  att_b1)   # session 51: the ring-fed attention (K / V copied into the ring before the counter wait, tensor-core
-    # consumers) at 1B b1 with MK_ATT_NEWEST (the newest row beside q), MK_AM_BLOCK (16-token blocks a warp) and 16 / 4 /
-    # 2 / 1 chunks (1: no ticket, no merge), against the table's program (the CUDA-core loop, 16 chunks); the GPU tests
-    # of the switches first (~400 s)
-    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py 2>&1 | tail -4
-    A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 180 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
-      --build $A,MK_AM_BLOCK=1,chunks=4,on_table --build $A,MK_AM_BLOCK=1,chunks=2,on_table --build $A,MK_AM_BLOCK=1,chunks=1,on_table ;;
-  att_one)   # session 51, one call for a scarce device: att_b1's tests and 1B b1 builds (chunks 16 / 4 / 1), then att_newest's
-    # 1B half (~450 s)
-    # the A/B first (mk_ab compares every build's step with the first build's before timing), then the GPU tests
-    A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    # (on_table: chunks=N on the b1 entry's tuning; without it the gate pair 48 + ahead 2 would drop out, session 52)
-    ab 140 llama-3.2-1b --batch 1 --rounds 2 --build default --build $A --build $A,MK_AM_BLOCK=1 \
-      --build $A,MK_AM_BLOCK=1,chunks=4,on_table --build $A,MK_AM_BLOCK=1,chunks=1,on_table
-    timeout 110 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ring_mma_gpu.py -k newest 2>&1 | tail -4
-    ab 110 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1 ;;
-  att_newest)   # session 51: MK_ATT_NEWEST (+ MK_AM_BLOCK) where the tables' programs take the ring (att_tma 128: 1B b4 /
-    # b8 / b16 at ctx 512 with 4 / 2 / 1 chunks, 8B b8 / b16 with 2 / 1), and 8B b1 with the ring at 16 / 4 / 1 chunks
-    # (MK_AM_BLOCK is compiled in at head_dim <= 64 only; ~450 s)
-    ab 150 llama-3.2-1b --batch 4 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 \
-      --build MK_ATT_NEWEST=1,MK_AM_BLOCK=1
-    A=MK_ATT_TMA=1,MK_ATT_NEWEST=1
-    ab 180 llama-3.1-8b --batch 1 --rounds 2 --build default --build $A --build $A,chunks=4,on_table \
-      --build $A,chunks=1,on_table
-    ab 120 llama-3.1-8b --batch 8 16 --rounds 2 --build default --build MK_ATT_NEWEST=1 ;;
   *) echo "no call $n here (see the list at the top of bench/gpu_calls.sh)" ;;
 esac
 } 2>&1 | tee "$out/gpu_call_${n}_$(date -u +%Y-%m-%d)_${commit}.log"

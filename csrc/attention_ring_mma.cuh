@@ -23,8 +23,9 @@
 //     columns 2 (lane % 4), + 1: the same places), V by ldmatrix.trans as the B operand, D / 8 n-tiles.
 // Tokens outside the task's range get score -inf (p = 0) and their V rows zeroed in the tile first (0 x garbage
 // must not be NaN); the newest token (written by this launch's qkv_rope, its tile may predate the store) has its
-// K and V rows rewritten from global memory (under MK_ATT_NEWEST loaded at the task's start beside q, from the
-// request's slot_mapping entry: attention_tma.cuh att_newest_row). Both only by the warp that reads those rows,
+// K and V rows rewritten from global memory (loaded at the task's start beside q, from the request's slot_mapping
+// entry: attention_tma.cuh att_newest_row; session 51's MK_ATT_NEWEST, the code since session 52's A/B: -0.1..-0.9% at
+// 1B b4..16 against the load after a block-table round trip when the slot landed). Both only by the warp that reads those rows,
 // before it reads them (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor
 // copy.
 // Results: the default loop's (attention.cuh) up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
@@ -48,9 +49,10 @@ constexpr int AM_CHUNKS = D / 8;                               // 16-byte chunks
 static_assert(2 * D * (int)sizeof(elem_t) <= ATT_HG * D * 4 &&
                   (2 * CONSUMER_WARPS * ATT_HG + CONSUMER_WARPS * ATT_HG * D) % 4 == 0,
               "MK_ATT_TMA: newest-row staging");
-// MK_AM_BLOCK's 16-token blocks at head_dim <= 64 only: at 128 (8B) its P V step spilled 64 / 80 bytes in mk_decode
-// around this function's call (the 8-token groups stay there)
-#define AM_BLOCK (MK_AM_BLOCK && MK_HEAD_DIM <= 64)
+// 16-token blocks a warp (am_block; session 51's MK_AM_BLOCK, the code since session 52's A/B: -1.0% at 1B b16, no row
+// slower) at head_dim <= 64 only: at 128 (8B) its P V step spilled 64 / 80 bytes in mk_decode around this function's
+// call, so the 8-token groups (am_group) stay there
+#define AM_BLOCK (MK_HEAD_DIM <= 64)
 static_assert(AM_KSTEPS % 2 == 0 && AM_NT % 4 == 0, "MK_ATT_TMA: ldmatrix.x4 covers 32 columns (one part)");
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&v)[4], unsigned addr) {
@@ -73,7 +75,7 @@ __device__ __forceinline__ void mma_1688_top(float& c0, float& c1, unsigned a0, 
 #undef MK_MMA_1688
 }
 
-// (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: MK_AM_BLOCK's steps over a
+// (c0, c1) += A (16 x 16) B (16 x 8, b0 / b1: k rows 0..7 / 8..15) on rows gid: am_block's steps over a
 // 16-token block, A's rows gid + 8 zero (a1 = a3 = 0) as in mma_1688_top, A's k columns 0..7 in a0, 8..15 in a2.
 __device__ __forceinline__ void mma_16816_top(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
                                               unsigned b1) {
@@ -110,23 +112,17 @@ __device__ __forceinline__ uint4* am_newest_rows(const float* wo) {
 
 // The rows of group `t0` (8 tokens at tile rows r0..r0+7 of the tiles kt / vt) that the MMAs must not read as they
 // landed: V of tokens outside [s_lo, s_hi) zeroed, K and V of the newest token written over with its rows from global
-// memory: under MK_ATT_NEWEST staged at the task's start by this warp (am_newest_rows: K's AM_CHUNKS 16-byte chunks,
-// then V's), else loaded here. The warp's lanes take its 8 rows x D / 8 chunks in turn.
-__device__ __forceinline__ void am_patch(const Smem& S, const Params& P, const Task& t, unsigned kt, unsigned vt,
-                                         int r0, int t0, int s_lo, int s_hi, int newest, const float* wo, int lane) {
+// memory, staged at the task's start by this warp (am_newest_rows: K's AM_CHUNKS 16-byte chunks, then V's). The warp's
+// lanes take its 8 rows x D / 8 chunks in turn.
+__device__ __forceinline__ void am_patch(unsigned kt, unsigned vt, int r0, int t0, int s_lo, int s_hi, int newest,
+                                         const float* wo, int lane) {
   const uint4* nrow = am_newest_rows(wo);
   for (int i = lane; i < 8 * AM_CHUNKS; i += 32) {
     const int rr = i / AM_CHUNKS, ch = i % AM_CHUNKS;
     const int tok = t0 + rr;
     const bool valid = tok >= s_lo && tok < s_hi;
     if (valid && tok == newest) {
-      uint4 kr, vr;
-      if (MK_ATT_NEWEST) {
-        kr = nrow[ch];
-        vr = nrow[AM_CHUNKS + ch];
-      } else {
-        att_newest_row(S, P, t, tok, ch, kr, vr);
-      }
+      const uint4 kr = nrow[ch], vr = nrow[AM_CHUNKS + ch];   // both loads before the stores (the measured build's order)
       st_shared_v4(am_addr(kt, r0 + rr, ch), kr);
       st_shared_v4(am_addr(vt, r0 + rr, ch), vr);
     } else if (!valid) {
@@ -137,8 +133,8 @@ __device__ __forceinline__ void am_patch(const Smem& S, const Params& P, const T
 }
 
 // The warp whose unit holds token `tok` of a task whose tokens start at `lo`: its 8-token group (group gi of a slot
-// is taken by warp gi % CONSUMER_WARPS; a slot holds ATT_TMA_BPS blocks from the task's first block), or under
-// MK_AM_BLOCK its 16-token block (the task's block u, counted from its first, by warp u % CONSUMER_WARPS).
+// is taken by warp gi % CONSUMER_WARPS; a slot holds ATT_TMA_BPS blocks from the task's first block), or with AM_BLOCK
+// its 16-token block (the task's block u, counted from its first, by warp u % CONSUMER_WARPS).
 __device__ __forceinline__ int am_newest_warp(int lo, int tok) {
   const int rel = tok / ATT_TMA_ROWS - lo / ATT_TMA_ROWS;
   if (AM_BLOCK) return rel % CONSUMER_WARPS;
@@ -184,7 +180,7 @@ __device__ __forceinline__ void am_group(const unsigned (&qa)[AM_KSTEPS][2], uns
   }
 }
 
-// MK_AM_BLOCK: one 16-token block (tile rows 0..15, tokens t0..t0+15), as two 8-token groups' scores (two independent
+// AM_BLOCK: one 16-token block (tile rows 0..15, tokens t0..t0+15), as two 8-token groups' scores (two independent
 // MMA chains), one online-softmax update over the 16 columns, and O += P V by m16n8k16: half the P V MMAs of two
 // am_group calls and one dependent chain instead of two in series (session 50's b16 trace: 3.65 us for a 4-slot task's
 // loop, 8 groups a warp). P is rounded to 16 bits relative to the running maximum after the block.
@@ -264,17 +260,17 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       qa[j][1] = qrow ? ld_cg_u32(qp + 16 * j + 8) : 0u;
     }
   }
-  // MK_ATT_NEWEST: the newest token's K / V rows (this launch's qkv_rope store: the counter wait orders them), in
-  // flight beside q's and staged in the scratch's q area (unused here: q is in registers) by the lanes of the warp
-  // that takes their group, for am_patch when its slot lands: loaded there, its round trip (after a block-table
-  // one) followed the slots before it on the step's chain. Registers held across the slot loop spilled at 8B.
-  if (MK_ATT_NEWEST && newest >= lo && newest < hi && warp == am_newest_warp(lo, newest) && lane < AM_CHUNKS) {
+  // The newest token's K / V rows (this launch's qkv_rope store: the counter wait orders them), in flight beside q's
+  // and staged in the scratch's q area (unused here: q is in registers) by the lanes of the warp that takes their
+  // group, for am_patch when its slot lands: loaded there, its round trip (after a block-table one) followed the
+  // slots before it on the step's chain. Registers held across the slot loop spilled at 8B.
+  if (newest >= lo && newest < hi && warp == am_newest_warp(lo, newest) && lane < AM_CHUNKS) {
     uint4 kr, vr;
     att_newest_row(S, P, t, newest, lane, kr, vr);
     am_newest_rows(wo)[lane] = kr;
     am_newest_rows(wo)[AM_CHUNKS + lane] = vr;
   }
-  if (MK_ATT_NEWEST) __syncwarp();   // am_patch's lanes read chunks that other lanes of this warp staged
+  __syncwarp();   // am_patch's lanes read chunks that other lanes of this warp staged
   if (ph_on) phase_lap(ph_t, ph_stage);
   float m = NEG_INF, l = 0.f, o[AM_NT][2];   // O's rows gid (its rows gid + 8 are zero: mma_1688_top)
 #pragma unroll
@@ -296,7 +292,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       for (int h = 0; h < 2; ++h) {
         const int th = t0 + 8 * h;
         if (th < s_lo || th + 8 > s_hi || (newest >= th && newest < th + 8)) {
-          am_patch(S, P, t, kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);
+          am_patch(kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);
           patched = true;
         }
       }
@@ -309,7 +305,7 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
       const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + ATT_TILE_BYTES;
       const int r0 = (gi & 1) * 8;
       if (t0 < s_lo || t0 + 8 > s_hi || (newest >= t0 && newest < t0 + 8)) {
-        am_patch(S, P, t, kt, vt, r0, t0, s_lo, s_hi, newest, wo, lane);
+        am_patch(kt, vt, r0, t0, s_lo, s_hi, newest, wo, lane);
         patched = true;
       }
       am_group(qa, kt, vt, r0, t0, s_lo, s_hi, qrow, qscale, lane, m, l, o);

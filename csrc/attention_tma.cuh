@@ -103,13 +103,13 @@ __device__ __forceinline__ AttSlot att_slot_wait(const Smem& S, const Params& P,
 }
 
 // This lane's 16 bytes (chunk e) of the K and V rows of task t's newest token `tok`, from global memory: qkv_rope
-// wrote them during this launch, after the tile in the ring may have been copied. Under MK_ATT_NEWEST they are
-// read where qkv_rope stored them, the request's slot_mapping entry (in shared memory since the launch: the row
-// costs one round trip, not a block-table round trip before it; vLLM's slot of the newest token is its block-table
-// slot); a request without a slot (< 0: padding, nothing stored) reads its block-table slot, as the other tokens.
+// wrote them during this launch, after the tile in the ring may have been copied. Read where qkv_rope stored them, the
+// request's slot_mapping entry (in shared memory since the launch: the row costs one round trip, not a block-table
+// round trip before it; vLLM's slot of the newest token is its block-table slot); a request without a slot (< 0:
+// padding, nothing stored) reads its block-table slot, as the other tokens.
 __device__ __forceinline__ void att_newest_row(const Smem& S, const Params& P, const Task& t, int tok, int e, uint4& kr,
                                                uint4& vr) {
-  const long long slot = MK_ATT_NEWEST ? S.slot()[t.arg0] : -1;
+  const long long slot = S.slot()[t.arg0];
   if (slot >= 0) {   // block_size is ATT_TMA_ROWS (tensormap.py refuses another): no 64-bit division
     attn_kv_row(reinterpret_cast<const elem_t*>(P.kvptr[t.layer]), slot / ATT_TMA_ROWS, (int)(slot % ATT_TMA_ROWS),
                 P.block_size, t.arg1, e, kr, vr);

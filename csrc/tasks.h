@@ -224,12 +224,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_X_WHOLE
 #define MK_X_WHOLE 0
 #endif
-#ifndef MK_ATT_NEWEST
-#define MK_ATT_NEWEST 0
-#endif
-#ifndef MK_AM_BLOCK
-#define MK_AM_BLOCK 0
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

@@ -38,16 +38,14 @@ def _nan_past_lengths(batch) -> None:
     ([1, 0, 4095, 65], 3),   # 3 KV chunks: ranges that start and end inside a ring slot's 8-token groups
     ([7, 300, 0, 45, 1, 129, 2049, 64, 513, 3, 88, 1000, 0, 31, 160, 2], 0),
 ])
-@pytest.mark.parametrize("switches", ["", "att_newest", "att_newest,am_block"])
-def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks, switches):
+def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_lens, chunks):
     """csrc/attention_ring_mma.cuh: the ring-fed attention's scores and P V on the tensor cores, every
     attention task through the ring (att_tma 1), the newest token (written during the launch) in every position of
     an 8-token group across the requests, NaN in every cache row past a request's length. Against the fp32 reference
-    and the build without the ring (the default loop) within the step tolerance. switches: session 51's A/B builds,
-    MK_ATT_NEWEST (the newest token's rows loaded at the task's start from its slot_mapping entry and staged for its
-    group) and MK_AM_BLOCK (16-token blocks a warp; compiled in at head_dim <= 64)."""
+    and the build without the ring (the default loop) within the step tolerance. The newest token's rows are loaded
+    at the task's start from its slot_mapping entry and staged for its group; warps take 16-token blocks at head_dim
+    <= 64 (1B) and 8-token groups at 128 (8B): session 51's MK_ATT_NEWEST / MK_AM_BLOCK, the code since session 52."""
     from mk_plugin.persistent.tuning import ScheduleTuning
-    from mk_plugin.persistent.variant import KernelVariant
 
     spec, w = models(name, layers)
     batch = gpu_batch(spec, seq_lens, seed=21)
@@ -55,9 +53,8 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
     cs = ref.rope_cos_sin_cache(spec, 4200).to(DEV)
     bsz = len(seq_lens)
     tun = {bsz: ScheduleTuning(att_tma=1, attn_chunks=chunks)}
-    var = KernelVariant(**{f: True for f in switches.split(",") if f})
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun, variant=var)
-    assert dec.variant_for(bsz).att_tma == 1 and dec.variant_for(bsz).att_newest == var.att_newest
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=tun)
+    assert dec.variant_for(bsz).att_tma == 1
     out, logits, caches = run_mk(dec, spec, w, batch, cs)
     plain = {bsz: ScheduleTuning(attn_chunks=chunks)}   # att_tma 0: every task on the default loop
     base = run_mk(MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning=plain), spec, w, batch, cs)
@@ -78,19 +75,15 @@ def test_tensor_core_attention_matches_the_reference(models, name, layers, seq_l
     ("llama-3.2-1b", 1, [33, 0, 511, 17, 1, 250, 4000, 96]),
     ("llama-3.1-8b", 1, [129, 4000]),
 ])
-@pytest.mark.parametrize("switches", ["", "att_newest", "att_newest,am_block"])
-def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens, switches):
+def test_ring_attention_matches_the_vm_op_by_op(models, name, layers, seq_lens):
     """Every attention task through the ring (att_tma 1): each op's prefix on the GPU against the VM, which models the
-    tensor cores' P rounded to 16 bits per warp's running maximum (vm.ring_pv_weights), at the op tolerances; with
-    session 51's A/B switches."""
+    tensor cores' P rounded to 16 bits per warp's running maximum (vm.ring_pv_weights, per 16-token block at head_dim
+    <= 64, per 8-token group above), at the op tolerances."""
     from mk_plugin.persistent.tuning import ScheduleTuning
-    from mk_plugin.persistent.variant import KernelVariant
 
     spec, w = models(name, layers)
-    var = KernelVariant(**{f: True for f in switches.split(",") if f})
-    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={len(seq_lens): ScheduleTuning(att_tma=1)},
-                            variant=var)
-    assert dec.variant_for(len(seq_lens)).att_tma == 1 and dec.variant_for(len(seq_lens)).am_block == var.am_block
+    dec = MegakernelDecoder(spec, w, 16, DEV, lm_head=True, tuning={len(seq_lens): ScheduleTuning(att_tma=1)})
+    assert dec.variant_for(len(seq_lens)).att_tma == 1
     failures = op_by_op_failures(dec, spec, w, gpu_batch(spec, seq_lens, seed=1))
     assert not failures, "first diverging op (GPU vs VM):\n" + "\n".join(failures)
 

@@ -90,7 +90,7 @@ def am_patch(mem, kt: int, vt: int, r0: int, t0: int, s_lo: int, s_hi: int, newe
 
 def am_block(mem, w: dict, qa, kt: int, vt: int, t0: int, s_lo: int, s_hi: int, G: int, D: int, qscale: float,
              round_p) -> None:
-    """MK_AM_BLOCK's am_block on warp state w: the two 8-token halves' scores (m16n8k16 with A's rows gid + 8 zero),
+    """AM_BLOCK's am_block on warp state w: the two 8-token halves' scores (m16n8k16 with A's rows gid + 8 zero),
     one online-softmax update over 16 columns, O += P V by m16n8k16 with V's B fragments from ldmatrix.x4.trans
     (lanes 0-7 / 8-15: rows 0-7 / 8-15 of n-tile 2q, lanes 16-31: n-tile 2q + 1)."""
     s = [np.zeros((32, 4)), np.zeros((32, 4))]
@@ -132,7 +132,7 @@ def am_block(mem, w: dict, qa, kt: int, vt: int, t0: int, s_lo: int, s_hi: int, 
 def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newest: int, base: int, rng,
             round_p=lambda p: p, unit: int = 8) -> tuple:
     """One task's tokens [lo, hi) of one kv group through the kernel's steps, one ring slot of 4 blocks at `base`
-    per 64 tokens, 8 warps x one 8-token group each (unit 16: MK_AM_BLOCK, the task's 16-token block u to warp
+    per 64 tokens, 8 warps x one 8-token group each (unit 16: AM_BLOCK, the task's 16-token block u to warp
     u % 8); K / V rows the kernel must not trust hold garbage (NaN for the rows past the range, random for the newest
     token's stale tile). Returns per-head (m, l, o) merged over warps (exp2 units), as attn_warps_store would.
     round_p: what packing P into 16-bit A fragments does (pack2)."""
@@ -240,7 +240,7 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, newes
 ])
 @pytest.mark.parametrize("unit", [8, 16])
 def test_lane_mapping_computes_attention(d, g, lo, hi, newest, unit):
-    """unit 16: MK_AM_BLOCK's 16-token blocks (the kernel builds them at head_dim <= 64; the mapping holds at 128)."""
+    """unit 16: AM_BLOCK's 16-token blocks (the kernel builds them at head_dim <= 64; the mapping holds at 128)."""
     rng = np.random.default_rng(d + g + hi)
     q = rng.standard_normal((g, d))
     k = rng.standard_normal((hi + 64, d))
@@ -270,7 +270,7 @@ def test_the_emulated_steps_are_the_kernels():
                  ("const unsigned kt = att_tiles(S, slot) + (unsigned)((gi >> 1) * 2 * ATT_TILE_BYTES), vt = kt + "
                   "ATT_TILE_BYTES;"),
                  "const int r0 = (gi & 1) * 8;",
-                 # MK_AM_BLOCK (am_block and its loop)
+                 # AM_BLOCK (am_block and its loop: head_dim <= 64)
                  "ldmatrix_x4(kb, am_addr(kt, 8 * h + lr, 4 * q + mi));",
                  "mma_16816_top(sh[0], sh[1], qa[2 * q][0], qa[2 * q][1], kb[0], kb[1]);",
                  "mma_16816_top(sh[0], sh[1], qa[2 * q + 1][0], qa[2 * q + 1][1], kb[2], kb[3]);",
@@ -281,7 +281,7 @@ def test_the_emulated_steps_are_the_kernels():
                  ("for (int bi = ((warp - si * ATT_TMA_BPS) % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS; bi < "
                   "ATT_TMA_BPS;"),
                  "const unsigned kt = att_tiles(S, slot) + (unsigned)(bi * 2 * ATT_TILE_BYTES), vt = kt + ATT_TILE_BYTES;",
-                 "am_patch(S, P, t, kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);",
+                 "am_patch(kt, vt, 8 * h, th, s_lo, s_hi, newest, wo, lane);",
                  "if (AM_BLOCK) return rel % CONSUMER_WARPS;"):
         assert line in src, line
 

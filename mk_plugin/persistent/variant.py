@@ -21,7 +21,9 @@ and is the code; MK_EVICT_LAST, the re-read loads evict-last on top of it, gaine
 MK_ATT_EARLY, attention's cached K / V loaded before the counter wait, lost at every shape but 1B b8 and left, as
 session 14's MK_ATT_PRELOAD, the same idea through shared memory, had; session 50: the builds per batch class without
 the paths a program never takes, MK_NTILES + MK_X_WHOLE / MK_WGA_ONLY, won and are the decoder's default where a
-program allows, tasks.class_build).
+program allows, tasks.class_build; session 52: the ring-fed attention's newest rows loaded beside q, MK_ATT_NEWEST, and
+its 16-token blocks a warp at head_dim <= 64, MK_AM_BLOCK, won and are the code; the attention chunks merged in
+o_proj's staging, tuning.merge_in_oproj with MK_OPROJ_MERGE, lost at 1B and 8B batch 1 and left).
 """
 from __future__ import annotations
 
@@ -45,8 +47,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
                    ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"),
-                   ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"),
-                   ("MK_ATT_NEWEST", "att_newest", "att_newest"), ("MK_AM_BLOCK", "am_block", "am_block"))
+                   ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -157,16 +158,6 @@ class KernelVariant:
     # its x whole (1B and 8B at batch 1), staged_fits is constant true, so the column-group path leaves the build (the
     # mirror of x_groups). The decoder keeps it only for such a batch size's build (tasks.class_build).
     x_whole: bool = False
-    # MK_ATT_NEWEST (A/B switch, session 51; off): the ring-fed attention (att_tma) loads its newest token's K / V rows
-    # at the task's start, beside q, from the request's slot_mapping entry (where qkv_rope stored them; shared memory
-    # since the launch), and stages them in shared memory for the group that holds them; off, the warp of that group
-    # loads them when its slot lands, after a block-table round trip (csrc/attention_ring_mma.cuh am_patch).
-    att_newest: bool = False
-    # MK_AM_BLOCK (A/B switch, session 51; off; compiled in at head_dim <= 64: at 128 it spilled): the ring-fed
-    # attention's warps take 16-token blocks (warp = the task's block index % 8) instead of 8-token groups: two score
-    # chains side by side, one softmax update and m16n8k16 P V (csrc/attention_ring_mma.cuh am_block); P rounded
-    # relative to the running maximum per block (vm.ring_pv_weights, vm.ring_unit).
-    am_block: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -195,8 +186,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole",
-                     "att_newest", "am_block"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):

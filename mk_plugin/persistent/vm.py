@@ -285,24 +285,25 @@ def _chunk(L: int, C: int, c: int) -> tuple[int, int]:
 
 RING_ROWS = 16   # csrc/attention_tma.cuh ATT_TMA_ROWS: a ring slot holds whole 16-token blocks from the task's first
 RING_GROUP = 8   # csrc/attention_ring_mma.cuh: tokens per group, groups g of a slot go to warp g % 8 (CONSUMER_WARPS)
-RING_BLOCK = 16  # MK_AM_BLOCK (head_dim <= 64): tokens per unit, the task's block u to warp u % 8
+RING_BLOCK = 16  # AM_BLOCK (head_dim <= 64): tokens per unit, the task's block u to warp u % 8
 RING_WARPS = 8   # CONSUMER_WARPS
 
 
-def ring_unit(variant: KernelVariant, head_dim: int) -> int:
-    """Tokens a warp of the ring-fed attention takes at a time: csrc/attention_ring_mma.cuh AM_BLOCK."""
-    return RING_BLOCK if variant.am_block and head_dim <= 64 else RING_GROUP
+def ring_unit(head_dim: int) -> int:
+    """Tokens a warp of the ring-fed attention takes at a time: csrc/attention_ring_mma.cuh AM_BLOCK (16-token blocks
+    at head_dim <= 64, 8-token groups above)."""
+    return RING_BLOCK if head_dim <= 64 else RING_GROUP
 
 
 def ring_pv_weights(s: torch.Tensor, lo: int, dt: torch.dtype, unit: int = RING_GROUP) -> torch.Tensor:
     """The weights P V uses on the ring's tensor cores (csrc/attention_ring_mma.cuh), scaled to the task's maximum:
     round_dt(exp(s_j - m_n)) * exp(m_n - max(s)), where m_n is the running maximum of the warp that takes token j's
-    unit (8-token group, or 16-token block under MK_AM_BLOCK), up to and including that unit. s: [G, T] scores of
+    unit (8-token group, or 16-token block at head_dim <= 64), up to and including that unit. s: [G, T] scores of
     tokens lo .. lo + T - 1.
 
     The kernel's warps each keep an online softmax over their units (windows of `unit` tokens counted from the task's
     first 16-token block; unit n goes to warp n % 8, and warp w's units come in order n = w, w + 8, ...: every slot is
-    a multiple of 8 groups, and MK_AM_BLOCK counts blocks across slots) and round P to 16 bits for the MMA relative to
+    a multiple of 8 groups, and 16-token blocks are counted across slots) and round P to 16 bits for the MMA relative to
     that warp's running maximum; the row sums l use the unrounded P, so only O differs from exp(s - max) V."""
     G, T = s.shape
     tok = torch.arange(lo, lo + T, device=s.device)
@@ -332,7 +333,7 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         v = cache[blocks, 1, tok % bs, g].float()
         ring = bool(st.variant.att_tma) and hi - lo >= st.variant.att_tma and G <= 4   # csrc att_tma_task (G == ATT_HG)
         slot = int(st.slot_mapping[b])
-        if ring and st.variant.att_newest and hi == L and slot >= 0:
+        if ring and hi == L and slot >= 0:
             # the ring path reads the newest token where qkv_rope stored it (csrc/attention_tma.cuh att_newest_row)
             k[-1] = cache[slot // bs, 0, slot % bs, g].float()
             v[-1] = cache[slot // bs, 1, slot % bs, g].float()
@@ -343,7 +344,7 @@ def op_attn_partial(st: VMState, t: dict[str, int]) -> None:
         if ring:
             # a slot of 32 KB holds 1024 / d groups: a multiple of 8 (warp = group % 8) for d in 32, 64, 128
             assert d in (32, 64, 128), f"the VM's ring model assumes head_dim 32, 64 or 128, not {d}"
-            o = ring_pv_weights(s, lo, st.dtype, ring_unit(st.variant, d)) @ v
+            o = ring_pv_weights(s, lo, st.dtype, ring_unit(d)) @ v
         else:
             o = p @ v
     else:
