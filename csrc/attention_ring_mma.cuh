@@ -24,10 +24,10 @@
 // Tokens outside the task's range get score -inf (p = 0) and their V rows zeroed in the tile first (0 x garbage
 // must not be NaN); the newest token (written by this launch's qkv_rope, its tile may predate the store) has its
 // K and V rows rewritten from global memory (loaded at the task's start beside q, from the request's slot_mapping
-// entry: attention_tma.cuh att_newest_row; session 51's MK_ATT_NEWEST, the code since session 52's A/B: -0.1..-0.9% at
-// 1B b4..16 against the load after a block-table round trip when the slot landed). Both only by the warp that reads those rows,
-// before it reads them (__syncwarp), and a generic-to-async proxy fence before the slot is freed for the next tensor
-// copy.
+// entry: attention_tma.cuh att_newest_row; session 51's MK_ATT_NEWEST, the code since session 52's A/B: -0.1..-0.9%
+// at 1B b4..16 against the load after a block-table round trip when the slot landed). Both only by the warp that
+// reads those rows, before it reads them (__syncwarp), and a generic-to-async proxy fence before the slot is freed
+// for the next tensor copy.
 // Results: the default loop's (attention.cuh) up to the order of the fp32 sums and P's rounding to 16 bits before P V (as
 // FlashAttention's); the warps' states are merged and stored by attn_warps_store like the other loops'.
 #pragma once
@@ -262,8 +262,8 @@ __device__ __noinline__ unsigned attn_partial_mma(const Smem S, const Params& P,
   }
   // The newest token's K / V rows (this launch's qkv_rope store: the counter wait orders them), in flight beside q's
   // and staged in the scratch's q area (unused here: q is in registers) by the lanes of the warp that takes their
-  // group, for am_patch when its slot lands: loaded there, its round trip (after a block-table one) followed the
-  // slots before it on the step's chain. Registers held across the slot loop spilled at 8B.
+  // group, for am_patch when its slot lands (loaded in am_patch, as before session 52, their round trip followed a
+  // block-table one and the slots before it on the step's chain). Registers held across the slot loop spilled at 8B.
   if (newest >= lo && newest < hi && warp == am_newest_warp(lo, newest) && lane < AM_CHUNKS) {
     uint4 kr, vr;
     att_newest_row(S, P, t, newest, lane, kr, vr);
