@@ -23,7 +23,8 @@
 #   sanitize_nws   compute-sanitizer on MK_WGA_NWS's build (b16 / 9; ~150 s)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
-#   trace_ring_b1  session 52: 1B b1 phase traces of the entry and of the ring-fed attention at 4 chunks (~120 s)
+#   trace_ring_b1  session 52: 1B b1 phase traces of the entry and of the ring-fed attention at 4 chunks, then MK_DIAG=256
+#                  (the norm statistics of the whole-x staging skipped, timing only) at 1B and 8B b1 (~300 s)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   b16_gate       batch 16's releases (qkv 1.9 us a task at 1B b16 against 0.5 at b1, session 38's H100 trace): masks
@@ -196,7 +197,7 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     rm -f "$out"/*.perfetto.json ;;   # large, never committed: `mk_plugin.trace convert` rebuilds them from the records
   trace_ring_b1)   # session 52's question: the 1B b1 step with the ring-fed attention at 4 chunks costs what the entry's
     # 16-chunk CUDA-core loop costs (-0.3%) though its tasks wait for no K / V round trip. Phase traces of both (the
-    # entry; the entry with attn_chunks 4 and MK_ATT_TMA=1), records and per-op tables (~120 s)
+    # entry; the entry with attn_chunks 4 and MK_ATT_TMA=1), records and per-op tables
     T=$(edited_table table_b1_chunks4 'for e in d["entries"]:
     if e["key"]["batch"] == 1 and e["key"]["spec_hash"] == 1985708063: e["tuning"]["attn_chunks"] = 4')
     for m in entry ring4; do
@@ -209,7 +210,11 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
       python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
     done
-    rm -f "$out"/*.perfetto.json ;;
+    rm -f "$out"/*.perfetto.json
+    # and MK_DIAG=256 (timing only): the whole-x staging's norm statistics skipped, 1B and 8B b1 (what qkv_rope's and
+    # gate_up's longer b1 stage is made of)
+    ab 80 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256
+    ab 100 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_DIAG=256 ;;
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
     G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"
     ab 240 llama-3.2-1b --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2

@@ -219,7 +219,10 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
     }
   }
   consumer_sync();
-  if (nw == nullptr) return;
+  // MK_DIAG & 256 (timing only, wrong results; session 52): the norm statistics below skipped (rstd keeps whatever
+  // it held): what the sum-of-squares pass, its shuffles and two barriers cost a norm-fused op's staging (qkv_rope's
+  // and gate_up's b1 stage took 1.6 / 2.2 us against o_proj's 0.6 in session 50's records)
+  if (nw == nullptr || (MK_DIAG & 256)) return;
   float* part = reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES);
   for (int b = 0; b < B; ++b) {  // fixed summation order: bit-identical across runs
     float ss = 0.f;

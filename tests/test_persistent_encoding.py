@@ -128,7 +128,7 @@ def test_kernel_variant_is_typed_and_renders_its_defines():
     m = MegakernelModule(LlamaSpec.tiny(), variant=KernelVariant(num_stages=5))
     assert m.num_threads == 288 and m.options[-1] == "-DMK_NUM_STAGES=5" and m.layout.num_stages == 5
     assert MegakernelModule(LlamaSpec.tiny()).key != m.key  # a variant is its own cached binary
-    for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 256}, "diag=256"),
+    for bad, msg in (({"num_stages": 3}, "num_stages=3: choose one of 4, 5, 6"), ({"diag": 512}, "diag=512"),
                      ({"diag": 128}, "128: the wgmma path.*norm-weight loads.*set wga_x"),
                      ({"diag": 64}, "64 / 128: the wgmma path.s x ready steps.*set wga_x"),
                      ({"diag": 32}, r"diag=32 \(32: weights folded into L2\).*w_tma"),

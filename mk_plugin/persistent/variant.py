@@ -88,7 +88,9 @@ class KernelVariant:
     timing-only MK_DIAG mask (1 no counter waits, 2 no weight copies, 4 no MMAs, 8 activations staged for a matvec
     task's first pass only, 16 a pass's first activation fragments reused for its other chunks at NT = 1, 32 every
     weight chunk from layer 0's first 512 rows, L2-resident, with w_tma, 64 the wgmma path's x groups after a pass's
-    first used without their copies' wait, normalisation or barrier, with wga_x: wrong results).
+    first used without their copies' wait, normalisation or barrier, with wga_x, 128 the wgmma path's next-group
+    norm-weight loads skipped, with wga_x, 256 a whole-x staging's norm statistics skipped (the sum-of-squares pass,
+    its shuffles and two barriers; rstd left as it was): wrong results).
     defines() renders the -D options; nothing reads a variant back from option strings: parse() is the
     command-line boundary (bench --define, pytest --mk-define), used once where the values come in."""
     rounding: Rounding = Rounding.FUSED
@@ -225,13 +227,14 @@ class KernelVariant:
         if self.rstd_epi and self.rounding != Rounding.FUSED:
             raise ValueError(f"rstd_epi=True needs the fused rounding (rounding={self.rounding.name}: STOCK rounds "
                              "x * rstd before the norm weight)")
-        if not int_in(self.diag, 0, 255):
-            raise ValueError(f"diag={self.diag!r}: a mask in 0..255 (1 no waits, 2 no weight copies, 4 no MMAs, "
+        if not int_in(self.diag, 0, 511):
+            raise ValueError(f"diag={self.diag!r}: a mask in 0..511 (1 no waits, 2 no weight copies, 4 no MMAs, "
                              "8 activations staged for a matvec task's first pass only, 16 the first chunk's "
                              "activation fragments reused for a pass's other chunks at NT = 1, 32 weights from L2: "
                              "layer 0's first 512 rows, with w_tma, 64 the wgmma path's x groups after a pass's "
                              "first used without their wait, normalisation or barrier, with wga_x, 128 the wgmma "
-                             "path's next-group norm-weight loads skipped, with wga_x)")
+                             "path's next-group norm-weight loads skipped, with wga_x, 256 a whole-x staging's norm "
+                             "statistics skipped)")
         if self.diag & (64 | 128) and not self.wga_x:
             raise ValueError(f"diag={self.diag} (64 / 128: the wgmma path's x ready steps / norm-weight loads "
                              "skipped) changes MK_WGA_X's staging: set wga_x too (MK_WGMMA_A=4,MK_W_TMA=1,MK_WGA_X=2)")
