@@ -190,11 +190,7 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
         --records-dir "$out" --model bench/models/llama-3.2-1b --batch $b 2>&1 | tail -2
     done
-    for f in "$out"/*.records.json.gz; do
-      python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
-      python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
-    done
-    rm -f "$out"/*.perfetto.json ;;   # large, never committed: `mk_plugin.trace convert` rebuilds them from the records
+    convert_traces ;;
   trace_ring_b1)   # session 52's question: the 1B b1 step with the ring-fed attention at 4 chunks costs what the entry's
     # 16-chunk CUDA-core loop costs (-0.3%) though its tasks wait for no K / V round trip. Phase traces of both (the
     # entry; the entry with attn_chunks 4 and MK_ATT_TMA=1), records and per-op tables
@@ -206,11 +202,7 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
         --define MK_TRACE_PHASES=1 $d --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
     done
     rm -f "$T"
-    for f in "$out"/*.records.json.gz; do
-      python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
-      python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
-    done
-    rm -f "$out"/*.perfetto.json
+    convert_traces
     # and MK_DIAG=256 (timing only): the whole-x staging's norm statistics skipped, 1B and 8B b1 (what qkv_rope's and
     # gate_up's longer b1 stage is made of)
     ab 80 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256

@@ -37,6 +37,15 @@ ab_without_gate() {   # ab's arguments, run on the packaged H200 table with ever
   rm -f "$table"
   return $rc
 }
+convert_traces() {   # every trace's records in $out: its PNG and per-op table, the phase table; the perfetto JSON
+  # (large, never committed: `mk_plugin.trace convert` rebuilds it from the records) removed
+  local f
+  for f in "$out"/*.records.json.gz; do
+    python3 -m mk_plugin.trace convert "$f" --outdir "$out" 2>&1 | tail -2
+    python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
+  done
+  rm -f "$out"/*.perfetto.json
+}
 copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
 vllm_env() {   # on an H100 the vLLM runs read the H100's own packaged tables, as a user's would (session 40), not
   # the H200 table gpu_calls.sh sets for the kernel calls

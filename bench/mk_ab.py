@@ -158,8 +158,11 @@ def main() -> None:
     w = random_weights(spec, device="cuda", draw_on_device=True)
     cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to("cuda")
     sizes = range(1, max(args.batch) + 1)
-    keys = [spec_tuning_key(spec, b, torch.cuda.get_device_properties(0).multi_processor_count, False) for b in sizes]
-    configured = [t for t, _ in resolve(cfg.tuning, torch.cuda.get_device_name(), keys)]   # as the decoder's
+    configured = []   # the configured tuning per batch size, as the decoder resolves it: only for on_table builds
+    if any(bd.on_table for bd in builds):
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        keys = [spec_tuning_key(spec, b, sms, False) for b in sizes]
+        configured = [t for t, _ in resolve(cfg.tuning, torch.cuda.get_device_name(), keys)]
     decs = []
     for bd in builds:   # compile and prepare every build before the first timed row
         tun = cfg.tuning if bd.tuning is None else {b: bd.tuning for b in sizes}
