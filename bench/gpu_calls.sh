@@ -204,9 +204,10 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     rm -f "$T"
     convert_traces
     # and MK_DIAG=256 (timing only): the whole-x staging's norm statistics skipped, 1B and 8B b1 (what qkv_rope's and
-    # gate_up's longer b1 stage is made of)
-    ab 80 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256
-    ab 100 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_DIAG=256 ;;
+    # gate_up's longer b1 stage is made of); MK_SS_REGS (session 53): the same statistics from the loading registers,
+    # one barrier and one pass fewer (its step bitwise the default's: mk_ab checks)
+    ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1
+    ab 130 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1 ;;
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
     G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"
     ab 240 llama-3.2-1b --batch 1 8 16 --rounds 2 $G --build MK_RELEASE_GATE=48,MK_GATE_AHEAD=2
