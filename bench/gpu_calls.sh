@@ -27,6 +27,8 @@
 #                  (the norm statistics of the whole-x staging skipped, timing only) at 1B and 8B b1 (~300 s)
 #   ldsm           session 53: MK_LDSM_FIRST (an M-tile's chunk of weight fragments loaded before its MMAs) at 1B b1 / 4 / 8
 #                  and 8B b1 / 8, 2 rounds, then the 1B b1 phase trace with it (~300 s)
+#   ss_regs        session 53: trace_ring_b1's A/B alone (MK_DIAG=256 and MK_SS_REGS against the table, 1B / 8B b1, 2 rounds;
+#                  ~230 s)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   b16_gate       batch 16's releases (qkv 1.9 us a task at 1B b16 against 0.5 at b1, session 38's H100 trace): masks
@@ -208,6 +210,8 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
     # and MK_DIAG=256 (timing only): the whole-x staging's norm statistics skipped, 1B and 8B b1 (what qkv_rope's and
     # gate_up's longer b1 stage is made of); MK_SS_REGS (session 53): the same statistics from the loading registers,
     # one barrier and one pass fewer (its step bitwise the default's: mk_ab checks)
+    bash bench/gpu_calls.sh ss_regs "$out" ;;
+  ss_regs)
     ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1
     ab 130 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1 ;;
   ldsm)   # session 53's SASS (1B b1 class build): with a branch per k-step every ldmatrix sat behind a WARPSYNC and
