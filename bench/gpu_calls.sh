@@ -23,12 +23,6 @@
 #   sanitize_nws   compute-sanitizer on MK_WGA_NWS's build (b16 / 9; ~150 s)
 #   ncu_b1         Nsight Compute stall samples of one b1 step (1B, 8B), mapped to csrc lines (MK_LINEINFO)
 #   trace_1b       the 1B b1 and b16 traces with phases: records, PNG and per-op table (mk_plugin.trace convert)
-#   trace_ring_b1  session 52: 1B b1 phase traces of the entry and of the ring-fed attention at 4 chunks, then MK_DIAG=256
-#                  (the norm statistics of the whole-x staging skipped, timing only) at 1B and 8B b1 (~300 s)
-#   ldsm           session 53: MK_LDSM_FIRST (an M-tile's chunk of weight fragments loaded before its MMAs) at 1B b1 / 4 / 8
-#                  and 8B b1 / 8, 2 rounds, then the 1B b1 phase trace with it (~300 s)
-#   ss_regs        session 53: trace_ring_b1's A/B alone (MK_DIAG=256 and MK_SS_REGS against the table, 1B / 8B b1, 2 rounds;
-#                  ~230 s)
 #   gate           MK_RELEASE_GATE 34 / 48 / 50 (also after qkv / o_proj / both), MK_GATE_AHEAD 2: 1B b1/8/16, 8B b1/16
 #   gate_h200      session 36's release_gate 48 + gate_ahead 2 against the table without them, 1B b1 / b16 (for an H200)
 #   b16_gate       batch 16's releases (qkv 1.9 us a task at 1B b16 against 0.5 at b1, session 38's H100 trace): masks
@@ -194,33 +188,6 @@ open(sys.argv[1], "w").write(build_source())' "$out/src/$cu"
       timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
         --records-dir "$out" --model bench/models/llama-3.2-1b --batch $b 2>&1 | tail -2
     done
-    convert_traces ;;
-  trace_ring_b1)   # session 52's question: the 1B b1 step with the ring-fed attention at 4 chunks costs what the entry's
-    # 16-chunk CUDA-core loop costs (-0.3%) though its tasks wait for no K / V round trip. Phase traces of both (the
-    # entry; the entry with attn_chunks 4 and MK_ATT_TMA=1), records and per-op tables
-    T=$(edited_table table_b1_chunks4 'for e in d["entries"]:
-    if e["key"]["batch"] == 1 and e["key"]["spec_hash"] == 1985708063: e["tuning"]["attn_chunks"] = 4')
-    for m in entry ring4; do
-      if [ $m = entry ]; then tb=; d=; else tb=$T; d="--define MK_ATT_TMA=1"; fi
-      MK_TUNING=${tb:-${MK_TUNING:-auto}} timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace \
-        --define MK_TRACE_PHASES=1 $d --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
-    done
-    rm -f "$T"
-    convert_traces
-    # and MK_DIAG=256 (timing only): the whole-x staging's norm statistics skipped, 1B and 8B b1 (what qkv_rope's and
-    # gate_up's longer b1 stage is made of); MK_SS_REGS (session 53): the same statistics from the loading registers,
-    # one barrier and one pass fewer (its step bitwise the default's: mk_ab checks)
-    bash bench/gpu_calls.sh ss_regs "$out" ;;
-  ss_regs)
-    ab 100 llama-3.2-1b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1
-    ab 130 llama-3.1-8b --batch 1 --rounds 2 --build default --build MK_DIAG=256 --build MK_SS_REGS=1 ;;
-  ldsm)   # session 53's SASS (1B b1 class build): with a branch per k-step every ldmatrix sat behind a WARPSYNC and
-    # wrote the same registers, so each k-step paid the ldmatrix latency after the previous MMA (chunk phase ~0.55-0.6
-    # us a 32 KB chunk: qkv_rope, o_proj, down at b1). The A/B first, then the phase trace of the 1B b1 build with it
-    ab 170 llama-3.2-1b --batch 1 4 8 --rounds 2 --build default --build MK_LDSM_FIRST=1
-    ab 170 llama-3.1-8b --batch 1 8 --rounds 2 --build default --build MK_LDSM_FIRST=1
-    timeout 90 python3 bench/mk_step.py --reps 50 --no-triton --trace --define MK_TRACE_PHASES=1 \
-      --define MK_LDSM_FIRST=1 --records-dir "$out" --model bench/models/llama-3.2-1b --batch 1 2>&1 | tail -2
     convert_traces ;;
   gate)   # session 35's H100 traces: the ungated releases (o_proj 1.9 us at 1B b1, 4.3 at b16; qkv 1.8, down 1.5)
     G="--build default --build MK_RELEASE_GATE=34 --build MK_RELEASE_GATE=48 --build MK_RELEASE_GATE=50"

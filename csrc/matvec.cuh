@@ -264,31 +264,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
         const int ws = chunk_wait(S, P, slot, it);
         wait_cycles += clock64() - c0;
         const unsigned sb = S.ring(slot) + lane_off;
-#if MK_LDSM_FIRST
-        // MK_LDSM_FIRST (A/B switch, session 53): the M-tile's JMAX weight fragments loaded first, each into its own
-        // registers, then the MMAs. With a branch per k-step (the form below) every ldmatrix sat behind a WARPSYNC and
-        // wrote the same four registers, so each k-step paid its ldmatrix's latency after the previous MMA (SASS,
-        // 1B b1 class build: LDSM R80 -> HMMA R80 -> LDSM R80 ...). A k-step past nsteps loads from its slot anyway
-        // (inside the slot: a chunk's slot holds JMAX steps a warp) and skips only its MMA: the same sums bit for bit.
-        if (!(MK_DIAG & 4)) {
-          unsigned a[JMAX][4];
-#pragma unroll
-          for (int jj = 0; jj < JMAX; ++jj) {
-#if MK_W_TMA
-            ldmatrix_x4(a[jj], sb + jj * W_JJ_BYTES);
-#else
-            ldmatrix_x4(a[jj], sb + (warp + jj * CONSUMER_WARPS) * 32);
-#endif
-          }
-#pragma unroll
-          for (int jj = 0; jj < JMAX; ++jj) {
-            if (warp + jj * CONSUMER_WARPS < nsteps) {
-#pragma unroll
-              for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a[jj], xb[jj][n]);
-            }
-          }
-        }
-#else
 #pragma unroll
         for (int jj = 0; jj < JMAX; ++jj) {
           const int j = warp + jj * CONSUMER_WARPS;
@@ -303,7 +278,6 @@ __device__ __noinline__ unsigned matvec_task(const Smem S, const Params& P, cons
             for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], a, xb[jj][n]);
           }
         }
-#endif
         if (ws == WAIT_OK) mbar_arrive(S.empty_bar(slot));  // each thread releases its own reads
         ++it;
       }

@@ -224,12 +224,6 @@ constexpr int NUM_STAGES = MK_NUM_STAGES;
 #ifndef MK_X_WHOLE
 #define MK_X_WHOLE 0
 #endif
-#ifndef MK_SS_REGS
-#define MK_SS_REGS 0
-#endif
-#ifndef MK_LDSM_FIRST
-#define MK_LDSM_FIRST 0
-#endif
 static_assert(NUM_STAGES == 4 || NUM_STAGES == 5 || NUM_STAGES == 6, "MK_NUM_STAGES: 4, 5, 6");
 constexpr int CHUNK_COLS = 1024;
 constexpr int ROW_BYTES = 2064;

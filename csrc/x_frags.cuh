@@ -193,33 +193,12 @@ __device__ __forceinline__ bool staged_fits(int K, int B, bool norm) {
   return (B + (norm ? 1 : 0)) * (K * 2 + 16) <= UNION_BYTES - STAGE_PART_BYTES;
 }
 
-#if MK_SS_REGS
-// A warp's sum of squares of row b (its lanes' partial sums, reduced as stage_x's pass does) into part[warp][b].
-__device__ __forceinline__ void ss_flush(float* part, int warp, int lane, int b, float ss) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (lane == 0) part[warp * MAX_BATCH + b] = ss;
-}
-#endif
-
 __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, const elem_t* nw, float* rstd, int K,
                                         int ldx, int B, int warp, int lane) {
   const int vpr = K / 8;
   const int total = (B + (nw != nullptr ? 1 : 0)) * vpr;
   const int rowb = K * 2 + 16;
   constexpr int U = 4;
-#if MK_SS_REGS
-  // MK_SS_REGS (A/B switch, session 53): a norm-fused op's sums of squares from the registers just loaded, so the
-  // statistics need neither a second pass over the staged rows nor the barrier before it. Where a row is whole
-  // rounds of the consumer threads (vpr a multiple of CONSUMER_THREADS: every K of 1B / 8B; else the pass below),
-  // the same sums bit for bit: thread tid's elements of row b are kv = tid, tid + CONSUMER_THREADS, ... in ascending
-  // order as in the pass (idx grows), summed from 0, then the same shuffles into the same per-warp parts; every warp
-  // meets every row, and a warp's 32 indices share one, so `cur` and the flush are warp-uniform.
-  float* sspart = reinterpret_cast<float*>(xs + UNION_BYTES - STAGE_PART_BYTES);
-  const bool ssr = nw != nullptr && !(MK_DIAG & 256) && vpr % CONSUMER_THREADS == 0;
-  int cur = -1;
-  float ssum = 0.f;
-#endif
   for (int base = threadIdx.x; base < total; base += U * CONSUMER_THREADS) {
     uint4 v[U];
 #pragma unroll
@@ -236,28 +215,9 @@ __device__ __forceinline__ void stage_x(unsigned char* xs, const elem_t* x, cons
       if (idx < total) {
         const int b = idx / vpr, kv = idx - b * vpr;
         *reinterpret_cast<uint4*>(xs + (size_t)b * rowb + kv * 16) = v[u];
-#if MK_SS_REGS
-        if (ssr && b < B) {
-          if (b != cur) {
-            if (cur >= 0) ss_flush(sspart, warp, lane, cur, ssum);
-            cur = b;
-            ssum = 0.f;
-          }
-          ssum = sumsq8(v[u], ssum);
-        }
-#endif
       }
     }
   }
-#if MK_SS_REGS
-  if (ssr) {
-    ss_flush(sspart, warp, lane, cur, ssum);   // the last row (B >= 1: every warp met it)
-    consumer_sync();
-    rstd_from_parts(sspart, B, rstd);
-    consumer_sync();
-    return;
-  }
-#endif
   consumer_sync();
   // MK_DIAG & 256 (timing only, wrong results; session 52): the norm statistics below skipped (rstd keeps whatever
   // it held): what the sum-of-squares pass, its shuffles and two barriers cost a norm-fused op's staging (qkv_rope's

@@ -83,14 +83,7 @@ VARIANTS = [("-DMK_ROUNDING=1",), ("-DMK_NUM_STAGES=5",), ("-DMK_NUM_STAGES=4",)
             ("-DMK_NTILES=2", "-DMK_W_TMA=1", "-DMK_WGMMA_A=4", "-DMK_WGA_X=2", "-DMK_WGA_ONLY=1"),
             ("-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
             # session 52's MK_DIAG & 256 (the whole-x staging's norm statistics skipped, timing only) on that build
-            ("-DMK_DIAG=256", "-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
-            # session 53's MK_SS_REGS (the staging's norm statistics from the loading registers) on that build
-            ("-DMK_SS_REGS=1", "-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
-            # session 53's MK_LDSM_FIRST (a chunk's weight fragments loaded before the MMAs) on the batch-1..8 class
-            # builds (the default build with it spills in mk_decode: never built by the decoder at batch 1..8, which
-            # takes the class build)
-            ("-DMK_LDSM_FIRST=1", "-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2"),
-            ("-DMK_LDSM_FIRST=1", "-DMK_NTILES=1")]
+            ("-DMK_DIAG=256", "-DMK_NTILES=1", "-DMK_X_WHOLE=1", "-DMK_RELEASE_GATE=48", "-DMK_GATE_AHEAD=2")]
 
 
 # A/B builds that spill, as built: (model, defines) -> (spill stores, spill loads) bytes of mk_decode. (MK_WGMMA_A=4 at

@@ -47,8 +47,7 @@ VARIANT_DEFINES = (("MK_ROUNDING", "rounding", "rounding"), ("MK_NUM_STAGES", "n
                    ("MK_GATE_AHEAD", "gate_ahead", "gate_ahead"), ("MK_DIAG_L2_FROM", "diag_l2_from", "diag_l2_from"),
                    ("MK_DIAG_L2_N", "diag_l2_n", "diag_l2_n"), ("MK_WGA_NWS", "wga_nws", "wga_nws"),
                    ("MK_X_GROUPS", "x_groups", "x_groups"), ("MK_NTILES", "ntiles", "ntiles"),
-                   ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"),
-                   ("MK_SS_REGS", "ss_regs", "ss_regs"), ("MK_LDSM_FIRST", "ldsm_first", "ldsm_first"))
+                   ("MK_WGA_ONLY", "wga_only", "wga_only"), ("MK_X_WHOLE", "x_whole", "x_whole"))
 # MK_DIAG_L2_FROM / _N's largest value (chunks of a task counted in the producer's issue order)
 DIAG_L2_MAX_CHUNKS = 64
 # MK_ATT_TMA's threshold where a tuning turns it on (session 18's A/B: 128 beat 1 and 1024); off by default, as
@@ -161,14 +160,6 @@ class KernelVariant:
     # its x whole (1B and 8B at batch 1), staged_fits is constant true, so the column-group path leaves the build (the
     # mirror of x_groups). The decoder keeps it only for such a batch size's build (tasks.class_build).
     x_whole: bool = False
-    # MK_SS_REGS (A/B switch, session 53; off): a whole-x staging's norm statistics from the registers that load x
-    # (csrc/x_frags.cuh stage_x), one barrier and one pass over the staged rows fewer; the same sums bit for bit
-    # where a row is whole rounds of the consumer threads (hidden a multiple of 2048), else the pass as before.
-    ss_regs: bool = False
-    # MK_LDSM_FIRST (A/B switch, session 53; off): the one-n-tile chunk loop loads an M-tile's weight fragments of a
-    # chunk first, then its MMAs (csrc/matvec.cuh), instead of ldmatrix -> MMA per k-step behind a branch each; the
-    # same sums bit for bit.
-    ldsm_first: bool = False
     # MK_LINEINFO (bench only): compiled with NVRTC's --generate-line-info, so Nsight Compute's source page maps SASS
     # to csrc lines (session 13's stall samples could not be read against the source); the code is the same
     lineinfo: bool = False
@@ -197,8 +188,7 @@ class KernelVariant:
         if not int_in(self.inflight, 0, self.num_stages - 1):
             raise ValueError(f"inflight={self.inflight!r}: 0 (off) or the weight chunks in flight per SM, "
                              f"1 .. {self.num_stages - 1} (num_stages - 1)")
-        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole",
-                     "ss_regs", "ldsm_first"):
+        for name in ("phases", "w_tma", "rstd_epi", "lineinfo", "wga_nws", "x_groups", "wga_only", "x_whole"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")  # noqa: TRY004 (a bad value)
         if not int_in(self.gate_ahead, 0, self.num_stages - 1):
