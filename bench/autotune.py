@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # bench/common.py
 
 from mk_plugin import reference as ref
-from mk_plugin.persistent.autotune import autotune
+from mk_plugin.persistent.autotune import PROGRAM_KNOBS, autotune
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.runtime import source_hash
 from mk_plugin.persistent.tensormap import check_model
@@ -68,6 +68,18 @@ def table_seeds(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: 
     each whole before its one-knob steps (persistent/autotune.py seed_tunings)."""
     key = spec_tuning_key(spec, bsz, num_sms, lm_head)
     return [e.tuning for p in tables for e in TuningTable.load(p, "").other_batch_winners(key)]
+
+
+def table_entry(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: list[Path]) -> ScheduleTuning | None:
+    """This key's tuning in the first of `tables` that has an entry for it (its winner, or the entry's base where the
+    base won: what the decoder runs), else None."""
+    key = spec_tuning_key(spec, bsz, num_sms, lm_head)
+    for p in tables:
+        table = TuningTable.load(p, "")
+        if key in table.entries:
+            w = table.winner(key)
+            return table.entries[key].base if w is None else w.tuning
+    return None
 
 
 def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
@@ -110,9 +122,16 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
     t0 = time.time()
     base = search_base(spec, cuda)
     seeds = table_seeds(spec, bsz, dec.num_sms, lm_head, seed_tables)
+    if args.start == "table":   # the descent from this key's own winner (the first table that has one), no seeds
+        own = table_entry(spec, bsz, dec.num_sms, lm_head, seed_tables)
+        if own is None:
+            log(f"  --start table: no entry for batch {bsz} in {[str(p) for p in seed_tables]}; from the base")
+        else:
+            base, seeds = own, []
+    knobs = PROGRAM_KNOBS if args.knobs == "program" else None
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
-                            seeds=seeds, log=log)
+                            seeds=seeds, knobs=knobs, log=log)
     meta = {"spec": spec.name, "ctx": args.ctx, "base": base.to_json(), "date": common.today(),
             "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
@@ -164,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", choices=("table", "none"), default="table",
                     help="table: first try the packaged table's and the cache's winners of the model's other batch "
                          "sizes, each as a whole; none: coordinate descent from the base only")
+    ap.add_argument("--start", choices=("base", "table"), default="base",
+                    help="base: the search from the untuned base after the seeds; table: from this batch size's own "
+                         "entry in the packaged table (or the cache), no seeds")
+    ap.add_argument("--knobs", choices=("all", "program"), default="all",
+                    help="program: only the knobs that change the encoded program (task splits, K cuts, attention "
+                         "chunks), not the kernel build: a short search")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--num-sms", type=int, default=132, help="cpu only: SMs of the modelled GPU")

@@ -70,6 +70,9 @@
 #                  H200 table's programs and Triton, 1B b1/4/8/12/16 and 8B b1/8/16: the H100's packaged tables (~350 s)
 #   h100_rows      an H100 only: the 8B b10 / b12 entries against the untuned program (2 alternated rounds), then the
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
+#   h100_search    an H100 only (session 53): bench/autotune.py --start table --knobs program at 1B b16 / b1 (the H100
+#                  table's entries, the program knobs only, 2 rounds; --write-tuned); if the table changed, the step
+#                  before / after in 2 alternated rounds (~450 s)
 #   h100_b3_5      an H100 only: 1B b3 / 4 / 5 on the H100 table's untuned base against the H200 b4 entry and batch 1's
 #                  program there (the H200 table without its b4 key), 2 alternated rounds (~100 s)
 #   tbt_auto_8b    issue 12: 8B TBT inside vLLM, stock alternated with the default mode (auto), b1 / 4 / 8 / 16, 2 rounds
@@ -119,6 +122,20 @@ case $n in
     MK_TUNING= timeout 90 python3 bench/mk_step.py --reps 100 --model bench/models/llama-3.2-1b --batch 1 4 --no-triton \
       --csv "$out/mk_step_h100_table.csv" 2>&1 | tail -12
     rm -f "$E" ;;
+  h100_search)   # the H100 table took the H200 table's entries (session 40) and was never searched on an H100
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_search: not an H100"; exit 2; fi
+    H=mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
+    cp "$H" "$out/table_before.json"
+    timeout 420 python3 bench/autotune.py --models 1b --batch 16 1 --lm-head off --start table --knobs program \
+      --rounds 2 --write-tuned --outdir "$out" --cache "$out/search_cache.json" 2>&1 | grep -v "^tuning" | tail -30
+    cp "$H" "$out/"
+    if ! cmp -s "$H" "$out/table_before.json"; then
+      for r in 1 2; do
+        MK_TUNING=$out/table_before.json T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton \
+          --csv "$out/mk_step_before.csv"
+        MK_TUNING=$PWD/$H T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton --csv "$out/mk_step_after.csv"
+      done
+    fi ;;
   h100_b3_5)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
     python3 -c 'import json, sys

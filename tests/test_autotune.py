@@ -15,7 +15,7 @@ import torch
 from mk_plugin.config import ConfigError, MkConfig
 from mk_plugin.persistent import tuning as tn
 from mk_plugin.persistent import tuning_table as tt
-from mk_plugin.persistent.autotune import autotune, effective_tasks, neighbours, seed_tunings
+from mk_plugin.persistent.autotune import PROGRAM_KNOBS, autotune, effective_tasks, neighbours, seed_tunings
 from mk_plugin.persistent.backend import MegakernelDecoder
 from mk_plugin.persistent.header import generate_header
 from mk_plugin.persistent.tasks import attention_chunks
@@ -262,6 +262,47 @@ def test_autotune_tries_other_batch_sizes_winners_whole_first():
             assert trials[1].tuning == three and [t.tuning for t in trials].count(three) == 1
     assert wga not in built
     assert seed_tunings([wga, three.with_chunks(3), three], 12) == [wga, three]
+
+
+def test_autotune_program_knobs_change_no_kernel_build_and_unknown_knobs_are_refused():
+    """knobs=PROGRAM_KNOBS (bench/autotune.py --knobs program): every candidate differs from the base only in the
+    encoded program (splits, K cuts, attention chunks, merge, piece deps), so tuned_variant is the base's for each;
+    an unknown knob name is refused before any trial."""
+    truth = torch.linspace(-1, 1, 50, dtype=torch.bfloat16)
+    base = ScheduleTuning(release_gate=48, gate_ahead=2, w_tma=True, inflight=2)
+    built: list[ScheduleTuning] = []
+    autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=built.append, run_step=truth.clone,
+             measure=lambda: 100.0, predict=lambda: 1.0, rounds=1, base=base, knobs=PROGRAM_KNOBS, log=lambda s: None)
+    v0 = tn.tuned_variant(tn.KernelVariant(), base)
+    assert len(built) > 5 and built[0] == base
+    assert all(tn.tuned_variant(tn.KernelVariant(), t) == v0 for t in built)
+    assert any(t.ksplit_for("down") != base.ksplit_for("down") for t in built)
+    with pytest.raises(ValueError, match="not knobs of the search"):
+        autotune(spec=SPEC, batch=2, num_sms=SMS, lm_head=False, retune=built.append, run_step=truth.clone,
+                 measure=lambda: 100.0, predict=lambda: 1.0, base=base, knobs=("ring",), log=lambda s: None)
+
+
+def test_bench_autotune_start_table_descends_from_the_keys_own_entry(tmp_path):
+    """--start table: the search's first trial is the key's own table entry (its base where the base won), no seeds;
+    a key without an entry starts from the base as before."""
+    bench = _load_bench()
+    own = ScheduleTuning((("o_proj", 0.5),), 2)
+    tab = TuningTable("cpu", [entry(1, own, 90.0, 100.0), entry(4, ScheduleTuning(), 100.0, 100.0)])
+    p = tab.save(tmp_path / "t.json")
+    assert bench.table_entry(SPEC, 1, SMS, False, [tmp_path / "missing.json", p]) == own
+    assert bench.table_entry(SPEC, 4, SMS, False, [p]) == tab.entries[tt.spec_tuning_key(SPEC, 4, SMS, False)].base
+    assert bench.table_entry(SPEC, 8, SMS, False, [p]) is None
+    spec = LlamaSpec.tiny()
+    start = ScheduleTuning((("down", 0.5),))
+    cache = TuningTable("cpu", [TuningEntry(tt.spec_tuning_key(spec, 1, 6, False), start, 90.0, 100.0, {})])
+    cpath = cache.save(tmp_path / "cache.json")
+    rc = bench.main(["--device", "cpu", "--models", "tiny", "--batch", "1", "--lm-head", "off", "--num-sms", "6",
+                     "--rounds", "1", "--start", "table", "--knobs", "program", "--outdir", str(tmp_path),
+                     "--cache", str(cpath)])
+    assert rc == 0
+    report = next(tmp_path.glob("autotune_*_tiny_cpu.md")).read_text()
+    first = report.split("## tiny batch 1 lm_head False")[1].split("\n")[4]
+    assert first.startswith(f"| {start.label()} |")
 
 
 def test_table_other_batch_winners_are_the_seeds(tmp_path):

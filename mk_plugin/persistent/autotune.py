@@ -42,6 +42,17 @@ from .tuning_table import TUNED_MIN_GAIN
 from .variant import ATT_TMA_TUNED, INFLIGHT_TUNED, WGA_X_CHOICES
 
 SPLIT_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+# The descent's knobs in their order: the ones that compile a kernel variant last (ring depth, ring-fed attention,
+# in-flight cap, weight maps, ...). (The K cuts were listed by neighbours() but never tried before session 18.)
+KNOBS: tuple[str, ...] = ("attn_chunks", "merge_in_partial", *SPLIT_OPS, *[f"ksplit.{o}" for o in KSPLIT_OPS],
+                          "piece_deps", "num_stages", "att_tma", "inflight", "w_tma", "w_tma+inflight", "wgmma_a",
+                          "wga_x", "wga_nws", "rstd_epi", "x_groups", "release_gate", "gate_ahead",
+                          "release_gate+gate_ahead")
+# The knobs that change only the encoded program (task splits, K cuts, attention chunks and their merge), not the
+# tuning's kernel variant: a search over them compiles a kernel only where a split changes the batch's class build
+# (tasks.class_build: x staged whole, every task on wgmma), so it is short (session 53: a search from a table entry)
+PROGRAM_KNOBS: tuple[str, ...] = ("attn_chunks", "merge_in_partial", *SPLIT_OPS,
+                                  *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps")
 
 
 @dataclass
@@ -181,9 +192,12 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              ops: Iterable[str] = SPLIT_OPS, factors: Iterable[float] = SPLIT_FACTORS,
              chunks: Iterable[int] | None = None, stages: Iterable[int] = STAGE_CHOICES,
              base: ScheduleTuning = DEFAULT_TUNING, seeds: Iterable[ScheduleTuning] = (),
+             knobs: Iterable[str] | None = None,
              log: Callable[[str], None] = print) -> tuple[Trial, list[Trial]]:
     """Coordinate descent from `base` (a candidate moves the best only when > min_gain faster), after trying each
-    of `seeds` (seed_tunings: other batch sizes' winners) as a whole.
+    of `seeds` (seed_tunings: other batch sizes' winners) as a whole. `knobs`: only these of the descent's knobs
+    (KNOBS; e.g. PROGRAM_KNOBS, the ones that change the program and not the kernel build: no compile per candidate);
+    None: all.
 
     retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
     run_step(): one decode step; returns its output (copied), compared with the base's.
@@ -212,6 +226,9 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
             f"rel {rf:.1e}{' bitwise' if bitwise else ''}")
         return tr, out
 
+    only = None if knobs is None else set(knobs)
+    if only is not None and not only <= set(KNOBS):
+        raise ValueError(f"knobs {sorted(only - set(KNOBS))}: not knobs of the search (KNOBS: {', '.join(KNOBS)})")
     att_off = ATT_TMA_OFF if base.att_tma > 0 else 0
     start, ref = trial(base, None)   # the base program's output is every candidate's reference
     if not start.ok:
@@ -241,11 +258,8 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
         moved = False
         # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
         # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
-        knobs = ["attn_chunks", "merge_in_partial", *[o for o in ops if lm_head or o != "lm_head"],
-                 *[f"ksplit.{o}" for o in KSPLIT_OPS], "piece_deps", "num_stages", "att_tma", "inflight", "w_tma",
-                 "w_tma+inflight", "wgmma_a", "wga_x", "wga_nws", "rstd_epi", "x_groups", "release_gate", "gate_ahead",
-                 "release_gate+gate_ahead"]
-        for knob in knobs:
+        order = [k for k in KNOBS if k not in SPLIT_OPS or (k in ops and (lm_head or k != "lm_head"))]
+        for knob in (k for k in order if only is None or k in only):
             moved |= try_each(t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
                                                        chunks=chunks, stages=stages, lm_head=lm_head, att_off=att_off)
                               if k == knob)
