@@ -73,6 +73,9 @@
 #   h100_search    an H100 only (session 53): bench/autotune.py --start table --knobs program at 1B b16 / b1 (the H100
 #                  table's entries, the program knobs only, 2 rounds; --write-tuned); if the table changed, the step
 #                  before / after in 2 alternated rounds (~450 s)
+#   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
+#                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
+#                  o_proj split, each before / after in 2 alternated rounds (~90 s)
 #   h100_b3_5      an H100 only: 1B b3 / 4 / 5 on the H100 table's untuned base against the H200 b4 entry and batch 1's
 #                  program there (the H200 table without its b4 key), 2 alternated rounds (~100 s)
 #   tbt_auto_8b    issue 12: 8B TBT inside vLLM, stock alternated with the default mode (auto), b1 / 4 / 8 / 16, 2 rounds
@@ -136,6 +139,18 @@ case $n in
         MK_TUNING=$PWD/$H T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton --csv "$out/mk_step_after.csv"
       done
     fi ;;
+  h100_check)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_check: not an H100"; exit 2; fi
+    R=$PWD/bench/results/session53
+    for r in 1 2; do
+      MK_TUNING=$R/h100_table_before.json T=60 step --model bench/models/llama-3.2-1b --batch 8 16 --ctx 4096 --no-triton \
+        --csv "$out/mk_step_before.csv"
+      MK_TUNING=$R/h100_table_with_b8_chunks1.json T=60 step --model bench/models/llama-3.2-1b --batch 8 16 --ctx 4096 \
+        --no-triton --csv "$out/mk_step_after.csv"
+      MK_TUNING=$R/h100_table_before.json T=60 step --model bench/models/llama-3.2-1b --batch 13 14 15 --no-triton \
+        --csv "$out/mk_step_before.csv"
+      MK_TUNING= T=60 step --model bench/models/llama-3.2-1b --batch 13 14 15 --no-triton --csv "$out/mk_step_after.csv"
+    done ;;
   h100_b3_5)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
     python3 -c 'import json, sys
