@@ -72,7 +72,7 @@
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
 #   h100_search    an H100 only (session 53): bench/autotune.py --start table --knobs program at 1B b16 / b1 (the H100
 #                  table's entries, the program knobs only, 2 rounds; --write-tuned); if the table changed, the step
-#                  before / after in 2 alternated rounds (~450 s)
+#                  before / after in 2 alternated rounds (~75 s on a warm H100 in session 53)
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
 #                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
 #                  o_proj split, each before / after in 2 alternated rounds (~90 s)

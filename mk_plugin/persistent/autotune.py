@@ -196,8 +196,7 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
              log: Callable[[str], None] = print) -> tuple[Trial, list[Trial]]:
     """Coordinate descent from `base` (a candidate moves the best only when > min_gain faster), after trying each
     of `seeds` (seed_tunings: other batch sizes' winners) as a whole. `knobs`: only these of the descent's knobs
-    (KNOBS; e.g. PROGRAM_KNOBS, the ones that change the program and not the kernel build: no compile per candidate);
-    None: all.
+    (KNOBS; e.g. PROGRAM_KNOBS, the ones that change the program and not the tuning's kernel variant); None: all.
 
     retune(t): make the next run_step/measure/predict use tuning t (MegakernelDecoder.retune).
     run_step(): one decode step; returns its output (copied), compared with the base's.
@@ -256,8 +255,6 @@ def autotune(*, spec, batch: int, num_sms: int, lm_head: bool,
     try_each(seed_tunings(seeds, batch), " (a seed)")
     for r in range(rounds):
         moved = False
-        # the knobs that compile a kernel variant last: ring depth, ring-fed attention, in-flight cap, weight maps
-        # (the K cuts were listed by neighbours() but never tried before session 18: ksplit.* were not knobs here)
         order = [k for k in KNOBS if k not in SPLIT_OPS or (k in ops and (lm_head or k != "lm_head"))]
         for knob in (k for k in order if only is None or k in only):
             moved |= try_each(t for k, t in neighbours(spec, batch, num_sms, best.tuning, ops=ops, factors=factors,
