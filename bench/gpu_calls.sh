@@ -70,12 +70,11 @@
 #                  H200 table's programs and Triton, 1B b1/4/8/12/16 and 8B b1/8/16: the H100's packaged tables (~350 s)
 #   h100_rows      an H100 only: the 8B b10 / b12 entries against the untuned program (2 alternated rounds), then the
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
-#   h100_search    an H100 only (session 53): bench/autotune.py --start table --knobs program at 1B b16 / b1 (the H100
-#                  table's entries, the program knobs only, 2 rounds; --write-tuned); if the table changed, the step
-#                  before / after in 2 alternated rounds (~75 s on a warm H100 in session 53)
-#   search         any card (session 53): the same search from this GPU's packaged table at 1B b1 / 4 / 8 / 10 / 12 / 16
-#                  and 8B b1 / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 alternated
-#                  rounds; the table comes back in $OUT (~5 min)
+#   search         any card (session 53): bench/autotune.py --start table --knobs program (the program knobs only, from
+#                  this GPU's packaged table's entries, 2 rounds, --write-tuned) at 1B b1 / 4 / 8 / 10 / 12 / 16 and 8B b1
+#                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 alternated rounds; the
+#                  table comes back in $OUT (~5 min). Its H100-only first form, h100_search (1B b16 / b1), ran in session
+#                  53 and is in git at f343e66
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
 #                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
 #                  o_proj split, each before / after in 2 alternated rounds (~90 s)
@@ -128,20 +127,6 @@ case $n in
     MK_TUNING= timeout 90 python3 bench/mk_step.py --reps 100 --model bench/models/llama-3.2-1b --batch 1 4 --no-triton \
       --csv "$out/mk_step_h100_table.csv" 2>&1 | tail -12
     rm -f "$E" ;;
-  h100_search)   # the H100 table took the H200 table's entries (session 40) and was never searched on an H100
-    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_search: not an H100"; exit 2; fi
-    H=mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
-    cp "$H" "$out/table_before.json"
-    timeout 420 python3 bench/autotune.py --models 1b --batch 16 1 --lm-head off --start table --knobs program \
-      --rounds 2 --write-tuned --outdir "$out" --cache "$out/search_cache.json" 2>&1 | grep -v "^tuning" | tail -30
-    cp "$H" "$out/"
-    if ! cmp -s "$H" "$out/table_before.json"; then
-      for r in 1 2; do
-        MK_TUNING=$out/table_before.json T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton \
-          --csv "$out/mk_step_before.csv"
-        MK_TUNING=$PWD/$H T=60 step --model bench/models/llama-3.2-1b --batch 1 16 --no-triton --csv "$out/mk_step_after.csv"
-      done
-    fi ;;
   search)   # the table as this GPU's decoder reads it; MK_TUNING set per run (gpu_calls exports the H200 table on an H100)
     H=$(python3 -c 'import torch; from mk_plugin.persistent.tuning_table import tuned_file
 print(tuned_file(torch.cuda.get_device_name()))')
@@ -151,29 +136,34 @@ print(tuned_file(torch.cuda.get_device_name()))')
     timeout 200 python3 bench/autotune.py --models 8b --batch 1 8 16 --lm-head off --start table --knobs program \
       --rounds 2 --write-tuned --outdir "$out" --cache "$out/search_cache.json" 2>&1 | grep -i "best so far\|no entry"
     cp "$H" "$out/"
-    # the batch sizes whose entry changed (keys compared as JSON), each model's before / after at both contexts
+    # per model folder, the batch sizes whose entry (without the LM head) changed: "MODEL_DIR B1 B2 ..." a line
     python3 - "$out/table_before.json" "$H" > "$out/changed.txt" <<'PY'
 import json, sys
+from pathlib import Path
+from mk_plugin.persistent.encoding import spec_hash
+from mk_plugin.spec import LlamaSpec
+models = {spec_hash(LlamaSpec.from_json_file(d)): d for d in sorted(Path("bench/models").iterdir())
+          if (d / "config.json").exists()}
 def entries(p):
-    return {(e["key"]["spec_hash"], e["key"]["batch"], e["key"]["lm_head"]): e["tuning"] for e in json.load(open(p))["entries"]}
+    return {(e["key"]["spec_hash"], e["key"]["batch"]): e["tuning"] for e in json.load(open(p))["entries"]
+            if not e["key"]["lm_head"]}
 a, b = entries(sys.argv[1]), entries(sys.argv[2])
+changed = {}
 for k in sorted(b):
-    if a.get(k) != b[k] and not k[2]:
-        print(k[0], k[1])
+    if a.get(k) != b[k] and k[0] in models:
+        changed.setdefault(models[k[0]], []).append(k[1])
+for d, bs in changed.items():
+    print(d, *bs)
 PY
     cat "$out/changed.txt"
-    for spec in $(cut -d' ' -f1 "$out/changed.txt" | sort -u); do
-      m=$(python3 -c "import sys; from pathlib import Path; from mk_plugin.spec import LlamaSpec; from mk_plugin.persistent.encoding import spec_hash
-for d in Path('bench/models').iterdir():
-    if (d / 'config.json').exists() and spec_hash(LlamaSpec.from_json_file(d)) == $spec: print(d); break")
-      bs=$(awk -v s=$spec '$1 == s {print $2}' "$out/changed.txt" | tr '\n' ' ')
+    while read -r m bs; do
       for r in 1 2; do
         for ctx in 512 4096; do
-          MK_TUNING=$out/table_before.json T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_before.csv"
-          MK_TUNING=$PWD/$H T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_after.csv"
+          MK_TUNING=$out/table_before.json T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_before.csv" < /dev/null
+          MK_TUNING=$H T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_after.csv" < /dev/null
         done
       done
-    done ;;
+    done < "$out/changed.txt" ;;
   h100_check)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_check: not an H100"; exit 2; fi
     R=$PWD/bench/results/session53
