@@ -120,14 +120,14 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
 
     log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
     t0 = time.time()
-    base = search_base(spec, cuda)
-    seeds = table_seeds(spec, bsz, dec.num_sms, lm_head, seed_tables)
-    if args.start == "table":   # the descent from this key's own winner (the first table that has one), no seeds
-        own = table_entry(spec, bsz, dec.num_sms, lm_head, seed_tables)
-        if own is None:
-            log(f"  --start table: no entry for batch {bsz} in {[str(p) for p in seed_tables]}; from the base")
-        else:
-            base, seeds = own, []
+    # --start table: the descent from this key's own entry (the first table that has one), no seeds
+    own = table_entry(spec, bsz, dec.num_sms, lm_head, seed_tables) if args.start == "table" else None
+    if args.start == "table" and own is None:
+        log(f"  --start table: no entry for batch {bsz} in {[str(p) for p in seed_tables]}; from the base")
+    if own is None:
+        base, seeds = search_base(spec, cuda), table_seeds(spec, bsz, dec.num_sms, lm_head, seed_tables)
+    else:
+        base, seeds = own, []
     knobs = PROGRAM_KNOBS if args.knobs == "program" else None
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
