@@ -208,16 +208,30 @@ def main(argv: list[str] | None = None) -> int:
     all_results = []
     for name in args.models:
         all_results += tune_model(load_spec(name), args, args.device, print, seed_tables)
+    tag = "-".join(s for s in args.models if "/" not in s) or "models"
+    name = f"autotune_{common.run_stamp()}_{tag}_{args.device}.md"
     paths = [cache] + ([tuned_file(gpu)] if args.write_tuned else [])
     for p in paths:
         table = TuningTable.load(p, gpu)
         for e, _ in all_results:
-            table.put(e)
+            if args.start == "table":   # keep each entry's record; a move becomes one of its updates
+                what = table.merge_from_entry(e, table_update(e, gpu, args, name))
+                print(f"  {p.name}: {e.meta['spec']} batch {e.key.batch} lm_head {e.key.lm_head}: {what}")
+            else:
+                table.put(e)
         print(f"tuning table: {table.save(p)}")
-    tag = "-".join(s for s in args.models if "/" not in s) or "models"
-    common.write_record(args.outdir, f"autotune_{common.run_stamp()}_{tag}_{args.device}.md",
-                        report(all_results, args, gpu))
+    common.write_record(args.outdir, name, report(all_results, args, gpu))
     return 0
+
+
+def table_update(e: TuningEntry, gpu: str, args, report_name: str) -> dict:
+    """The `updates` record of a table entry that a --start table search moved (TuningTable.merge_from_entry)."""
+    return {"date": e.meta["date"], "commit": e.meta["commit"], "gpu": gpu,
+            "change": (f"bench/autotune.py --start table --knobs {args.knobs} from this entry (ctx {args.ctx}, "
+                       f"{args.rounds} rounds): {e.base.label()} {e.default_us:.1f} us -> {e.tuning.label()} "
+                       f"{e.best_us:.1f} us ({100 * (e.best_us / e.default_us - 1):+.1f}%); not yet checked before / "
+                       "after at other contexts"),
+            "source": f"bench/results/{report_name}"}
 
 
 if __name__ == "__main__":

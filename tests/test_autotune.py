@@ -303,6 +303,43 @@ def test_bench_autotune_start_table_descends_from_the_keys_own_entry(tmp_path):
     report = next(tmp_path.glob("autotune_*_tiny_cpu.md")).read_text()
     first = report.split("## tiny batch 1 lm_head False")[1].split("\n")[4]
     assert first.startswith(f"| {start.label()} |")
+    # the cache's entry keeps its record: as it was, or with the move as an `updates` record naming the report
+    after = TuningTable.load(cpath, "cpu").entries[tt.spec_tuning_key(spec, 1, 6, False)]
+    before = cache.entries[tt.spec_tuning_key(spec, 1, 6, False)]
+    if after.tuning == start:
+        assert after.to_json() == before.to_json()
+    else:
+        (up,) = after.meta["updates"]
+        assert up["source"].endswith(".md") and "--start table" in up["change"] and after.default_us >= 100.0
+
+
+def test_a_search_from_an_entry_keeps_its_record():
+    """bench/autotune.py --start table merges with TuningTable.merge_from_entry: an unmoved entry keeps its record, a
+    key the nearest entry already serves with the found tuning gets no entry of its own (session 54: 1B b12 on the
+    H100), a moved entry keeps its base, default_us and provenance and gains an `updates` record."""
+    base = ScheduleTuning(att_tma=128)
+    b16 = ScheduleTuning((("o_proj", 0.75),), att_tma=128)
+    old = TuningEntry(tt.spec_tuning_key(SPEC, 16, SMS, False), b16, 90.0, 120.0,
+                      {"spec": SPEC.name, "base": base.to_json(), "source": "h100_tables", "updates": [{"n": 1}]})
+    tab = TuningTable("NVIDIA H100", [old, entry(4, ScheduleTuning(), 100.0, 100.0)])
+    k = lambda b: tt.spec_tuning_key(SPEC, b, SMS, False)
+    meta = {"spec": SPEC.name, "base": b16.to_json(), "date": "d", "commit": "c"}
+    same = TuningEntry(k(16), b16, 88.0, 88.0, meta)
+    assert tab.merge_from_entry(same, {"n": 2}) == "unchanged" and tab.entries[k(16)] is old
+    near = TuningEntry(k(14), b16.with_chunks(0), 87.0, 95.0, meta)   # what nearest(14) gives: batch 16's program
+    assert tab.runs(k(14)) == b16.with_chunks(0)
+    assert tab.merge_from_entry(near, {"n": 2}).startswith("not added") and k(14) not in tab.entries
+    moved = TuningEntry(k(16), replace(b16, attn_chunks=4), 85.0, 89.0, meta)
+    assert tab.merge_from_entry(moved, {"n": 2}).startswith("updated")
+    e = tab.entries[k(16)]
+    assert e.tuning == replace(b16, attn_chunks=4) and e.best_us == 85.0 and e.default_us == 120.0
+    assert e.base == base and e.meta["source"] == "h100_tables" and e.meta["updates"] == [{"n": 1}, {"n": 2}]
+    assert tab.winner(k(16)) is e
+    # the entry was its base ("default wins" at batch 4): the move's own start time becomes default_us
+    b4 = TuningEntry(k(4), ScheduleTuning((("down", 0.5),)), 90.0, 101.0, meta | {"base": ScheduleTuning().to_json()})
+    assert tab.merge_from_entry(b4, {"n": 3}).startswith("updated") and tab.entries[k(4)].default_us == 101.0
+    fresh = TuningEntry(k(1), ScheduleTuning((("qkv_rope", 0.5),)), 80.0, 100.0, meta)
+    assert tab.merge_from_entry(fresh, {"n": 4}) == "new entry" and tab.entries[k(1)] is fresh
 
 
 def test_table_other_batch_winners_are_the_seeds(tmp_path):

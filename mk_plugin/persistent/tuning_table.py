@@ -117,6 +117,34 @@ class TuningTable:
     def put(self, entry: TuningEntry) -> None:
         self.entries[entry.key] = entry
 
+    def runs(self, key: TuningKey) -> ScheduleTuning | None:
+        """The tuning the decoder builds for `key` from this table alone: its winner (or the nearest batch size's),
+        else the measured base; None where the table knows nothing of the model."""
+        e = self.nearest(key)
+        return e.tuning if e is not None else self.base_for(key)
+
+    def merge_from_entry(self, entry: TuningEntry, update: Mapping) -> str:
+        """Put the result of a search that started from what this table runs for entry.key (bench/autotune.py
+        --start table) without losing the record of what it measured before, and say what was done:
+        - the search moved nothing: the entry stays as it was (its measurement, provenance and updates);
+        - the key has no entry and the search found what the nearest batch size's entry already gives it: nothing
+          is added (the decoder would run the same program; session 54's 1B b12 on the H100);
+        - the key's entry moved: its tuning and best_us change, its base and meta stay, and `update`
+          (date, commit, gpu, change, source) is appended to meta["updates"] (session 53's manual record, now
+          written by the tool);
+        - else (a key the table never measured, a new tuning): the entry as measured."""
+        old, runs = self.entries.get(entry.key), self.runs(entry.key)
+        if runs == entry.tuning:
+            return "unchanged" if old is not None else "not added: the nearest entry gives it"
+        if old is None:
+            self.put(entry)
+            return "new entry"
+        meta = old.meta | {"updates": [*old.meta.get("updates", []), dict(update)]}
+        # default_us stays the base's time; where the old entry was its base (the search's start), today's time of
+        # it is the base's, and the larger of the two keeps the move's measured gain visible to winner()
+        self.put(TuningEntry(entry.key, entry.tuning, entry.best_us, max(old.default_us, entry.default_us), meta))
+        return f"updated: {runs.label() if runs is not None else '-'} -> {entry.tuning.label()}"
+
     def _same_model(self, key: TuningKey) -> list[TuningKey]:
         """The measured keys of key's model, SM count, lm_head and fallback (any batch size)."""
         return [k for k in self.entries if (k.spec_hash, k.num_sms, k.lm_head, k.fallback)
