@@ -72,7 +72,7 @@
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
 #   search         any card (session 53): bench/autotune.py --start table --knobs program (the program knobs only, from
 #                  this GPU's packaged table's entries, 2 rounds, --write-tuned) at 1B b1 / 4 / 8 / 10 / 12 / 16 and 8B b1
-#                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 alternated rounds; the
+#                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 rounds (ABBA); the
 #                  table comes back in $OUT (~5 min). Its H100-only first form, h100_search (1B b16 / b1), ran in session
 #                  53 and is in git at f343e66
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
@@ -157,10 +157,13 @@ for d, bs in changed.items():
 PY
     cat "$out/changed.txt"
     while read -r m bs; do
-      for r in 1 2; do
+      # rounds in ABBA order (session 54: the same program measured "before" then "after" read -0.5..-2.2%)
+      for order in "before after" "after before"; do
         for ctx in 512 4096; do
-          MK_TUNING=$out/table_before.json T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_before.csv" < /dev/null
-          MK_TUNING=$H T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_after.csv" < /dev/null
+          for tab in $order; do
+            if [ $tab = before ]; then TAB=$out/table_before.json; else TAB=$H; fi
+            MK_TUNING=$TAB T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_$tab.csv" < /dev/null
+          done
         done
       done
     done < "$out/changed.txt" ;;
