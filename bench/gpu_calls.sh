@@ -75,6 +75,9 @@
 #                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 rounds (ABBA); the
 #                  table comes back in $OUT (~5 min). Its H100-only first form, h100_search (1B b16 / b1), ran in session
 #                  53 and is in git at f343e66
+#   h100_b8_k2     an H100 only (session 54): the H100 table's 1B b8 entry with down's K-split 2 (the search's -2.9% trial at
+#                  ctx 512) against the table, b6 / 8 / 9 at ctx 512 and b8 at 4096, 2 rounds ABBA, then the packaged
+#                  tables' GPU test with it (~250 s)
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
 #                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
 #                  o_proj split, each before / after in 2 alternated rounds (~90 s)
@@ -179,6 +182,20 @@ PY
         --csv "$out/mk_step_before.csv"
       MK_TUNING= T=60 step --model bench/models/llama-3.2-1b --batch 13 14 15 --no-triton --csv "$out/mk_step_after.csv"
     done ;;
+  h100_b8_k2)   # session 54's candidate (bench/NOTES.md: predicted b8 -2..-3% at both contexts)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b8_k2: not an H100"; exit 2; fi
+    R=$PWD/bench/results/session54
+    for order in "before after" "after before"; do
+      for tab in $order; do
+        if [ $tab = before ]; then TAB=$R/h100_table_before.json; else TAB=$R/h100_table_b8_down_k2.json; fi
+        MK_TUNING=$TAB T=60 step --model bench/models/llama-3.2-1b --batch 6 8 9 --no-triton --csv "$out/mk_step_$tab.csv"
+        MK_TUNING=$TAB T=45 step --model bench/models/llama-3.2-1b --batch 8 --ctx 4096 --no-triton --csv "$out/mk_step_$tab.csv"
+      done
+    done
+    # the GPU test reads the packaged table: this machine's copy of the tree gets the candidate (not committed here)
+    cp "$R/h100_table_b8_down_k2.json" mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py -k h100 2>&1 | tail -3
+    git checkout -q -- mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json 2>/dev/null || true ;;
   h100_b3_5)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
     python3 -c 'import json, sys
