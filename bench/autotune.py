@@ -1,6 +1,6 @@
 """Autotune the megakernel's task sizes per (GPU, model shape, batch, lm_head) and cache the winners.
 
-    python bench/autotune.py [--models 1b 8b] [--batch 1 2 4 8 16] [--lm-head both] [--ctx 512]
+    python bench/autotune.py [--models 1b 8b] [--batch 1 2 4 8 16] [--lm-head both] [--ctx 512 [4096 ...]]
                              [--rounds 2] [--reps 200] [--seeds table|none] [--write-tuned]
 
 For each key: the tables' winners at the model's other batch sizes tried whole (--seeds table, the default), then
@@ -82,15 +82,12 @@ def table_entry(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: 
     return None
 
 
-def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
-               seed_tables: list[Path]) -> tuple[TuningEntry, list]:
-    """Autotune dec's program for bsz tokens of context args.ctx, first trying the winners of the model's other batch
-    sizes in seed_tables; the table entry and every trial."""
+def step_at(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, ctx: int) -> tuple:
+    """One decode step of bsz requests of ctx tokens on dec: (step, run_step), run_step restoring the KV caches first
+    (every run appends the same K/V: the inputs stay identical) and returning a copy of the output."""
     spec, device, lm_head = dec.spec, dec.device, dec.lm_head
-    cuda = device.type == "cuda"
-    seq = [args.ctx] * bsz
-    b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, seq, bsz, device)
-    pristine = [c.clone() for c in caches]   # every run appends the same K/V: keep the inputs identical
+    b, caches, pos, sl, bt, slots = common.bench_decode_batch(spec, [ctx] * bsz, bsz, device)
+    pristine = [c.clone() for c in caches]
     hidden = w.embed[b.input_ids.to(device)]
     out = torch.empty_like(hidden)
     logits = torch.empty(bsz, spec.vocab_size, device=device) if lm_head else None
@@ -103,6 +100,19 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
             c.copy_(p)
         step()
         return (logits if lm_head else out).clone()
+    return step, run_step
+
+
+def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
+               seed_tables: list[Path]) -> tuple[TuningEntry, list]:
+    """Autotune dec's program for bsz tokens of each context in args.ctx (a candidate's time: the mean step over
+    them, so that a move which wins at one context and loses at another is weighed at both; its output is checked
+    at the first), first trying the winners of the model's other batch sizes in seed_tables; the table entry and
+    every trial."""
+    spec, device, lm_head = dec.spec, dec.device, dec.lm_head
+    cuda = device.type == "cuda"
+    steps = [step_at(dec, w, cs, bsz, ctx) for ctx in args.ctx]
+    run_step = steps[0][1]
 
     def retune(t):
         dec.retune(bsz, t)
@@ -116,9 +126,9 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
         if not cuda:
             return predict()   # plumbing only: the time model stands in for the GPU
         from mk_plugin.timing import graph_median_ms
-        return graph_median_ms(step, replays=args.reps) * 1e3
+        return sum(graph_median_ms(step, replays=args.reps) for step, _ in steps) * 1e3 / len(steps)
 
-    log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {args.ctx} ({dec.num_sms} SMs)")
+    log(f"\n{spec.name} batch {bsz} lm_head {lm_head} ctx {ctx_label(args)} ({dec.num_sms} SMs)")
     t0 = time.time()
     # --start table: the descent from this key's own entry (the first table that has one), no seeds
     own = table_entry(spec, bsz, dec.num_sms, lm_head, seed_tables) if args.start == "table" else None
@@ -132,7 +142,8 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
     best, trials = autotune(spec=spec, batch=bsz, num_sms=dec.num_sms, lm_head=lm_head, retune=retune,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
                             seeds=seeds, knobs=knobs, log=log)
-    meta = {"spec": spec.name, "ctx": args.ctx, "base": base.to_json(), "date": common.today(),
+    meta = {"spec": spec.name, "ctx": args.ctx[0] if len(args.ctx) == 1 else list(args.ctx), "base": base.to_json(),
+            "date": common.today(),
             "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
             "measured": "cuda-graph median" if cuda else "time model (cpu plumbing run)"}
@@ -140,10 +151,14 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
     return TuningEntry(key, best.tuning, best.us, trials[0].us, meta), trials
 
 
+def ctx_label(args) -> str:
+    return ", ".join(map(str, args.ctx)) + (" (the mean step)" if len(args.ctx) > 1 else "")
+
+
 def tune_model(spec: LlamaSpec, args, device: str, log, seed_tables: list[Path]) -> list[tuple[TuningEntry, list]]:
     cuda = device == "cuda"
     w = random_weights(spec, device=device, draw_on_device=cuda)
-    cs = ref.rope_cos_sin_cache(spec, args.ctx + 16).to(device)
+    cs = ref.rope_cos_sin_cache(spec, max(args.ctx) + 16).to(device)
     results = []
     for lm_head in {"off": [False], "on": [True], "both": [False, True]}[args.lm_head]:
         dec = MegakernelDecoder(spec, w, max(args.batch), device, lm_head=lm_head, tuning="off",
@@ -155,7 +170,7 @@ def tune_model(spec: LlamaSpec, args, device: str, log, seed_tables: list[Path])
 def report(spec_results, args, gpu: str) -> str:
     lines = [f"# Megakernel autotune ({common.today()})", "",
              f"- gpu: {gpu}", f"- commit: {common.git_commit()}", f"- command: `python3 {' '.join(sys.argv)}`",
-             (f"- context {args.ctx} tokens per request; measured: median of {args.reps} CUDA-graph replays "
+             (f"- context {ctx_label(args)} tokens per request; measured: median of {args.reps} CUDA-graph replays "
               "(CPU run: the time model, not a measurement)"), "",
              "## Winners", "",
              common.markdown_table(["model", "batch", "lm_head", "base", "base us", "best us", "gain", "tuning"],
@@ -178,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--lm-head", choices=("off", "on", "both"), default="both",
                     help="tune the program without the LM head (what vLLM runs), with it (mk_step's headline), or both")
-    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512],
+                    help="context(s) per request; with several, a candidate's time is the mean step over them")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seeds", choices=("table", "none"), default="table",
                     help="table: first try the packaged table's and the cache's winners of the model's other batch "
@@ -227,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 def table_update(e: TuningEntry, gpu: str, args, report_name: str) -> dict:
     """The `updates` record of a table entry that a --start table search moved (TuningTable.merge_from_entry)."""
     return {"date": e.meta["date"], "commit": e.meta["commit"], "gpu": gpu,
-            "change": (f"bench/autotune.py --start table --knobs {args.knobs} from this entry (ctx {args.ctx}, "
+            "change": (f"bench/autotune.py --start table --knobs {args.knobs} from this entry (ctx {ctx_label(args)}, "
                        f"{args.rounds} rounds): {e.base.label()} {e.default_us:.1f} us -> {e.tuning.label()} "
                        f"{e.best_us:.1f} us ({100 * (e.best_us / e.default_us - 1):+.1f}%); not yet checked before / "
                        "after at other contexts"),

@@ -384,6 +384,19 @@ def test_bench_autotune_cpu_plumbing_writes_a_table_the_decoder_uses(tmp_path, m
         bench.main(["--device", "cpu", "--models", "tiny", "--write-tuned"])
 
 
+def test_bench_autotune_several_contexts(tmp_path):
+    """--ctx 40 70: each candidate is run at both contexts (the time: their mean step), the entry records both."""
+    bench = _load_bench()
+    table = tmp_path / "table.json"
+    rc = bench.main(["--device", "cpu", "--models", "tiny", "--batch", "2", "--lm-head", "off", "--num-sms", "6",
+                     "--rounds", "1", "--ctx", "40", "70", "--outdir", str(tmp_path), "--cache", str(table)])
+    assert rc == 0
+    report = next(tmp_path.glob("autotune_*_tiny_cpu.md")).read_text()
+    assert "context 40, 70 (the mean step) tokens" in report
+    (e,) = TuningTable.load(table, "cpu").entries.values()
+    assert e.meta["ctx"] == [40, 70]
+
+
 def test_tuning_key_ignores_fallback_order():
     assert TuningKey.of(1, 2, 3, True, ["o_proj", "down"]) == TuningKey.of(1, 2, 3, True, ("down", "o_proj"))
 
