@@ -143,8 +143,7 @@ def tune_batch(dec: MegakernelDecoder, w, cs: torch.Tensor, bsz: int, args, log,
                             run_step=run_step, measure=measure, predict=predict, rounds=args.rounds, base=base,
                             seeds=seeds, knobs=knobs, log=log)
     meta = {"spec": spec.name, "ctx": args.ctx[0] if len(args.ctx) == 1 else list(args.ctx), "base": base.to_json(),
-            "date": common.today(),
-            "commit": common.git_commit(),
+            "date": common.today(), "commit": common.git_commit(),
             "source_hash": source_hash(), "reps": args.reps, "seconds": round(time.time() - t0, 1),
             "measured": "cuda-graph median" if cuda else "time model (cpu plumbing run)"}
     key = spec_tuning_key(spec, bsz, dec.num_sms, lm_head)
