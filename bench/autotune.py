@@ -77,8 +77,7 @@ def table_entry(spec: LlamaSpec, bsz: int, num_sms: int, lm_head: bool, tables: 
     for p in tables:
         table = TuningTable.load(p, "")
         if key in table.entries:
-            w = table.winner(key)
-            return table.entries[key].base if w is None else w.tuning
+            return table.runs(key)
     return None
 
 
