@@ -78,6 +78,9 @@
 #   h100_b8_k2     an H100 only (session 54): the H100 table's 1B b8 entry with down's K-split 2 (the search's -2.9% trial at
 #                  ctx 512) against the table, b6 / 8 / 9 at ctx 512 and b8 at 4096, 2 rounds ABBA, then the packaged
 #                  tables' GPU test with it (~250 s)
+#   probe_warps    issue 11 (session 55, any card): bench/wgmma_probe.py --grid warps, 2 rounds: the batch-1 chain's one-M-tile
+#                  chunk (mma.sync-1M) and the four-M-tile one at 8 against 16 consumer warps and with two accumulator
+#                  chains, resident and streamed (~90 s)
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
 #                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
 #                  o_proj split, each before / after in 2 alternated rounds (~90 s)
@@ -181,6 +184,11 @@ PY
       MK_TUNING=$R/h100_table_before.json T=60 step --model bench/models/llama-3.2-1b --batch 13 14 15 --no-triton \
         --csv "$out/mk_step_before.csv"
       MK_TUNING= T=60 step --model bench/models/llama-3.2-1b --batch 13 14 15 --no-triton --csv "$out/mk_step_after.csv"
+    done ;;
+  probe_warps)   # session 55 (bench/NOTES.md: the prediction): does a resident chunk's time follow the per-warp stream?
+    for r in 1 2; do
+      timeout 240 python3 bench/wgmma_probe.py --grid warps --reps 10 --out "$out/wgmma_probe_warps_r$r.md" \
+        --csv "$out/wgmma_probe.csv" 2>&1 | tail -22
     done ;;
   h100_b8_k2)   # session 54's candidate (bench/NOTES.md: predicted b8 -2..-3% at both contexts)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b8_k2: not an H100"; exit 2; fi

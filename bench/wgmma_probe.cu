@@ -31,7 +31,12 @@
 //   WP_RESIDENT 1: after the first NS chunks the producer only arrives on the full barrier (no copy): the
 //     consumers' own rate on resident data (results meaningless, timing only).
 //   WP_WARP_ARRIVE 1 (modes 1, 4): one arrive per consumer warp (lane 0 after __syncwarp) instead of one per thread.
-// Warps 0..7 consume (two warpgroups), warp 8 produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
+//   WP_CW 8 or 16 (modes 0, 1, 4; session 55): consumer warps. With 16, k-step j of a chunk goes to warp j % 16 (half
+//     of each warp's k-steps at 8) and the reduction sums 16 partials: does a chunk's time follow the per-warp
+//     instruction stream (Hazy's kernel runs 16 consumer warps; the megakernel's 8 are two a scheduler)?
+//   WP_CHAINS 1 or 2 (modes 1, 4): a warp's k-steps alternate between that many accumulator chains, summed before
+//     the reduction: the MMA chain's dependent latency in isolation (session 8's MK_MT_SPLIT measured it in the kernel).
+// Warps 0..WP_CW-1 consume (two warpgroups at 8), warp WP_CW produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
 // dynamic shared memory is not 1024-byte aligned, 3 for a K or rows_per_cta the geometry does not allow.
 #include "probe_ring.cuh"
 
@@ -50,6 +55,12 @@
 #ifndef WP_B
 #define WP_B WP_N   // mode 5: the real tokens (rows of A) of the N-token tile
 #endif
+#ifndef WP_CW
+#define WP_CW 8
+#endif
+#ifndef WP_CHAINS
+#define WP_CHAINS 1
+#endif
 
 constexpr int WP_NS = 5;                     // ring slots
 #if WP_MODE >= 3
@@ -64,8 +75,8 @@ constexpr int WP_GROUP_BYTES = WP_ROWS * 128;
 constexpr int WP_CHUNK_BYTES = WP_GROUPS * WP_GROUP_BYTES;
 constexpr int WP_NT = WP_N / 8;
 constexpr int WP_MTC = WP_ROWS / 16;         // modes 1 / 4: M-tiles a chunk (4 / 1)
-constexpr int WP_JJ = WP_KC / 16 / 8;        // modes 1 / 4: k-steps a warp a chunk (2 / 8)
-constexpr int WP_CONSUMERS = 256;
+constexpr int WP_JJ = WP_KC / 16 / WP_CW;    // modes 1 / 4: k-steps a warp a chunk (2 / 8 at 8 warps)
+constexpr int WP_CONSUMERS = 32 * WP_CW;
 constexpr int WP_THREADS = WP_CONSUMERS + 32;
 constexpr int WP_MAX_K = 1024;               // x staged whole: K / 64 groups of N rows x 128 B
 constexpr int WP_X_BYTES = (WP_MAX_K / 64) * 16 * 128;
@@ -74,7 +85,15 @@ constexpr int WP_SMEM = WP_NS * WP_CHUNK_BYTES + WP_X_BYTES + WP_RED_BYTES + 2 *
 static_assert(WP_N == 8 || WP_N == 16, "WP_N: 8 or 16 tokens");
 static_assert(WP_CHUNK_BYTES == 32768 && WP_CHUNK_BYTES % 1024 == 0, "1024-byte aligned 32 KB slots");
 static_assert(WP_NT * 8 == WP_N && WP_SMEM <= 232448, "an H200's opt-in shared memory per block");
-static_assert(WP_MTC * 16 == WP_ROWS && WP_JJ * 128 == WP_KC, "modes 1 / 4: M-tiles and k-steps of a chunk");
+static_assert(WP_MTC * 16 == WP_ROWS && WP_JJ * 16 * WP_CW == WP_KC, "modes 1 / 4: M-tiles and k-steps of a chunk");
+static_assert((WP_CW == 8 || WP_CW == 16) && (WP_CW == 8 || WP_MODE == 0 || WP_MODE == 1 || WP_MODE == 4),
+              "WP_CW: 8, or 16 with modes 0, 1, 4 (the wgmma modes are two warpgroups)");
+static_assert((WP_CHAINS == 1 || WP_CHAINS == 2) && (WP_CHAINS == 1 || WP_MODE == 1 || WP_MODE == 4) &&
+              WP_JJ % WP_CHAINS == 0, "WP_CHAINS: 1, or 2 with modes 1 and 4");
+// modes 1 / 4: the reduction's [warp][M-tile][n-tile][lane] float4 inside WP_RED_BYTES (mode 1 at 16 tokens and 16
+// warps would need 64 KB)
+static_assert(WP_CW * WP_MTC * WP_NT * 32 * 16 <= WP_RED_BYTES || (WP_MODE != 1 && WP_MODE != 4),
+              "the reduction's partials do not fit WP_RED_BYTES");
 static_assert(!WP_WARP_ARRIVE || WP_MODE == 1 || WP_MODE == 4, "WP_WARP_ARRIVE: modes 1 and 4 only");
 static_assert(WP_B >= 1 && WP_B <= WP_N && (WP_MODE == 5 || WP_B == WP_N), "WP_B: 1..WP_N, mode 5 only");
 
@@ -86,7 +105,7 @@ __device__ __forceinline__ void wp_wait(unsigned addr, unsigned parity, float* s
   probe_wait(addr, parity, sink);
 }
 
-__device__ __forceinline__ void wp_consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void wp_consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(WP_CONSUMERS) : "memory"); }
 
 __device__ __forceinline__ void wp_tma_3d(unsigned dst, const void* map, int c0, int c1, int c2, unsigned mbar) {
   asm volatile(
@@ -175,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < WP_NS; ++s) {
       probe_mbar_init(full0 + 8 * s, 1);
-      probe_mbar_init(empty0 + 8 * s, WP_WARP_ARRIVE ? 8 : WP_CONSUMERS);
+      probe_mbar_init(empty0 + 8 * s, WP_WARP_ARRIVE ? WP_CW : WP_CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -193,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma's async-proxy reads
   __syncthreads();
 
-  if (warp == 8) {   // ---- producer: one tensor-map copy per chunk ----
+  if (warp == WP_CW) {   // ---- producer: one tensor-map copy per chunk ----
     if (lane == 0) {
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(wmap) : "memory");
       int slot = 0;
@@ -224,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
   int slot = 0;
   unsigned phase = 0;
 #if WP_MODE == 1 || WP_MODE == 4
-  float acc[WP_MTC][WP_NT][4];
+  float acc[WP_CHAINS][WP_MTC][WP_NT][4];
 #elif WP_MODE == 2
   float d[WP_N / 2];
   const int wg = warp >> 2;
@@ -241,7 +260,9 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #pragma unroll
       for (int n = 0; n < WP_NT; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int ch = 0; ch < WP_CHAINS; ++ch) acc[ch][m][n][e] = 0.f;
 #elif WP_MODE == 2
 #pragma unroll
     for (int e = 0; e < WP_N / 2; ++e) d[e] = 0.f;
@@ -255,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
 #if WP_MODE == 1 || WP_MODE == 4
 #pragma unroll
       for (int jj = 0; jj < WP_JJ; ++jj) {
-        const int j = warp + 8 * jj, g = j >> 2, u = (j & 3) * 2;   // k-step j: column group g, units u, u + 1
+        const int j = warp + WP_CW * jj, g = j >> 2, u = (j & 3) * 2;   // k-step j: column group g, units u, u + 1
         unsigned bx[WP_NT][2];
         const int kg = kc * WP_GROUPS + g;                          // x's column group
 #pragma unroll
@@ -271,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
           unsigned a[4];
           wp_ldmatrix_x4(a, sb + g * WP_GROUP_BYTES + wp_swz(r, u + (lane >> 4)));
 #pragma unroll
-          for (int n = 0; n < WP_NT; ++n) wp_mma(acc[m][n], a, bx[n][0], bx[n][1]);
+          for (int n = 0; n < WP_NT; ++n) wp_mma(acc[jj % WP_CHAINS][m][n], a, bx[n][0], bx[n][1]);
         }
       }
       wp_free(empty0 + 8 * slot);
@@ -311,19 +332,25 @@ extern "C" __global__ void __launch_bounds__(WP_THREADS, 1)
     }
     [[maybe_unused]] const int rb = row0 + b * WP_ROWS;
 #if WP_MODE == 1 || WP_MODE == 4
-    // 8 warps' partial sums through shared memory; warp w < MTC * NT then owns tile (m, n) = (w / NT, w % NT)
+    // the warps' partial sums through shared memory (a warp's chains summed first); warp w < MTC * NT then owns
+    // tile (m, n) = (w / NT, w % NT)
 #pragma unroll
     for (int m = 0; m < WP_MTC; ++m)
 #pragma unroll
-      for (int n = 0; n < WP_NT; ++n)
-        reinterpret_cast<float4*>(red)[((warp * 4 + m) * 2 + n) * 32 + lane] =
-            make_float4(acc[m][n][0], acc[m][n][1], acc[m][n][2], acc[m][n][3]);
+      for (int n = 0; n < WP_NT; ++n) {
+#pragma unroll
+        for (int ch = 1; ch < WP_CHAINS; ++ch)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[0][m][n][e] += acc[ch][m][n][e];
+        reinterpret_cast<float4*>(red)[((warp * WP_MTC + m) * WP_NT + n) * 32 + lane] =
+            make_float4(acc[0][m][n][0], acc[0][m][n][1], acc[0][m][n][2], acc[0][m][n][3]);
+      }
     wp_consumer_sync();
     if (warp < WP_MTC * WP_NT) {
       const int m = warp / WP_NT, n = warp % WP_NT;
       float v[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int w = 0; w < 8; ++w) {
-        const float4 t = reinterpret_cast<const float4*>(red)[((w * 4 + m) * 2 + n) * 32 + lane];
+      for (int w = 0; w < WP_CW; ++w) {
+        const float4 t = reinterpret_cast<const float4*>(red)[((w * WP_MTC + m) * WP_NT + n) * 32 + lane];
         v[0] += t.x; v[1] += t.y; v[2] += t.z; v[3] += t.w;
       }
       const int r = rb + m * 16 + (lane >> 2), tok = n * 8 + (lane & 3) * 2;

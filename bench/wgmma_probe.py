@@ -1,7 +1,7 @@
 """Consumer probe: what one 32 KB weight chunk costs the consumers with the megakernel's ldmatrix + mma.sync pattern
 against Hopper's warpgroup MMA (wgmma.mma_async, both operands read from shared memory by descriptor).
 
-    python bench/wgmma_probe.py [--gb 1.0] [--reps 10] [--out FILE.md] [--csv FILE]
+    python bench/wgmma_probe.py [--gb 1.0] [--reps 10] [--grid all|warps] [--out FILE.md] [--csv FILE]
 
 Why: the megakernel's chunk loop takes 0.35-1.3 us per 32 KB chunk in the H200 phase traces where ldmatrix alone
 needs ~0.13 us and the copy ~1.0 us per SM (bench/NOTES.md sessions 23-24): on the batch-1 chain (qkv, o_proj and
@@ -24,6 +24,11 @@ the first 5 chunks only and time the consumers alone (their y is meaningless). R
   wgmma (wgmma-B as well: on today's chunks; only wgmma: on 64-row chunks); equal says the per-chunk cost is
   elsewhere (waits, arrivals, the fragment build).
 - "warp arrive" against the per-thread row: what 256 mbarrier arrivals per chunk cost.
+- `--grid warps` (session 55): mma.sync-1M and mma.sync (N 8) at 8 and 16 consumer warps ("16w") and with two
+  accumulator chains a warp ("2ch"). 16w well under the 8-warp row says the chunk's time follows each warp's
+  instruction stream (the megakernel's 8 consumer warps are two a scheduler) and a 16-warp consumer side would
+  shorten the batch-1 chain's chunk phases; 2ch under it says the MMA chain's latency; neither says the ring's
+  wait / arrive and the reduction set it.
 Rows go to bench/results/wgmma_probe.csv; the script exits 1 if a streamed row's check fails or a config times out
 or faults (a fault ends the run: the rows before it are kept, the wgmma rows come last).
 """
@@ -47,7 +52,6 @@ K = 1024                 # columns of W: x [N, K] is staged whole (the kernel's 
 ROWS, KC, NS = 64, 256, 5          # rows and columns per chunk, ring slots (the kernel's WP_ROWS, WP_KC, WP_NS)
 ROWS_B, KC_B = 16, 1024            # mode 3's chunk (today's unit x CHUNK_COLS): the same 32 KB, as many per CTA
 CHUNK_BYTES = ROWS * KC * 2
-THREADS = 288
 SMEM_BYTES = NS * CHUNK_BYTES + (K // 64) * 16 * 128 + 8 * 4 * 2 * 32 * 16 + 2 * NS * 8   # the kernel's WP_SMEM
 H200_SMS = 132
 WARMUP = 2
@@ -67,12 +71,24 @@ class Config:
     resident: bool       # copy the first NS chunks only (the consumers' own rate)
     warp_arrive: bool = False   # modes 1, 4: one arrive per warp instead of per thread
     b: int = 0           # mode 5: the real tokens (1..n; 0 = n)
+    warps: int = 8       # consumer warps: 8, or 16 with modes 0, 1 (n 8: the reduction's partials) and 4
+    chains: int = 1      # modes 1, 4: accumulator chains a warp's k-steps alternate between (1 or 2)
 
     def __post_init__(self) -> None:
         if self.mode not in range(6) or self.n not in (8, 16) or (self.warp_arrive and self.mode not in (1, 4)):
             raise ValueError(f"{self}: mode 0..5, n 8 or 16, warp_arrive only with modes 1 and 4")
         if self.b and (self.mode != 5 or not 1 <= self.b <= self.n):
             raise ValueError(f"{self}: b (real tokens) 1..n, mode 5 only")
+        if self.warps not in (8, 16) or (self.warps == 16 and (self.mode not in (0, 1, 4) or
+                                                               (self.mode == 1 and self.n == 16))):
+            raise ValueError(f"{self}: warps 8, or 16 with modes 0, 4 and mode 1 at n 8")
+        if self.chains not in (1, 2) or (self.chains == 2 and (self.mode not in (1, 4) or
+                                                               (self.mode == 1 and self.warps == 16))):
+            raise ValueError(f"{self}: chains 1, or 2 with modes 1 (8 warps) and 4")
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.warps + 1)   # the consumers and one producer warp
 
     @property
     def tokens(self) -> int:
@@ -80,14 +96,23 @@ class Config:
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DWP_MODE={self.mode}", f"-DWP_N={self.n}", f"-DWP_RESIDENT={int(self.resident)}",
-                f"-DWP_WARP_ARRIVE={int(self.warp_arrive)}") + ((f"-DWP_B={self.b}",) if self.b else ())
+                f"-DWP_WARP_ARRIVE={int(self.warp_arrive)}") + ((f"-DWP_B={self.b}",) if self.b else ()) + (
+                    (f"-DWP_CW={self.warps}",) if self.warps != 8 else ()) + (
+                    (f"-DWP_CHAINS={self.chains}",) if self.chains != 1 else ())
+
+    @property
+    def consumers(self) -> str:
+        """The mode's name, with the consumer warps and chains where they are not the 8 / 1 of every earlier row
+        (the name goes to the CSV's mode column: its header stays)."""
+        return MODES[self.mode] + (f" {self.warps}w" if self.warps != 8 else "") + (
+            f" {self.chains}ch" if self.chains != 1 else "")
 
     @property
     def checked(self) -> bool:
         return self.mode != 0 and not self.resident
 
     def label(self) -> str:
-        return (f"{MODES[self.mode]} N{self.n}{f' B{self.b}' if self.b else ''} "
+        return (f"{self.consumers} N{self.n}{f' B{self.b}' if self.b else ''} "
                 f"{'resident' if self.resident else 'streamed'}{' warp-arrive' if self.warp_arrive else ''}")
 
 
@@ -102,6 +127,20 @@ def config_grid() -> list[Config]:
     # the compact layout at batch 1-5 (K-direction offsets of 16-80 bytes; MK_WGMMA_B ran there until session 29) and 16
     g += [Config(5, 16, False, b=b) for b in (16, 5, 3, 2, 1)] + [Config(5, 16, True, b=1)]
     return g
+
+
+def warps_grid() -> list[Config]:
+    """`--grid warps` (session 55): the one-M-tile pattern of the megakernel's batch-1 chain tasks (mode 4) and the
+    four-M-tile one (mode 1, n 8) at 8 and 16 consumer warps and with two accumulator chains, resident (the
+    consumers' own rate) and streamed (checked), after the copy-only baseline at 16 warps."""
+    g = [Config(0, 8, True, warps=16)]
+    for res in (True, False):
+        g += [Config(4, n, res, warps=w, chains=c) for n in (8, 16) for w, c in ((8, 1), (16, 1), (8, 2))]
+        g += [Config(1, 8, res, warps=w, chains=c) for w, c in ((8, 1), (16, 1), (8, 2))]
+    return g
+
+
+GRIDS = {"all": config_grid, "warps": warps_grid}
 
 
 def geometry(gb: float, num_sms: int) -> tuple[int, int]:
@@ -141,7 +180,7 @@ def table_row(cfg: Config, ms: float | None, gbps: float, us_chunk: float, rel: 
     """us/chunk/SM: the full-size launch's time less the half-size one's over their chunks' difference (the
     consumers' or the copy's per-chunk time, whichever bounds); fixed us: what is left of a launch (start, x staging,
     the first copies, the drain). GB/s and % of 4.26: the full-size launch's, fixed costs included."""
-    head = [MODES[cfg.mode], f"{cfg.n} (B {cfg.b})" if cfg.b else str(cfg.n), "resident" if cfg.resident else "streamed",
+    head = [cfg.consumers, f"{cfg.n} (B {cfg.b})" if cfg.b else str(cfg.n), "resident" if cfg.resident else "streamed",
             "per warp" if cfg.warp_arrive else "per thread"]
     if ms is None:
         return head + ["", "", "", "", "", failed or "not run"]
@@ -165,7 +204,7 @@ def rel_error(y, x, w) -> float:
     return err / scale if scale > 0 else float("inf")
 
 
-def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], str | None]:
+def measure(fn, args: tuple, grid: int, threads: int, reps: int, sink) -> tuple[list[float], str | None]:
     """Launch times (ms) of `reps` launches queued back to back (the GPU never idles when a start event is queued,
     so the host's launch call is not timed) after WARMUP launches, or [] and why the probe refused or timed out
     (checked after the first launch: a broken config costs one ~2 s wait budget)."""
@@ -178,7 +217,7 @@ def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], s
                                          3.0: "K or rows per CTA outside the kernel's geometry"}.get(flag, str(flag))
 
     for r in range(WARMUP):
-        fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
+        fn((grid,), (threads,), args, shared_mem=SMEM_BYTES)
         if r == 0:
             torch.cuda.synchronize()
             if (why := failed()) is not None:
@@ -186,7 +225,7 @@ def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], s
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for t0, t1 in events:
         t0.record()
-        fn((grid,), (THREADS,), args, shared_mem=SMEM_BYTES)
+        fn((grid,), (threads,), args, shared_mem=SMEM_BYTES)
         t1.record()
     torch.cuda.synchronize()
     if (why := failed()) is not None:
@@ -194,7 +233,7 @@ def measure(fn, args: tuple, grid: int, reps: int, sink) -> tuple[list[float], s
     return [t0.elapsed_time(t1) for t0, t1 in events], None
 
 
-def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
+def run(gb: float, reps: int, grid_name: str = "all") -> tuple[str, list[list], bool]:
     """Measure every config; (markdown, csv rows, every check passed). A config that times out is reported and the
     next one runs; a CUDA error (the context is lost) ends the run with the rows measured so far."""
     import torch
@@ -225,7 +264,8 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
     nbytes = grid * chunks * CHUNK_BYTES
     # torch raises RuntimeError for a CUDA error, CuPy its own (runtime / driver errors, NVRTC's CompileException)
     cuda_errors = (RuntimeError, cp.cuda.driver.CUDADriverError, cp.cuda.runtime.CUDARuntimeError)
-    for i, cfg in enumerate(config_grid()):
+    configs = GRIDS[grid_name]()
+    for i, cfg in enumerate(configs):
         try:
             fn = cp.RawModule(code=src, options=compile_options(arch, cfg)).get_function(KERNEL)
             fn.max_dynamic_shared_size_bytes = SMEM_BYTES
@@ -242,14 +282,14 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
                 return tuple(cp.uint64(t.data_ptr()) for t in (wmap, xs[cfg.n], y)) + (
                     cp.int32(n_rows), cp.int32(K), cp.int32(rows_total), cp.uint64(sink.data_ptr()))
             sink.zero_()
-            small, why = measure(fn, args_for(rows_small), grid, reps, sink)
+            small, why = measure(fn, args_for(rows_small), grid, cfg.threads, reps, sink)
             y.fill_(float("nan"))   # poisoned: a row the full-size launches never write fails the check
-            times, why2 = measure(fn, args_for(rows), grid, reps, sink) if why is None else ([], why)
+            times, why2 = measure(fn, args_for(rows), grid, cfg.threads, reps, sink) if why is None else ([], why)
             why = why or why2
             t = cfg.tokens   # mode 5 writes y for its real tokens only
             rel = rel_error(y[:t], xs[cfg.n][:t], w) if cfg.checked and why is None else None
         except cuda_errors as e:   # a CUDA error is sticky: keep what was measured, name the rest
-            lost = ", ".join(c.label() for c in config_grid()[i + 1:])
+            lost = ", ".join(c.label() for c in configs[i + 1:])
             rows_md.append(table_row(cfg, None, 0.0, 0.0, None, f"ERROR {type(e).__name__}: {str(e)[:120]}"))
             print(f"{cfg.label()}: {type(e).__name__}: {e}; not run: {lost}", file=sys.stderr, flush=True)
             ok_all = False
@@ -266,7 +306,7 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
         fixed_us = ms * 1e3 - us_chunk * chunks
         rows_md.append(table_row(cfg, ms, gbps, us_chunk, rel, fixed_us=fixed_us))
         print(" | ".join(rows_md[-1]), flush=True)
-        rows_csv.append([date, name, commit, MODES[cfg.mode], cfg.n, cfg.tokens, int(cfg.resident), int(cfg.warp_arrive),
+        rows_csv.append([date, name, commit, cfg.consumers, cfg.n, cfg.tokens, int(cfg.resident), int(cfg.warp_arrive),
                          f"{ms:.4f}", f"{gbps:.1f}", f"{us_chunk:.4f}", f"{fixed_us:.2f}",
                          "" if rel is None else f"{rel:.2e}"])
     title = (f"### wgmma_probe: {name}, {grid} SMs, {nbytes / 1e9:.2f} GB per launch ({chunks} chunks of 32 KB "
@@ -280,7 +320,9 @@ def run(gb: float, reps: int) -> tuple[str, list[list], bool]:
              "consumers' own rate; y meaningless). us/chunk/SM: (full launch - half launch) / their chunks' "
              f"difference ({chunks} and {chunks_small} a CTA), timed back to back. Compare like with like: wgmma with "
              "mma.sync (4 chunks a 64-row block), wgmma-B with mma.sync-1M (one chunk a block, an epilogue each). "
-             f"check: max |y - x W^T| / max |x W^T| <= {TOL}.")
+             f"check: max |y - x W^T| / max |x W^T| <= {TOL}. A consumers name with 16w: 16 consumer warps (k-step j "
+             "of a chunk to warp j % 16, 16 partials reduced); 2ch: a warp's k-steps alternate between two "
+             "accumulator chains, summed before the reduction.")
     md = "\n".join([title, "", notes, "", common.markdown_table(TABLE_HEADER, rows_md), ""])
     return md, rows_csv, ok_all
 
@@ -289,11 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="GB of W per launch (default 1.0; L2 is 50 MB)")
     p.add_argument("--reps", type=int, default=10, help="timed launches per config (median; default 10)")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="all",
+                   help="configs: all (default), or warps: 8 against 16 consumer warps and 2 accumulator chains on the "
+                        "one- and four-M-tile mma.sync patterns (session 55)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
     p.add_argument("--csv", type=Path, default=CSV, help=f"rows appended here (default {CSV.name} in bench/results)")
     a = p.parse_args(argv)
     geometry(a.gb, H200_SMS)   # a bad --gb fails before CUDA is touched
-    md, rows, ok = run(a.gb, a.reps)
+    md, rows, ok = run(a.gb, a.reps, a.grid)
     if a.out is not None:
         common.write_record(a.out.parent, a.out.name, md)   # prints it too
     else:

@@ -30,7 +30,8 @@ def _nvcc(tmp_path: Path, cfg: wp.Config) -> tuple[str, Path]:
     return log, cubin
 
 
-@pytest.mark.parametrize("cfg", wp.config_grid(), ids=lambda c: "_".join(d[5:] for d in c.defines()))
+@pytest.mark.parametrize("cfg", list(dict.fromkeys(wp.config_grid() + wp.warps_grid())),
+                         ids=lambda c: "_".join(d[5:] for d in c.defines()))
 def test_every_config_compiles_without_spills_or_warnings(tmp_path, cfg):
     log, _ = _nvcc(tmp_path, cfg)
     assert re.search(r"Compiling entry function 'wgmma_probe' for 'sm_90a'", log), log[-2000:]
@@ -90,6 +91,17 @@ def test_grid_and_geometry():
     with pytest.raises(ValueError, match="warp_arrive only with modes 1 and 4"):
         wp.Config(2, 8, True, True)
     args = wp.weight_map_args(132 * rows, 2)
+    # session 55's grid: 8 / 16 consumer warps and two accumulator chains, each resident and streamed (checked)
+    wg = wp.warps_grid()
+    assert len(set(wg)) == len(wg) and {c.consumers for c in wg if c.checked} == {
+        "mma.sync-1M", "mma.sync-1M 16w", "mma.sync-1M 2ch", "mma.sync", "mma.sync 16w", "mma.sync 2ch"}
+    assert [c.threads for c in (wp.Config(4, 8, True), wp.Config(4, 8, True, warps=16))] == [288, 544]
+    assert wp.Config(4, 16, True, warps=16, chains=1).defines()[-1] == "-DWP_CW=16"
+    assert wp.Config(4, 8, True).defines() == ("-DWP_MODE=4", "-DWP_N=8", "-DWP_RESIDENT=1", "-DWP_WARP_ARRIVE=0")
+    for bad in (dict(mode=2, warps=16), dict(mode=1, n=16, warps=16), dict(mode=4, warps=12), dict(mode=2, chains=2),
+                dict(mode=1, warps=16, chains=2), dict(mode=4, chains=3)):
+        with pytest.raises(ValueError, match="warps|chains"):
+            wp.Config(**({"n": 8, "resident": True} | bad))
     assert args.box == (64, 64, 4) and args.dims == (64, 132 * rows, 16) and args.strides == (2048, 128)
     assert wp.weight_map_args(132 * rows, 3).box == wp.weight_map_args(132 * rows, 4).box == (64, 16, 16)   # MK_W_TMA's
 
@@ -245,11 +257,12 @@ def test_run_keeps_the_rows_before_a_fault_and_reports_timeouts(monkeypatch, tmp
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     real_measure = wp.measure
 
-    def measure(fn, args, grid, reps, sink):
+    def measure(fn, args, grid, threads, reps, sink):
+        assert threads == 32 * (16 if "-DWP_CW=16" in fn.options else 8) + 32
         if "-DWP_MODE=4" in fn.options and "-DWP_RESIDENT=1" in fn.options and "-DWP_N=8" in fn.options \
                 and "-DWP_WARP_ARRIVE=0" in fn.options:
             return [], "an mbarrier wait timed out (a probe bug)"
-        return real_measure(fn, args, grid, reps, sink)
+        return real_measure(fn, args, grid, threads, reps, sink)
 
     monkeypatch.setattr(wp, "measure", measure)
     rc = wp.main(["--gb", "0.02", "--reps", "3", "--csv", str(tmp_path / "p.csv"), "--out", str(tmp_path / "p.md")])
