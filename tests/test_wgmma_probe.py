@@ -98,10 +98,10 @@ def test_grid_and_geometry():
     assert [c.threads for c in (wp.Config(4, 8, True), wp.Config(4, 8, True, warps=16))] == [288, 544]
     assert wp.Config(4, 16, True, warps=16, chains=1).defines()[-1] == "-DWP_CW=16"
     assert wp.Config(4, 8, True).defines() == ("-DWP_MODE=4", "-DWP_N=8", "-DWP_RESIDENT=1", "-DWP_WARP_ARRIVE=0")
-    for bad in (dict(mode=2, warps=16), dict(mode=1, n=16, warps=16), dict(mode=4, warps=12), dict(mode=2, chains=2),
-                dict(mode=1, warps=16, chains=2), dict(mode=4, chains=3)):
+    for mode, n, warps, chains in ((2, 8, 16, 1), (1, 16, 16, 1), (4, 8, 12, 1), (2, 8, 8, 2), (1, 8, 16, 2),
+                                   (4, 8, 8, 3)):
         with pytest.raises(ValueError, match="warps|chains"):
-            wp.Config(**({"n": 8, "resident": True} | bad))
+            wp.Config(mode, n, True, warps=warps, chains=chains)
     assert args.box == (64, 64, 4) and args.dims == (64, 132 * rows, 16) and args.strides == (2048, 128)
     assert wp.weight_map_args(132 * rows, 3).box == wp.weight_map_args(132 * rows, 4).box == (64, 16, 16)   # MK_W_TMA's
 
