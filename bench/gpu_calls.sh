@@ -81,6 +81,9 @@
 #   probe_warps    issue 11 (session 55, any card): bench/wgmma_probe.py --grid warps, 2 rounds: the batch-1 chain's one-M-tile
 #                  chunk (mma.sync-1M) and the four-M-tile one at 8 against 16 consumer warps and with two accumulator
 #                  chains, resident and streamed (~90 s)
+#   h100_b4_k2     an H100 only (session 55): the H100 table's 1B b4 entry with down's K-split 2 (what b8's entry took this
+#                  session) against the table, b3 / 4 / 5 (the batch sizes it serves) and b6 (b8's entry: a same-program
+#                  control) at ctx 512 and b4 at 4096, 2 rounds ABBA, then the packaged tables' GPU test with it (~200 s)
 #   h100_check     an H100 only (session 53): the search's moves where it did not measure them: 1B b8 at ctx 4096 with the
 #                  held-back attn_chunks 1 table, 1B b13..15 (served by the b16 entry) and b16 at ctx 4096 with the new
 #                  o_proj split, each before / after in 2 alternated rounds (~90 s)
@@ -190,6 +193,19 @@ PY
       timeout 240 python3 bench/wgmma_probe.py --grid warps --reps 10 --out "$out/wgmma_probe_warps_r$r.md" \
         --csv "$out/wgmma_probe.csv" 2>&1 | tail -22
     done ;;
+  h100_b4_k2)   # session 55's candidate (bench/NOTES.md: the prediction)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b4_k2: not an H100"; exit 2; fi
+    R=$PWD/bench/results/session55
+    for order in "before after" "after before"; do
+      for tab in $order; do
+        if [ $tab = before ]; then TAB=$R/h100_table_before_b4.json; else TAB=$R/h100_table_b4_down_k2.json; fi
+        MK_TUNING=$TAB T=70 step --model bench/models/llama-3.2-1b --batch 3 4 5 6 --no-triton --csv "$out/mk_step_$tab.csv"
+        MK_TUNING=$TAB T=45 step --model bench/models/llama-3.2-1b --batch 4 --ctx 4096 --no-triton --csv "$out/mk_step_$tab.csv"
+      done
+    done
+    cp "$R/h100_table_b4_down_k2.json" mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py -k h100 2>&1 | tail -3
+    git checkout -q -- mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json 2>/dev/null || true ;;
   h100_b8_k2)   # session 54's candidate (bench/NOTES.md: predicted b8 -2..-3% at both contexts)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b8_k2: not an H100"; exit 2; fi
     R=$PWD/bench/results/session54
