@@ -36,8 +36,9 @@
 //     instruction stream (Hazy's kernel runs 16 consumer warps; the megakernel's 8 are two a scheduler)?
 //   WP_CHAINS 1 or 2 (modes 1, 4): a warp's k-steps alternate between that many accumulator chains, summed before
 //     the reduction: the MMA chain's dependent latency in isolation (session 8's MK_MT_SPLIT measured it in the kernel).
-// Warps 0..WP_CW-1 consume (two warpgroups at 8), warp WP_CW produces. sink[0] = 1 when some mbarrier wait timed out, 2 when the
-// dynamic shared memory is not 1024-byte aligned, 3 for a K or rows_per_cta the geometry does not allow.
+// Warps 0..WP_CW-1 consume (two warpgroups at 8), warp WP_CW produces. sink[0] = 1 when some mbarrier wait timed
+// out, 2 when the dynamic shared memory is not 1024-byte aligned, 3 for a K or rows_per_cta the geometry does not
+// allow.
 #include "probe_ring.cuh"
 
 #ifndef WP_MODE
