@@ -72,8 +72,8 @@
 #                  packaged H100 table as a user gets it (MK_TUNING unset) at 1B b1 / b4, its tuning lines shown (~120 s)
 #   search         any card (session 53): bench/autotune.py --start table --knobs program (the program knobs only, from
 #                  this GPU's packaged table's entries, 2 rounds, --write-tuned) at 1B b1 / 4 / 8 / 10 / 12 / 16 and 8B b1
-#                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 rounds (ABBA); the
-#                  table comes back in $OUT (~5 min). Its H100-only first form, h100_search (1B b16 / b1), ran in session
+#                  / 8 / 16, then every changed batch size before / after at ctx 512 and 4096, 2 rounds (ABBA, one
+#                  process per batch size: ~7 s of start each); the table comes back in $OUT (~5-7 min). Its H100-only first form, h100_search (1B b16 / b1), ran in session
 #                  53 and is in git at f343e66
 #   h100_b8_k2     an H100 only (session 54): the H100 table's 1B b8 entry with down's K-split 2 (the search's -2.9% trial at
 #                  ctx 512) against the table, b6 / 8 / 9 at ctx 512 and b8 at 4096, 2 rounds ABBA, then the packaged
@@ -166,12 +166,15 @@ for d, bs in changed.items():
 PY
     cat "$out/changed.txt"
     while read -r m bs; do
-      # rounds in ABBA order (session 54: the same program measured "before" then "after" read -0.5..-2.2%)
+      # rounds in ABBA order (session 54: the same program measured "before" then "after" read -0.5..-2.2%), one
+      # process per batch size (session 55: a later batch size of one process moved 1.6% with what ran before it)
       for order in "before after" "after before"; do
         for ctx in 512 4096; do
           for tab in $order; do
             if [ $tab = before ]; then TAB=$out/table_before.json; else TAB=$H; fi
-            MK_TUNING=$TAB T=120 step --model "$m" --batch $bs --ctx $ctx --no-triton --csv "$out/mk_step_$tab.csv" < /dev/null
+            for b in $bs; do
+              MK_TUNING=$TAB T=60 step --model "$m" --batch $b --ctx $ctx --no-triton --csv "$out/mk_step_$tab.csv" < /dev/null
+            done
           done
         done
       done
