@@ -197,32 +197,11 @@ PY
         --csv "$out/wgmma_probe.csv" 2>&1 | tail -22
     done ;;
   h100_b4_k2)   # session 55's candidate (bench/NOTES.md: the prediction)
-    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b4_k2: not an H100"; exit 2; fi
     R=$PWD/bench/results/session55
-    for order in "before after" "after before"; do
-      for tab in $order; do
-        if [ $tab = before ]; then TAB=$R/h100_table_before_b4.json; else TAB=$R/h100_table_b4_down_k2.json; fi
-        MK_TUNING=$TAB T=70 step --model bench/models/llama-3.2-1b --batch 3 4 5 6 --no-triton --csv "$out/mk_step_$tab.csv"
-        MK_TUNING=$TAB T=45 step --model bench/models/llama-3.2-1b --batch 4 --ctx 4096 --no-triton --csv "$out/mk_step_$tab.csv"
-      done
-    done
-    cp "$R/h100_table_b4_down_k2.json" mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
-    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py -k h100 2>&1 | tail -3
-    git checkout -q -- mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json 2>/dev/null || true ;;
+    h100_table_ab "$R/h100_table_before_b4.json" "$R/h100_table_b4_down_k2.json" 70 "3 4 5 6" 4 || exit 2 ;;
   h100_b8_k2)   # session 54's candidate (bench/NOTES.md: predicted b8 -2..-3% at both contexts)
-    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b8_k2: not an H100"; exit 2; fi
     R=$PWD/bench/results/session54
-    for order in "before after" "after before"; do
-      for tab in $order; do
-        if [ $tab = before ]; then TAB=$R/h100_table_before.json; else TAB=$R/h100_table_b8_down_k2.json; fi
-        MK_TUNING=$TAB T=60 step --model bench/models/llama-3.2-1b --batch 6 8 9 --no-triton --csv "$out/mk_step_$tab.csv"
-        MK_TUNING=$TAB T=45 step --model bench/models/llama-3.2-1b --batch 8 --ctx 4096 --no-triton --csv "$out/mk_step_$tab.csv"
-      done
-    done
-    # the GPU test reads the packaged table: this machine's copy of the tree gets the candidate (not committed here)
-    cp "$R/h100_table_b8_down_k2.json" mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
-    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py -k h100 2>&1 | tail -3
-    git checkout -q -- mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json 2>/dev/null || true ;;
+    h100_table_ab "$R/h100_table_before.json" "$R/h100_table_b8_down_k2.json" 60 "6 8 9" 8 || exit 2 ;;
   h100_b3_5)
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "h100_b3_5: not an H100"; exit 2; fi
     python3 -c 'import json, sys

@@ -2,7 +2,7 @@
 # set: the run's header line, step() (mk_step with 100 replays, rows to $out/mk_step.csv, its timeout T or
 # STEP_T, default 200 s), ab() (an mk_ab.py A/B, rows to $out/mk_ab.csv), edited_table (the H200 table edited
 # for an A/B's base) and ab_without_gate (ab on the table without release gates), untuned_table (an empty table
-# file: MK_TUNING set to it runs the untuned program),
+# file: MK_TUNING set to it runs the untuned program), h100_table_ab (two H100 tables before / after, ABBA),
 # copy_parts() / vllm_env() (the vLLM bundle's parts to /root/parts; unpack it once per
 # machine, then install the checkout without dependencies), and the vLLM runs more than one call makes
 # (serve_auto, tbt_1layer_profiled, soak).
@@ -45,6 +45,24 @@ convert_traces() {   # every trace's records in $out: its PNG and per-op table, 
     python3 -m mk_plugin.persistent.trace_phases "$f" 2>&1 | sed -n 1,12p
   done
   rm -f "$out"/*.perfetto.json
+}
+h100_table_ab() {   # h100_table_ab BEFORE AFTER T "BATCHES" B4096: two H100 tuning tables (JSON files), 1B batch sizes
+  # BATCHES at ctx 512 (timeout T) and B4096 at ctx 4096, 2 rounds ABBA, rows to $out/mk_step_{before,after}.csv; then the
+  # packaged tables' GPU test on AFTER. Returns 2 on any other card (sessions 54-55's down K-split candidates).
+  local before=$1 after=$2 t=$3 bs=$4 b4096=$5 order tab TAB
+  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then echo "$n: not an H100"; return 2; fi
+  for order in "before after" "after before"; do
+    for tab in $order; do
+      if [ $tab = before ]; then TAB=$before; else TAB=$after; fi
+      MK_TUNING=$TAB T=$t step --model bench/models/llama-3.2-1b --batch $bs --no-triton --csv "$out/mk_step_$tab.csv"
+      MK_TUNING=$TAB T=45 step --model bench/models/llama-3.2-1b --batch $b4096 --ctx 4096 --no-triton \
+        --csv "$out/mk_step_$tab.csv"
+    done
+  done
+  # the GPU test reads the packaged table: this machine's copy of the tree gets the candidate (not committed here)
+  cp "$after" mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_packaged_tables_gpu.py -k h100 2>&1 | tail -3
+  git checkout -q -- mk_plugin/persistent/tuned/megakernel_nvidia_h100_80gb_hbm3.json 2>/dev/null || true
 }
 copy_parts() { mkdir -p /root/parts && cp .gpuhost/part.* /root/parts/ 2>/dev/null; }
 vllm_env() {   # on an H100 the vLLM runs read the H100's own packaged tables, as a user's would (session 40), not
